@@ -1,0 +1,7 @@
+"""Every case file in this folder, at every fidelity: `pytest` (tiny), `pytest -m gpu`, `pytest -m dcu`."""
+
+from harness.plugin import check_case
+
+
+def test_case(harness_case, harness_session):
+    check_case(harness_case, harness_session)

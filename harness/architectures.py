@@ -1,0 +1,142 @@
+"""Real architecture configs, kept as data, and the rule that shrinks them for tiny mode.
+
+Memory and speed depend on shapes, not on weight values, so each model is built from its real
+Hugging Face config with random weights. The configs live in `harness/architectures/*.json`,
+each with the source it was copied from. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARCH_DIR = Path(__file__).resolve().parent / "architectures"
+
+# Fields that only matter for loading checkpoints or generation; they never reach the model class.
+_META_KEYS = {"_source", "_name", "_notes"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    source: str
+    config: dict[str, Any]
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+
+class UnknownArchitecture(KeyError):
+    def __str__(self) -> str:
+        return f"unknown model '{self.args[0]}'; known: {', '.join(known_architectures())}"
+
+
+def known_architectures() -> list[str]:
+    return sorted(p.stem for p in ARCH_DIR.glob("*.json"))
+
+
+def load_architecture(name: str) -> Architecture:
+    path = ARCH_DIR / f"{name}.json"
+    if not path.is_file():
+        raise UnknownArchitecture(name)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    config = {k: v for k, v in data.items() if k not in _META_KEYS}
+    return Architecture(name=name, source=data["_source"], config=config)
+
+
+# --- The tiny rule ------------------------------------------------------------------------------
+# Same model class and code path, shrunk: GQA kept as GQA (same query/key-value head ratio where it
+# fits), tied embeddings kept tied, explicit head_dim kept explicit, every kind of layer (sliding and
+# global attention) kept present, and the MLP keeping its width ratio to the hidden size.
+
+TINY_HEAD_DIM = 16
+TINY_LAYERS = 2
+TINY_VOCAB = 512
+TINY_MIN_HEADS = 4
+
+
+def _tiny_heads(heads: int, kv_heads: int) -> tuple[int, int]:
+    ratio = max(1, heads // kv_heads)
+    if ratio == 1:
+        return TINY_MIN_HEADS, TINY_MIN_HEADS
+    tiny_kv = max(1, TINY_MIN_HEADS // ratio)
+    return tiny_kv * ratio, tiny_kv
+
+
+def _round8(x: float) -> int:
+    return max(8, int(round(x / 8)) * 8)
+
+
+def tiny_config(arch: Architecture, max_seq_len: int) -> dict[str, Any]:
+    """A small config of the same family as `arch`, able to run sequences of `max_seq_len`."""
+    cfg = dict(arch.config)
+    mt = arch.model_type
+    if mt == "gla":
+        heads = int(cfg.get("num_heads", 4))
+        hidden = heads * TINY_HEAD_DIM * 2  # expand_k 0.5 keeps key heads of TINY_HEAD_DIM
+        cfg.update(hidden_size=hidden, num_heads=heads, num_hidden_layers=TINY_LAYERS, vocab_size=TINY_VOCAB)
+        if cfg.get("num_kv_heads"):
+            cfg["num_kv_heads"] = max(1, heads // (int(arch.config["num_heads"]) // int(cfg["num_kv_heads"])))
+        if cfg.get("intermediate_size"):
+            ratio = arch.config["intermediate_size"] / arch.config["hidden_size"]
+            cfg["intermediate_size"] = _round8(hidden * ratio)
+    else:
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        t_heads, t_kv = _tiny_heads(heads, kv_heads)
+        hidden = t_heads * TINY_HEAD_DIM
+        if cfg.get("head_dim") and cfg["head_dim"] * heads != cfg["hidden_size"]:
+            # attention width differs from the hidden size (Gemma 3): keep their ratio
+            hidden = _round8(hidden * cfg["hidden_size"] / (cfg["head_dim"] * heads))
+        ratio = arch.config["intermediate_size"] / arch.config["hidden_size"]
+        cfg.update(
+            hidden_size=hidden,
+            num_attention_heads=t_heads,
+            num_key_value_heads=t_kv,
+            intermediate_size=_round8(hidden * ratio),
+            vocab_size=TINY_VOCAB,
+        )
+        if "head_dim" in cfg:
+            cfg["head_dim"] = TINY_HEAD_DIM
+        if "query_pre_attn_scalar" in cfg:
+            # Gemma scales queries by this instead of head_dim; keep its ratio to the head size.
+            cfg["query_pre_attn_scalar"] = round(TINY_HEAD_DIM * arch.config["query_pre_attn_scalar"] / arch.config["head_dim"])
+        layer_types = cfg.get("layer_types")
+        if layer_types:
+            kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in first-seen order
+            cfg["layer_types"] = kinds if len(kinds) >= TINY_LAYERS else kinds * TINY_LAYERS
+            cfg["num_hidden_layers"] = len(cfg["layer_types"])
+        else:
+            cfg["num_hidden_layers"] = TINY_LAYERS
+        if cfg.get("sliding_window"):
+            # keep the window smaller than the sequence, so sliding layers really slide
+            cfg["sliding_window"] = max(4, min(int(cfg["sliding_window"]), max_seq_len // 2))
+        if cfg.get("max_window_layers") is not None:
+            cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), cfg["num_hidden_layers"])
+    cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings") or 0), max_seq_len)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(cfg.get(key), int) and cfg[key] >= TINY_VOCAB:
+            cfg[key] = TINY_VOCAB - 1 - ("bos_token_id", "eos_token_id", "pad_token_id").index(key)
+        elif isinstance(cfg.get(key), list):
+            cfg[key] = [min(t, TINY_VOCAB - 1) for t in cfg[key]]
+    return cfg
+
+
+def truncated_config(arch: Architecture, layers: int) -> dict[str, Any]:
+    """Full width, fewer layers: for measuring configs too big for the cards at hand."""
+    if not 0 < layers <= arch.layers:
+        raise ValueError(f"layers must be in 1..{arch.layers} for {arch.name}, got {layers}")
+    cfg = dict(arch.config)
+    cfg["num_hidden_layers"] = layers
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    if cfg.get("max_window_layers") is not None:
+        cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), layers)
+    return cfg

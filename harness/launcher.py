@@ -1,0 +1,178 @@
+"""The launcher: one fresh process group per case run, and a classified result whatever happens.
+
+* one rank: `python -m harness.worker`;
+* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU);
+* several independent jobs sharing one card (guide 004): that many concurrent workers, each with
+  its slot number, started together so they compete for the card as they do in production.
+
+A timeout kills the whole process group. Whatever the children did (exit, raise, run out of
+memory, get killed, hang), the result is a `CaseRun` with a classified error and the numbers the
+workers managed to write; the harness itself never crashes on a bad case.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.platform import Platform, parse_oom
+from harness.report import CaseRun, ErrorInfo, Failure, RankReport
+from harness.schema import Case
+
+DEFAULT_TIMEOUT_S = 900
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "oom-harness"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Job:
+    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
+                emulate_card_bytes: int | None) -> list[str]:
+    args = ["--case", str(case_path), "--fidelity", fidelity, "--out-dir", str(out_dir), "--slot", str(slot)]
+    if steps:
+        args += ["--steps", str(steps)]
+    if emulate_card_bytes:
+        args += ["--emulate-card-bytes", str(emulate_card_bytes)]
+    return args
+
+
+def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: Path, platform: Platform,
+              steps: int | None = None, emulate_card_bytes: int | None = None) -> list[Job]:
+    py = sys.executable
+    base_env = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
+    }
+    base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
+    jobs: list[Job] = []
+    launcher = case.launch.launcher
+    if launcher == "deepspeed" and platform == Platform.cpu:
+        # DeepSpeed's runner counts accelerators to place ranks and finds none on a CPU; torchrun
+        # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
+        launcher = "torchrun"
+    for slot in range(case.launch.procs_per_card):
+        wargs = worker_args(case_path, fidelity, out_dir, steps, slot, emulate_card_bytes)
+        port = str(free_port())
+        if launcher == "python":
+            env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            jobs.append(Job([py, "-m", "harness.worker", *wargs], env))
+        elif launcher == "torchrun":
+            jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+                             "--master-addr", "127.0.0.1", "--master-port", port, "-m", "harness.worker", *wargs],
+                            dict(base_env)))
+        else:
+            jobs.append(Job([py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", port,
+                             "--module", "harness.worker", *wargs], dict(base_env)))
+    return jobs
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
+             expected_reports: int) -> CaseRun:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "log.txt"
+    started = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    with open(log_path, "wb") as log:
+        for job in jobs:
+            env = dict(os.environ)
+            env.update(job.env)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = started + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        if timed_out:
+            for proc in procs:
+                _kill_group(proc)
+            for proc in procs:
+                proc.wait()
+    wall = time.monotonic() - started
+    codes = [p.returncode for p in procs]
+    log_text = log_path.read_text(errors="replace")
+    ranks = [RankReport.model_validate_json(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    run = CaseRun(case_id=case_id, fidelity=fidelity, command=jobs[0].argv if jobs else [],
+                  returncode=max(codes, key=abs) if codes else None, wall_s=wall, ranks=ranks,
+                  log_tail=log_text[-6000:], run_dir=str(out_dir))
+    run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports)
+    return run
+
+
+def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[RankReport], log: str,
+             expected_reports: int) -> ErrorInfo | None:
+    """Turn what the processes left behind into one error (or None when all went well).
+    Errors the workers wrote themselves stay in their rank reports; this covers the rest."""
+    if timed_out:
+        return ErrorInfo(kind=Failure.timeout, message=f"no result after {timeout_s:.0f} s; the process group was killed")
+    reported = [r for r in ranks if r.error is not None]
+    if reported:
+        return None  # the worker's own classification is in its report
+    if any(c is not None and c < 0 for c in codes) or any(c == 137 for c in codes):
+        sig = next((-c for c in codes if c is not None and c < 0), 9)
+        oom = parse_oom(log)
+        if oom is not None:
+            return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        kind = Failure.host_oom if sig == signal.SIGKILL else Failure.crash
+        why = " (the kernel's OOM killer is the usual sender of SIGKILL: check host RAM)" if kind == Failure.host_oom else ""
+        return ErrorInfo(kind=kind, message=f"a process was killed by {name}{why}")
+    if any(c != 0 for c in codes):
+        oom = parse_oom(log)
+        if oom is not None:
+            return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
+        return ErrorInfo(kind=Failure.crash, message=_last_error_line(log) or f"exit codes {codes}")
+    if len(ranks) < expected_reports:
+        return ErrorInfo(kind=Failure.no_report,
+                         message=f"exited 0 but wrote {len(ranks)} of {expected_reports} reports")
+    return None
+
+
+def _last_error_line(log: str) -> str:
+    for line in reversed(log.strip().splitlines()):
+        if "Error" in line or "Exception" in line:
+            return line.strip()[:1000]
+    return log.strip().splitlines()[-1][:1000] if log.strip() else ""
+
+
+def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform: Platform,
+             timeout_s: float = DEFAULT_TIMEOUT_S, steps: int | None = None,
+             emulate_card_bytes: int | None = None) -> CaseRun:
+    from harness.shape import run_shape
+
+    shape = run_shape(case, fidelity, steps)
+    jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps, emulate_card_bytes)
+    return run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card)

@@ -1,0 +1,119 @@
+"""The pytest plugin: every case file becomes a test at each fidelity, selected by markers.
+
+    pytest                      every case at tiny size on the CPU (the default tier)
+    pytest -m gpu               every case at full size on the GPUs of this host
+    pytest -m dcu               the cases whose target is a Hygon DCU, at full size
+    pytest -k 003               one guide's cases
+
+Loaded from the project's conftest.py. A malformed case file is one failing test whose message
+names the file, the field and the fix; the other cases still run. A run that fails (OOM, crash,
+timeout) is a test failure with the numbers, never an error of the harness.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.cases import CASES_DIR, CaseError
+from harness.launcher import DEFAULT_TIMEOUT_S
+from harness.session import Session, skip_reason
+from harness.summary import findings, table
+
+_SESSION = pytest.StashKey[Session]()
+
+FIDELITIES = ("tiny", "real")
+
+
+@dataclass(frozen=True)
+class CaseParam:
+    case_id: str | None
+    fidelity: str
+    error: CaseError | None = None
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("oom-harness")
+    group.addoption("--case-dir", default=str(CASES_DIR), help="folder of case files (default: cases/)")
+    group.addoption("--harness-run-dir", default=None,
+                    help="where workers write their reports (default: a temporary folder)")
+    group.addoption("--case-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per case run")
+    group.addoption("--harness-steps", type=int, default=None, help="optimizer steps per case run")
+
+
+def _session(config) -> Session:
+    if _SESSION not in config.stash:
+        run_dir = config.getoption("--harness-run-dir") or tempfile.mkdtemp(prefix="oom-harness-")
+        config.stash[_SESSION] = Session(
+            case_dir=Path(config.getoption("--case-dir")),
+            run_root=Path(run_dir),
+            timeout_s=config.getoption("--case-timeout"),
+            steps=config.getoption("--harness-steps"),
+        )
+    return config.stash[_SESSION]
+
+
+def _marks(case, fidelity: str) -> list:
+    if fidelity == "tiny":
+        return [pytest.mark.tiny]
+    marks = [pytest.mark.gpu]
+    if case.launch.ranks > 1:
+        marks.append(pytest.mark.multigpu)
+    if case.target.card.vendor == "hygon":
+        marks.append(pytest.mark.dcu)
+    return marks
+
+
+def pytest_generate_tests(metafunc):
+    if "harness_case" not in metafunc.fixturenames:
+        return
+    session = _session(metafunc.config)
+    params = []
+    for case_id, (case, _) in sorted(session.cases.items()):
+        for fidelity in FIDELITIES:
+            params.append(pytest.param(CaseParam(case_id, fidelity), id=f"{case_id}-{fidelity}",
+                                       marks=_marks(case, fidelity)))
+    for err in session.errors:
+        params.append(pytest.param(CaseParam(None, "tiny", err), id=f"invalid-{err.path.stem}",
+                                   marks=[pytest.mark.tiny]))
+    metafunc.parametrize("harness_case", params)
+
+
+@pytest.fixture(scope="session")
+def harness_session(request) -> Session:
+    return _session(request.config)
+
+
+def check_case(param: CaseParam, session: Session) -> None:
+    """Run one case at one fidelity and fail the test with the findings if any verdict is refuted."""
+    if param.error is not None:
+        pytest.fail(str(param.error), pytrace=False)
+    case, _ = session.cases[param.case_id]
+    reason = skip_reason(case, param.fidelity, session.platform, session.accelerators)
+    if reason:
+        pytest.skip(reason)
+    judgement = session.judge(param.case_id, param.fidelity)
+    if judgement.failed:
+        lines = [f"{case.id} [{param.fidelity}] {case.title}"]
+        lines += ["  " + v.line() for v in judgement.verdicts]
+        err = judgement.run.first_error()
+        if err is not None:
+            lines.append(f"  run: {err.kind.value} in {err.phase or 'launch'}; reports and log in {judgement.run.run_dir}")
+        pytest.fail("\n".join(lines), pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SESSION not in config.stash:
+        return
+    judged = config.stash[_SESSION].judged()
+    if not judged:
+        return
+    terminalreporter.section("oom-harness cases")
+    terminalreporter.write_line(table(judged))
+    found = findings(judged)
+    if found:
+        terminalreporter.section("oom-harness findings (refuted claims and outcomes)")
+        terminalreporter.write_line(found)

@@ -1,0 +1,141 @@
+"""What a worker writes (one JSON per rank) and what the launcher makes of a whole case run."""
+
+from __future__ import annotations
+
+import statistics
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+
+class Memory(BaseModel):
+    """Peak (or footprint) of one phase, bytes. allocated: live tensors; reserved: the caching
+    allocator's segments; device: what the device reports for the process (NVML / amdsmi);
+    host_rss: host memory of the process and its dataloader workers."""
+
+    allocated: int
+    reserved: int | None = None
+    device: int | None = None
+    host_rss: int | None = None
+
+    def limiting(self) -> int:
+        """The figure that decides an OOM: the device's own where known, else reserved, else allocated."""
+        for value in (self.device, self.reserved, self.allocated):
+            if value is not None:
+                return value
+        return self.allocated
+
+
+class Weights(BaseModel):
+    params_total: int  # logical parameter count of the model (unpartitioned, unquantized)
+    params_trainable: int
+    param_bytes_local: int  # bytes of parameter storage this rank holds
+    quantized_linear_bytes: int | None = None  # 4-bit linear weights + their quantization state
+    quantized_linear_bf16_bytes: int | None = None  # the same weights at 2 bytes each
+
+
+class Zero(BaseModel):
+    stage: int
+    zero_init: bool  # parameters were partitioned as they were created (zero.Init)
+    local_param_numel: int  # parameter elements this rank holds after engine init
+    total_param_numel: int
+    materialised_param_bytes_before_engine: int  # bytes of parameters alive before deepspeed.initialize
+
+
+class Offload(BaseModel):
+    optimizer_class: str
+    device_state_bytes: int  # optimizer state (fp32 master, moments) on the accelerator
+    host_state_bytes: int  # optimizer state DeepSpeed keeps in host memory
+
+
+class Probes(BaseModel):
+    """Ablations measured inside the worker on the same model, so relative claims are checkable."""
+
+    activation_bytes: int | None = None  # step peak above the step-start footprint, as configured
+    activation_bytes_without_checkpointing: int | None = None
+    checkpointing_effective: bool | None = None
+    eval_peak_bytes: int | None = None  # an evaluation forward with logits_to_keep as configured
+    eval_peak_bytes_all_logits: int | None = None
+    eval_logits_bytes: int | None = None
+    eval_logits_bytes_all: int | None = None
+    train_logits_bytes: int | None = None
+
+
+class Failure(str, Enum):
+    oom = "oom"  # device (or emulated card) out of memory
+    host_oom = "host_oom"  # killed by the kernel, most likely for host memory
+    timeout = "timeout"
+    crash = "crash"  # an exception other than OOM
+    no_report = "no_report"  # exited 0 without a report
+
+
+class ErrorInfo(BaseModel):
+    kind: Failure
+    message: str
+    tried_to_allocate: int | None = None
+    phase: str | None = None  # load, engine, step, probe
+
+
+class RankReport(BaseModel):
+    case_id: str
+    fidelity: str
+    rank: int
+    world_size: int
+    process_slot: int = 0  # which of several jobs sharing one card (guide 004)
+    platform: str
+    device_name: str
+    emulated_card_bytes: int | None = None
+    load: Memory | None = None
+    step: Memory | None = None
+    weights: Weights | None = None
+    zero: Zero | None = None
+    offload: Offload | None = None
+    probes: Probes = Field(default_factory=Probes)
+    step_times_s: list[float] = Field(default_factory=list)
+    warmup_steps: int = 1
+    seq_len: int = 0
+    micro_batch: int = 0
+    grad_accum: int = 0
+    tokens_per_step: int = 0
+    losses: list[float] = Field(default_factory=list)
+    model_config_used: dict = Field(default_factory=dict)
+    versions: dict[str, str] = Field(default_factory=dict)
+    error: ErrorInfo | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        timed = self.step_times_s[self.warmup_steps :]
+        if not timed:
+            return None
+        return self.tokens_per_step / statistics.median(timed)
+
+
+class CaseRun(BaseModel):
+    """A whole case run: all ranks (or all processes sharing a card)."""
+
+    case_id: str
+    fidelity: str
+    command: list[str]
+    returncode: int | None
+    wall_s: float
+    ranks: list[RankReport] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    log_tail: str = ""
+    run_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.ranks) and all(r.error is None for r in self.ranks)
+
+    def first_error(self) -> ErrorInfo | None:
+        if self.error is not None:
+            return self.error
+        return next((r.error for r in self.ranks if r.error is not None), None)
+
+    def per_card_peak(self, procs_per_card: int) -> int | None:
+        """The figure a card must hold: the worst rank for a sharded job (never the sum over
+        ranks); the sum of the processes when several independent jobs share one card."""
+        peaks = [r.step.limiting() for r in self.ranks if r.step is not None]
+        if not peaks:
+            return None
+        return sum(peaks) if procs_per_card > 1 else max(peaks)

@@ -1,0 +1,51 @@
+"""The summary table printed after a run of cases (by the CLI and at the end of pytest)."""
+
+from __future__ import annotations
+
+from harness.session import Judgement
+from harness.units import fmt_gib, fmt_mib
+
+COLUMNS = ("case", "fid", "procs", "load", "peak/card", "tok/s/rank", "loss", "outcome", "claims")
+
+
+def _row(j: Judgement) -> tuple[str, ...]:
+    run, case = j.run, j.case
+    size = fmt_mib if run.fidelity == "tiny" else fmt_gib
+    ranks = run.ranks
+    load = max((r.load.limiting() for r in ranks if r.load), default=None)
+    peak = run.per_card_peak(case.launch.procs_per_card)
+    rates = [r.tokens_per_s for r in ranks if r.tokens_per_s]
+    rate = f"{min(rates):,.0f}" if rates else "-"
+    losses = ranks[0].losses if ranks else []
+    loss = f"{losses[0]:.3f}->{losses[-1]:.3f}" if losses else "-"
+    procs = f"{len({r.rank for r in ranks}) or case.launch.ranks}x{case.launch.procs_per_card}"
+    counts = {s: sum(v.status == s for v in j.claims) for s in ("confirmed", "refuted", "not_checkable")}
+    claims = f"{counts['confirmed']} ok"
+    if counts["refuted"]:
+        claims += f", {counts['refuted']} REFUTED"
+    if counts["not_checkable"]:
+        claims += f", {counts['not_checkable']} n/a"
+    outcome = {"confirmed": "ok", "refuted": "FAILED", "not_checkable": "-"}[j.outcome.status]
+    if j.outcome.status == "not_checkable":
+        outcome = f"({case.expect.outcome})"
+    err = run.first_error()
+    if err is not None:
+        outcome = f"{err.kind.value}" + (" ok" if j.outcome.status == "confirmed" else "")
+    return (case.id, run.fidelity, procs, size(load), size(peak), rate, loss, outcome, claims)
+
+
+def table(judgements: list[Judgement]) -> str:
+    rows = [COLUMNS] + [_row(j) for j in judgements]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def findings(judgements: list[Judgement]) -> str:
+    """Every refuted claim or outcome, with its numbers."""
+    out = []
+    for j in judgements:
+        for v in j.failed:
+            out.append(f"{j.case.id} [{j.run.fidelity}] {v.line()}")
+    return "\n".join(out)

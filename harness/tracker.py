@@ -1,0 +1,217 @@
+"""Memory trackers: the same figures on a GPU and on a CPU.
+
+* `LiveTensorTracker` (CPU): the CPU allocator keeps no peak, so a `TorchDispatchMode` sees every
+  tensor an operator returns, keeps its storage's byte count while the storage lives (a weakref
+  finalizer subtracts it when it dies) and keeps the high-water mark. Views share a storage and are
+  counted once. torch has a similar tool (`torch.distributed._tools.mem_tracker.MemTracker`), but
+  it is a private API that changes between releases, and we need identical fields on torch 2.11
+  (GPU hosts) and 2.13 (CI), so this ~80-line counter is ours.
+* `AcceleratorTracker` (CUDA and ROCm/HIP, both through `torch.cuda`): the caching allocator's own
+  `max_memory_allocated` / `max_memory_reserved`.
+* `Sampler`: a background thread that samples what the device reports for this process (NVML on
+  NVIDIA) and the host RSS of this process and its children (dataloader workers), keeping maxima.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Peak:
+    """Peak memory of one phase, in bytes. `None` where the platform has no such figure."""
+
+    allocated: int
+    reserved: int | None = None
+    device: int | None = None
+    host_rss: int | None = None
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (functional wrappers)
+            return
+        key = id(storage)
+        size = storage.nbytes()
+        with self._lock:
+            old = self._sizes.get(key)
+            if old is None:
+                self._sizes[key] = size
+                self.live += size
+                weakref.finalize(storage, self._forget, key)
+            elif old != size:  # resized in place (resize_, set_)
+                self._sizes[key] = size
+                self.live += size - old
+            if self.live > self.peak:
+                self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self._see(value)
+        if func._schema.is_mutable:  # in-place ops may resize their inputs
+            for value in tree_flatten((args, kwargs))[0]:
+                if isinstance(value, torch.Tensor):
+                    self._see(value)
+        return out
+
+    def register(self, tensors) -> None:
+        """Count tensors that were created before the mode was entered."""
+        for t in tensors:
+            self._see(t)
+
+    # -- the tracker interface --------------------------------------------------------------------
+    def current(self) -> int:
+        return self.live
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
+class AcceleratorTracker:
+    """The caching allocator's figures on CUDA or ROCm/HIP (both speak `torch.cuda`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+
+class _NvmlProcessMemory:
+    """Device memory NVML attributes to this process (includes context, cuBLAS, NCCL buffers)."""
+
+    def __init__(self, device_index: int) -> None:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = device_index
+        if visible:
+            ids = [v.strip() for v in visible.split(",") if v.strip()]
+            if device_index < len(ids) and ids[device_index].isdigit():
+                physical = int(ids[device_index])
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        self._pid = os.getpid()
+        self.per_process = True
+
+    def read(self) -> int | None:
+        nvml = self._nvml
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except nvml.NVMLError:
+            procs = []
+        for p in procs:
+            if p.pid == self._pid and p.usedGpuMemory is not None:
+                return int(p.usedGpuMemory)
+        # Containers may hide host PIDs from NVML: fall back to the card's used memory and say so.
+        self.per_process = False
+        return int(nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+
+def device_memory_reader(device: torch.device):
+    """A reader of the device's own figure for this process, or None where none is available."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None  # ROCm/DCU readers (amdsmi, rocm-smi, hy-smi) are chosen in harness.platform
+    try:
+        return _NvmlProcessMemory(device.index or 0)
+    except Exception:  # nvidia-ml-py missing or NVML unavailable: report no device figure
+        return None
+
+
+class Sampler:
+    """Samples the device figure and host RSS (self + children) every `interval` seconds."""
+
+    def __init__(self, device_reader=None, interval: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._device_reader = device_reader
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="harness-sampler", daemon=True)
+        self.device_peak: int | None = None
+        self.host_peak = 0
+
+    def _host_rss(self) -> int:
+        total = self._proc.memory_info().rss
+        for child in self._proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except Exception:  # a worker that exited between listing and reading
+                pass
+        return total
+
+    def sample(self) -> None:
+        self.host_peak = max(self.host_peak, self._host_rss())
+        if self._device_reader is not None:
+            value = self._device_reader.read()
+            if value is not None:
+                self.device_peak = max(self.device_peak or 0, value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.sample()
+
+    def reset(self) -> None:
+        self.device_peak = None
+        self.host_peak = 0
+        self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return False

@@ -1,0 +1,61 @@
+"""Memory sizes with their units.
+
+Every size inside the harness is an integer number of bytes. Text from users and case files is
+parsed here, so "23.52 GiB", "64GB", "512 MiB" and plain byte counts all mean what they say:
+GB/MB are powers of ten (as card vendors print them), GiB/MiB powers of two (as PyTorch and
+nvidia-smi report them). Reports always speak GiB.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+GIB = 2**30
+MIB = 2**20
+
+
+def parse_size(value: str | int | float) -> int:
+    """Return a size in bytes. Numbers are bytes; strings carry a unit (B, KB..TB, KiB..TiB)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size {value!r} is negative")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(
+            f"{value!r} is not a size; write a number and a unit, e.g. '16 GB', '23.52 GiB', '512 MiB'"
+        )
+    unit = match["unit"].lower() or "b"
+    if unit not in _UNITS:
+        allowed = ", ".join(k.upper().replace("I", "i") for k in _UNITS)
+        raise ValueError(f"unknown unit {match['unit']!r} in {value!r}; allowed: {allowed}")
+    return int(float(match["num"]) * _UNITS[unit])
+
+
+def gib(nbytes: int | float | None) -> float | None:
+    """Bytes to GiB (None stays None)."""
+    return None if nbytes is None else nbytes / GIB
+
+
+def fmt_gib(nbytes: int | float | None, digits: int = 2) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.{digits}f} GiB"
+
+
+def fmt_mib(nbytes: int | float | None, digits: int = 1) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.{digits}f} MiB"

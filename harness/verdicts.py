@@ -1,0 +1,278 @@
+"""Judging a case run: its expected outcome, the mistakes it must reveal, and the guide's claims.
+
+Every check returns a `Verdict` carrying the measured numbers, so a failure reads as a finding
+("claimed X, measured Y"), and the summary table and the pytest failure say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from harness.report import CaseRun, Failure
+from harness.schema import TINY_CLAIMS, Case
+from harness.units import fmt_gib, fmt_mib
+
+Status = Literal["confirmed", "refuted", "not_checkable"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    what: str  # the claim kind, or "outcome" / "detect"
+    status: Status
+    detail: str
+    quote: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "refuted"
+
+    def line(self) -> str:
+        mark = {"confirmed": "ok", "refuted": "REFUTED", "not_checkable": "n/a"}[self.status]
+        quote = f' ("{self.quote}")' if self.quote else ""
+        return f"[{mark}] {self.what}: {self.detail}{quote}"
+
+
+def _size(nbytes: int | None, fidelity: str) -> str:
+    return fmt_mib(nbytes) if fidelity == "tiny" else fmt_gib(nbytes)
+
+
+def per_card_peak(case: Case, run: CaseRun) -> int | None:
+    return run.per_card_peak(case.launch.procs_per_card)
+
+
+# --- mistakes the harness must detect ------------------------------------------------------------
+
+
+def detections(case: Case, run: CaseRun) -> dict[str, str]:
+    """Mistakes visible in a run, by name, each with the evidence."""
+    found: dict[str, str] = {}
+    for r in run.ranks:
+        z = r.zero
+        if z is None or z.stage != 3:
+            continue
+        full_bytes = z.total_param_numel * (r.weights.param_bytes_local / max(1, z.local_param_numel)) if r.weights else 0
+        if not z.zero_init and r.world_size > 1 and z.materialised_param_bytes_before_engine >= 0.9 * full_bytes:
+            found["materialised_before_zero_init"] = (
+                f"rank {r.rank} held {_size(z.materialised_param_bytes_before_engine, run.fidelity)} of parameters "
+                f"before deepspeed.initialize: the whole model, not 1/{r.world_size} (zero.Init was not used)"
+            )
+        if r.world_size == 1 and case.target.card.count > 1:
+            found["single_process_zero"] = (
+                f"ZeRO-{z.stage} ran in one process on a {case.target.card.count}-card target: "
+                f"rank 0 holds all {z.total_param_numel} parameters (launch with torchrun/deepspeed)"
+            )
+    return found
+
+
+# --- the expected outcome ------------------------------------------------------------------------
+
+
+def check_outcome(case: Case, run: CaseRun) -> Verdict:
+    err = run.first_error()
+    expect = case.expect
+    if expect.outcome == "detected":
+        found = detections(case, run)
+        if expect.detect in found:
+            return Verdict("detect", "confirmed", found[expect.detect])
+        if err is not None:
+            return Verdict("detect", "refuted", f"the run failed before the mistake could be seen: {err.kind.value}: {_first_line(err.message)}")
+        return Verdict("detect", "refuted", f"'{expect.detect}' was not visible in the run (found: {sorted(found) or 'nothing'})")
+
+    if err is not None and err.kind != Failure.oom:
+        return Verdict("outcome", "refuted", f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}")
+    found = detections(case, run)
+    if found and expect.outcome == "fits":
+        name, evidence = next(iter(found.items()))
+        return Verdict("outcome", "refuted", f"mistake {name}: {evidence}")
+
+    if run.fidelity == "tiny":
+        # Tiny sizes say nothing about a real card; an OOM here can only be an emulated limit.
+        if err is not None:
+            return Verdict("outcome", "refuted", f"out of memory at tiny size: {_first_line(err.message)}")
+        return Verdict("outcome", "not_checkable", f"'{expect.outcome}' on {case.target.card.name} is checked at full size")
+
+    budget = case.budget_bytes
+    card = case.target.card.memory
+    peak = per_card_peak(case, run)
+    if expect.outcome == "fits":
+        if err is not None:
+            return Verdict("outcome", "refuted", f"out of memory on the {fmt_gib(card)} card: {_first_line(err.message)}")
+        if peak is None:
+            return Verdict("outcome", "refuted", "no peak was measured")
+        ok = peak <= budget
+        return Verdict("outcome", "confirmed" if ok else "refuted",
+                       f"per-card peak {fmt_gib(peak)} {'<=' if ok else '>'} budget {fmt_gib(budget)} "
+                       f"({case.target.headroom:.0%} of {fmt_gib(card)})")
+    # expect oom
+    if err is not None:
+        return Verdict("outcome", "confirmed", f"out of memory as the guide says: {_first_line(err.message)}")
+    if peak is not None and peak > budget:
+        return Verdict("outcome", "confirmed",
+                       f"per-card peak {fmt_gib(peak)} exceeds the {case.target.headroom:.0%} line {fmt_gib(budget)}")
+    return Verdict("outcome", "refuted",
+                   f"the guide's failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} on {fmt_gib(card)}")
+
+
+def _first_line(text: str) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+# --- claims --------------------------------------------------------------------------------------
+
+
+def check_claims(case: Case, run: CaseRun, lookup: Callable[[str], tuple[Case, CaseRun]]) -> list[Verdict]:
+    return [check_claim(claim, case, run, lookup) for claim in case.claims]
+
+
+def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
+    kind, quote = claim.kind, claim.quote
+    if run.fidelity == "tiny" and kind not in TINY_CLAIMS:
+        return Verdict(kind, "not_checkable", "checked at full size on real cards", quote)
+    if not run.ranks or any(r.step is None for r in run.ranks):
+        if kind == "oom_tried_to_allocate":
+            return _oom_size(claim, run)
+        err = run.first_error()
+        why = f"{err.kind.value}: {_first_line(err.message)}" if err else "no measurement"
+        return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
+    fn = _CHECKS[kind]
+    return fn(claim, case, run, lookup)
+
+
+def _trains(claim, case, run, lookup):
+    bad = []
+    for r in run.ranks:
+        losses = r.losses
+        if not losses or not all(math.isfinite(x) for x in losses):
+            bad.append(f"rank {r.rank}: non-finite loss {losses}")
+        elif not losses[-1] < losses[0]:
+            bad.append(f"rank {r.rank}: loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})")
+    r0 = run.ranks[0]
+    if bad:
+        return Verdict(claim.kind, "refuted", "; ".join(bad), claim.quote)
+    return Verdict(claim.kind, "confirmed",
+                   f"{len(r0.losses)} steps, loss {r0.losses[0]:.4f} -> {r0.losses[-1]:.4f}", claim.quote)
+
+
+def _checkpointing(claim, case, run, lookup):
+    r = run.ranks[0]
+    on, off = r.probes.activation_bytes, r.probes.activation_bytes_without_checkpointing
+    if on is None or off is None or off <= 0:
+        return Verdict(claim.kind, "refuted", "the checkpointing probe did not run", claim.quote)
+    saving = 1 - on / off
+    ok = saving >= claim.min_saving
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"activations held for backward {_size(on, run.fidelity)} with vs {_size(off, run.fidelity)} "
+                   f"without checkpointing: {saving:.0%} saved (needs >= {claim.min_saving:.0%})", claim.quote)
+
+
+def _quantized(claim, case, run, lookup):
+    w = run.ranks[0].weights
+    if not w or not w.quantized_linear_bytes:
+        return Verdict(claim.kind, "refuted", "no 4-bit linear layers were found in the model", claim.quote)
+    ratio = w.quantized_linear_bytes / w.quantized_linear_bf16_bytes
+    ok = ratio <= claim.max_ratio
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"4-bit linear weights {_size(w.quantized_linear_bytes, run.fidelity)} vs "
+                   f"{_size(w.quantized_linear_bf16_bytes, run.fidelity)} in bf16: {ratio:.2f}x (needs <= {claim.max_ratio})",
+                   claim.quote)
+
+
+def _zero3(claim, case, run, lookup):
+    details, ok = [], True
+    for r in run.ranks:
+        z = r.zero
+        if z is None or z.stage != 3:
+            return Verdict(claim.kind, "refuted", "the run did not use ZeRO-3", claim.quote)
+        share = z.local_param_numel / z.total_param_numel
+        want = 1 / r.world_size
+        good = abs(share - want) <= claim.tolerance * want and r.world_size > 1
+        ok &= good
+        details.append(f"rank {r.rank}: {share:.3f} of parameters (1/{r.world_size} = {want:.3f})")
+    return Verdict(claim.kind, "confirmed" if ok else "refuted", "; ".join(details[:2]), claim.quote)
+
+
+def _offloaded(claim, case, run, lookup):
+    o = run.ranks[0].offload
+    if o is None:
+        return Verdict(claim.kind, "refuted", "no DeepSpeed optimizer state was found", claim.quote)
+    ok = o.device_state_bytes == 0 and o.host_state_bytes > 0 and o.optimizer_class == "DeepSpeedCPUAdam"
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"{o.optimizer_class}: {_size(o.host_state_bytes, run.fidelity)} of optimizer state on the host, "
+                   f"{_size(o.device_state_bytes, run.fidelity)} on the device", claim.quote)
+
+
+def _logits(claim, case, run, lookup):
+    p = run.ranks[0].probes
+    if p.eval_logits_bytes is None or p.eval_logits_bytes_all is None:
+        return Verdict(claim.kind, "refuted", "the evaluation probe did not run", claim.quote)
+    expected = p.eval_logits_bytes_all * case.train.logits_to_keep / run.ranks[0].seq_len
+    ok = p.eval_logits_bytes < p.eval_logits_bytes_all and p.eval_logits_bytes <= expected
+    detail = (f"evaluation logits {_size(p.eval_logits_bytes, run.fidelity)} with logits_to_keep="
+              f"{case.train.logits_to_keep} vs {_size(p.eval_logits_bytes_all, run.fidelity)} for every position")
+    if p.train_logits_bytes is not None and p.train_logits_bytes >= p.eval_logits_bytes_all:
+        detail += "; training forwards (with labels) keep every position, so it saves nothing during training"
+    return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
+
+
+def _lower_peak(claim, case, run, lookup):
+    other_case, other_run = lookup(claim.case)
+    mine, theirs = per_card_peak(case, run), per_card_peak(other_case, other_run)
+    if theirs is None:
+        err = other_run.first_error()
+        if err is not None and err.kind == Failure.oom:
+            return Verdict(claim.kind, "confirmed", f"{claim.case} ran out of memory; this one peaks at "
+                           f"{_size(mine, run.fidelity)}", claim.quote)
+        return Verdict(claim.kind, "not_checkable", f"{claim.case} has no peak to compare with", claim.quote)
+    ok = mine < theirs
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"per-card peak {_size(mine, run.fidelity)} vs {_size(theirs, run.fidelity)} for {claim.case}",
+                   claim.quote)
+
+
+def _memory_range(claim, case, run, lookup):
+    r_peak = per_card_peak(case, run)
+    if claim.metric == "load_footprint":
+        value = max(r.load.limiting() for r in run.ranks if r.load)
+    elif claim.metric == "usage_fraction":
+        value = r_peak / case.target.card.memory if r_peak else None
+    else:
+        value = r_peak
+    if value is None:
+        return Verdict(claim.kind, "not_checkable", "no figure measured", claim.quote)
+    ok = claim.low <= value <= claim.high
+    if claim.metric == "usage_fraction":
+        detail = f"measured {value:.0%} of the card, claimed {claim.low:.0%}-{claim.high:.0%}"
+    else:
+        detail = (f"measured {claim.metric} {value / 1e9:.2f} GB ({fmt_gib(value)}), claimed "
+                  f"{claim.low / 1e9:.1f}-{claim.high / 1e9:.1f} GB")
+    return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
+
+
+def _oom_size(claim, run, *_):
+    err = run.first_error()
+    if err is None or err.kind != Failure.oom or err.tried_to_allocate is None:
+        return Verdict(claim.kind, "not_checkable", "no OOM with a requested size to compare", claim.quote)
+    ok = abs(err.tried_to_allocate - claim.size) <= 0.02 * claim.size
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"tried to allocate {fmt_gib(err.tried_to_allocate)}, the guide saw {fmt_gib(claim.size)}", claim.quote)
+
+
+def _speed_rank(claim, case, run, lookup):
+    return Verdict(claim.kind, "not_checkable", "the speed order is checked across the family", claim.quote)
+
+
+_CHECKS = {
+    "trains": _trains,
+    "checkpointing_saves_activations": _checkpointing,
+    "quantized_weights_shrink": _quantized,
+    "zero3_partitions_parameters": _zero3,
+    "optimizer_state_offloaded": _offloaded,
+    "logits_to_keep_shrinks_logits": _logits,
+    "lower_peak_than": _lower_peak,
+    "memory_range": _memory_range,
+    "oom_tried_to_allocate": lambda claim, case, run, lookup: _oom_size(claim, run),
+    "speed_rank": _speed_rank,
+}

@@ -1,0 +1,454 @@
+"""The worker: one training process of one case. It builds, trains, measures and writes JSON.
+
+Run by the launcher, never in the test process (one fresh process per case run):
+
+    python -m harness.worker --case cases/003-....yaml --fidelity tiny --out-dir DIR
+
+Each rank writes DIR/rank<R>[-slot<S>].json (a `RankReport`), also when it fails: an OOM is
+recorded with its numbers and the phase it happened in, and the exit code says what happened
+(0 ok, 3 out of memory, 1 any other error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes", "flash-linear-attention", "accelerate"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    import torch
+
+    if torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    if torch.version.hip:
+        out["hip"] = torch.version.hip
+    return out
+
+
+class CardLimitExceeded(Exception):
+    pass
+
+
+class Measurement:
+    """The phase-by-phase figures of one process, on whichever platform it runs."""
+
+    def __init__(self, device, emulated_card_bytes: int | None):
+        import torch
+
+        from harness.tracker import AcceleratorTracker, LiveTensorTracker, Sampler, device_memory_reader
+
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.limit = emulated_card_bytes
+        if self.on_cpu:
+            self.alloc = LiveTensorTracker()
+        else:
+            self.alloc = AcceleratorTracker(device)
+            if emulated_card_bytes:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, emulated_card_bytes / total), device)
+        self.sampler = Sampler(device_memory_reader(device))
+
+    def __enter__(self):
+        self.sampler.__enter__()
+        if self.on_cpu:
+            self.alloc.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on_cpu:
+            self.alloc.__exit__(*exc)
+        self.sampler.__exit__(*exc)
+        return False
+
+    def check_cpu_limit(self):
+        """On a CPU, an emulated card limit turns into the same kind of error a GPU raises."""
+        if self.on_cpu and self.limit and self.alloc.peak_bytes() > self.limit:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"CPU out of memory (emulated card). Tried to allocate {self.alloc.peak_bytes() - self.limit} B "
+                f"above the emulated card of {self.limit} B"
+            )
+
+    def reset(self):
+        self.alloc.reset_peak()
+        self.sampler.reset()
+
+    def figures(self):
+        from harness.report import Memory
+
+        self.sampler.sample()
+        reserved = None if self.on_cpu else self.alloc.peak_reserved()
+        return Memory(
+            allocated=self.alloc.peak_bytes(),
+            reserved=reserved,
+            device=self.sampler.device_peak,
+            host_rss=self.sampler.host_peak,
+        )
+
+    def current(self) -> int:
+        return self.alloc.current()
+
+    def sync(self):
+        if not self.on_cpu:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def _logical_numel(p) -> int:
+    if hasattr(p, "ds_numel"):
+        return int(p.ds_numel)
+    qs = getattr(p, "quant_state", None)
+    if qs is not None and getattr(qs, "shape", None) is not None:
+        import math
+
+        return math.prod(qs.shape)
+    return p.numel()
+
+
+def _local_bytes(p) -> int:
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel() * p.ds_tensor.element_size()
+    return p.numel() * p.element_size()
+
+
+def _weights(model):
+    from harness.report import Weights
+
+    params = list(model.parameters())
+    q_bytes = q_bf16 = 0
+    found_q = False
+    try:
+        import bitsandbytes as bnb
+
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                found_q = True
+                w = module.weight
+                q_bytes += w.numel() * w.element_size()
+                qs = getattr(w, "quant_state", None)
+                if qs is not None:
+                    for t in (qs.absmax, getattr(qs, "code", None)):
+                        if t is not None:
+                            q_bytes += t.numel() * t.element_size()
+                    nested = getattr(qs, "state2", None)
+                    if nested is not None:
+                        q_bytes += nested.absmax.numel() * nested.absmax.element_size()
+                q_bf16 += _logical_numel(w) * 2
+    except ImportError:
+        pass
+    return Weights(
+        params_total=sum(_logical_numel(p) for p in params),
+        params_trainable=sum(_logical_numel(p) for p in params if p.requires_grad),
+        param_bytes_local=sum(_local_bytes(p) for p in params),
+        quantized_linear_bytes=q_bytes if found_q else None,
+        quantized_linear_bf16_bytes=q_bf16 if found_q else None,
+    )
+
+
+def _offload(engine, on_cpu: bool):
+    from harness.report import Offload
+
+    zero_opt = engine.optimizer
+    inner = getattr(zero_opt, "optimizer", zero_opt)
+    offloaded = bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False))
+    tensors = []
+    for state in inner.state.values():
+        tensors += [t for t in state.values() if hasattr(t, "numel") and t.dim() > 0]
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        tensors += list(getattr(zero_opt, name, []) or [])
+    device_bytes = host_bytes = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        # On a GPU the tensor's device says where it lives. On a CPU the accelerator *is* the
+        # host, so the placement DeepSpeed chose (its offload flag) is what we can report.
+        on_host = (t.device.type == "cpu") if not on_cpu else offloaded
+        if on_host:
+            host_bytes += nbytes
+        else:
+            device_bytes += nbytes
+    return Offload(optimizer_class=type(inner).__name__, device_state_bytes=device_bytes, host_state_bytes=host_bytes)
+
+
+class SyntheticTokens:
+    """A map-style dataset of fixed random token sequences (labels = inputs). A few distinct
+    sequences, cycled, so a tiny model's loss visibly falls within a few steps."""
+
+    def __init__(self, vocab: int, seq_len: int, distinct: int, length: int, seed: int = 0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (distinct, seq_len), generator=g)
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.data[i % len(self.data)]
+
+
+def _loader(case, shape, vocab, on_cpu, micro_steps):
+    import torch
+    from torch.utils.data import DataLoader
+
+    ds = SyntheticTokens(vocab, shape.seq_len, distinct=shape.micro_batch * 2, length=shape.micro_batch * micro_steps)
+    kwargs = {}
+    if case.train.dataloader_workers > 0:
+        kwargs["prefetch_factor"] = case.train.prefetch_factor or 2
+        kwargs["persistent_workers"] = False
+    return DataLoader(
+        ds,
+        batch_size=shape.micro_batch,
+        num_workers=case.train.dataloader_workers,
+        pin_memory=case.train.pin_memory and not on_cpu and torch.cuda.is_available(),
+        **kwargs,
+    )
+
+
+def _forward_probe(model, batch, meas, checkpointing: bool | None):
+    """Bytes a training forward leaves alive for backward (activations, logits, loss), measured
+    without running backward, so neither gradients nor optimizer state move."""
+    import torch
+
+    from harness.modelbuild import checkpointing_active, set_checkpointing
+
+    base = getattr(model, "module", model)  # DeepSpeed engine -> peft/HF model
+    hf = base.get_base_model() if hasattr(base, "get_base_model") else base
+    was = checkpointing_active(hf)
+    if checkpointing is not None and checkpointing != was:
+        set_checkpointing(hf, checkpointing)
+    meas.sync()
+    start = meas.current()
+    meas.reset()
+    with torch.enable_grad():
+        out = model(input_ids=batch, labels=batch)
+        meas.sync()
+        held = meas.current() - start
+        logits_bytes = out.logits.numel() * out.logits.element_size() if out.logits is not None else None
+    del out
+    if checkpointing is not None and checkpointing != was:
+        set_checkpointing(hf, was)
+    return held, logits_bytes
+
+
+def _eval_probe(model, batch, meas, logits_to_keep: int):
+    import torch
+
+    model.eval()
+    try:
+        meas.sync()
+        start = meas.current()
+        meas.reset()
+        with torch.no_grad():
+            out = model(input_ids=batch, logits_to_keep=logits_to_keep)
+            meas.sync()
+            logits = out.logits.numel() * out.logits.element_size()
+            del out
+        return meas.figures().allocated - start, logits
+    finally:
+        model.train()
+
+
+def run(args) -> int:
+    import torch
+
+    from harness.cases import load_case
+    from harness.dsconfig import deepspeed_config
+    from harness.modelbuild import build_model, prepare_checkpoint
+    from harness.platform import Platform, detect, dist_backend, parse_oom
+    from harness.report import ErrorInfo, Failure, RankReport, Zero
+    from harness.shape import run_shape
+
+    case = load_case(args.case)
+    shape = run_shape(case, args.fidelity, args.steps)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    platform = detect()
+    if platform == Platform.cpu:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    device_name = "cpu" if platform == Platform.cpu else torch.cuda.get_device_name(device)
+
+    report = RankReport(
+        case_id=case.id,
+        fidelity=args.fidelity,
+        rank=rank,
+        world_size=world,
+        process_slot=args.slot,
+        platform=platform.value,
+        device_name=device_name,
+        emulated_card_bytes=args.emulate_card_bytes,
+        seq_len=shape.seq_len,
+        micro_batch=shape.micro_batch,
+        grad_accum=shape.grad_accum,
+        tokens_per_step=shape.tokens_per_step,
+        versions=_versions(),
+    )
+    out_path = Path(args.out_dir) / (f"rank{rank}" + (f"-slot{args.slot}" if args.slot else "") + ".json")
+    phase = "setup"
+    code = EXIT_OK
+    meas = Measurement(device, args.emulate_card_bytes)
+    try:
+        with meas:
+            engine = None
+            ds_config = deepspeed_config(
+                case, world, shape.grad_accum, shape.hidden_size, platform == Platform.cpu, shape.ds_size_scale
+            )
+            if ds_config is not None:
+                import deepspeed
+
+                deepspeed.init_distributed(dist_backend=dist_backend(platform), verbose=False)
+            checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len)
+            phase = "load"
+            meas.reset()
+            built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, checkpoint=checkpoint)
+            model = built.model
+            report.model_config_used = built.config_dict
+            meas.sync()
+            meas.check_cpu_limit()
+            report.load = meas.figures()
+            params_before_engine = sum(_local_bytes(p) for p in model.parameters())
+
+            phase = "engine"
+            if ds_config is not None:
+                import deepspeed
+
+                trainable = [p for p in model.parameters() if p.requires_grad]
+                engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+                runner = engine
+            else:
+                optimizer = torch.optim.AdamW(
+                    [p for p in model.parameters() if p.requires_grad], lr=case.train.learning_rate
+                )
+                runner = model
+            meas.check_cpu_limit()
+
+            phase = "step"
+            vocab = int(built.config_dict["vocab_size"])
+            loader = _loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum)
+            batches = iter(loader)
+            meas.sync()
+            meas.reset()
+            step_start = meas.current()
+            for _ in range(shape.steps):
+                meas.sync()
+                t0 = time.perf_counter()
+                losses = []
+                for _micro in range(shape.grad_accum):
+                    batch = next(batches).to(device, non_blocking=True)
+                    out = runner(input_ids=batch, labels=batch)
+                    loss = out.loss
+                    if engine is not None:
+                        engine.backward(loss)
+                        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+                    else:
+                        (loss / shape.grad_accum).backward()
+                    losses.append(float(loss.detach()))
+                    del out, loss
+                    meas.check_cpu_limit()
+                if engine is None:
+                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                meas.sync()
+                report.step_times_s.append(time.perf_counter() - t0)
+                report.losses.append(statistics.fmean(losses))
+            report.step = meas.figures()
+            report.probes.activation_bytes = report.step.allocated - step_start
+            report.weights = _weights(model)
+            if engine is not None:
+                ds = case.deepspeed
+                report.zero = Zero(
+                    stage=ds.stage,
+                    zero_init=built.zero_init,
+                    local_param_numel=sum(
+                        (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()) for p in model.parameters()
+                    ),
+                    total_param_numel=report.weights.params_total,
+                    materialised_param_bytes_before_engine=params_before_engine,
+                )
+                if ds.offload_optimizer.value != "none" or ds.stage in (1, 2, 3):
+                    report.offload = _offload(engine, platform == Platform.cpu)
+
+            phase = "probe"
+            probe_batch = next(iter(_loader(case, shape, vocab, True, 1)))
+            probe_batch = probe_batch.to(device)
+            held, logits_bytes = _forward_probe(runner, probe_batch, meas, None)
+            report.probes.train_logits_bytes = logits_bytes
+            if case.train.gradient_checkpointing:
+                report.probes.activation_bytes = held
+                off, _ = _forward_probe(runner, probe_batch, meas, False)
+                report.probes.activation_bytes_without_checkpointing = off
+                report.probes.checkpointing_effective = held < off
+            if case.train.logits_to_keep:
+                report.probes.eval_peak_bytes, report.probes.eval_logits_bytes = _eval_probe(
+                    runner, probe_batch, meas, case.train.logits_to_keep
+                )
+                report.probes.eval_peak_bytes_all_logits, report.probes.eval_logits_bytes_all = _eval_probe(
+                    runner, probe_batch, meas, 0
+                )
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report, then an exit code
+        text = f"{type(exc).__name__}: {exc}"
+        oom = parse_oom(text)
+        if isinstance(exc, torch.OutOfMemoryError) or oom is not None:
+            report.error = ErrorInfo(
+                kind=Failure.oom, message=(oom.message if oom else text)[:2000],
+                tried_to_allocate=oom.tried_to_allocate if oom else None, phase=phase,
+            )
+            code = EXIT_OOM
+        else:
+            tb = "".join(traceback.format_exception(exc))[-4000:]
+            report.error = ErrorInfo(kind=Failure.crash, message=tb, phase=phase)
+            code = EXIT_ERROR
+        try:
+            report.step = report.step or meas.figures()
+        except Exception:  # measuring after a CUDA error can fail too; keep what we have
+            pass
+    finally:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_suffix(".tmp")
+        tmp.write_text(report.model_dump_json(indent=1))
+        tmp.replace(out_path)
+    if code != EXIT_OK:
+        print(f"[harness.worker] {case.id} rank {rank}: {report.error.kind.value} in {phase}: "
+              f"{report.error.message.splitlines()[-1] if report.error.message else ''}", file=sys.stderr)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--slot", type=int, default=0, help="index of this job among jobs sharing one card")
+    parser.add_argument("--emulate-card-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
