@@ -42,6 +42,8 @@ def pytest_addoption(parser):
                     help="where workers write their reports (default: a temporary folder)")
     group.addoption("--case-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per case run")
     group.addoption("--harness-steps", type=int, default=None, help="optimizer steps per case run")
+    group.addoption("--harness-jobs", type=int, default=None,
+                    help="training processes at once for tiny runs (default: one per CPU core)")
 
 
 def _session(config) -> Session:
@@ -82,9 +84,24 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("harness_case", params)
 
 
+_PLANNED = pytest.StashKey[list]()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Remember which cases were selected, so their tiny runs can start together."""
+    config.stash[_PLANNED] = [
+        (item.callspec.params["harness_case"].case_id, item.callspec.params["harness_case"].fidelity)
+        for item in items
+        if hasattr(item, "callspec") and "harness_case" in item.callspec.params
+        and item.callspec.params["harness_case"].error is None
+    ]
+
+
 @pytest.fixture(scope="session")
 def harness_session(request) -> Session:
-    return _session(request.config)
+    session = _session(request.config)
+    session.prefetch(request.config.stash.get(_PLANNED, []), request.config.getoption("--harness-jobs"))
+    return session
 
 
 def check_case(param: CaseParam, session: Session) -> None:

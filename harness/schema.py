@@ -336,6 +336,11 @@ class Case(Strict):
     title: str
     role: Role
     model: str = Field(description="a name in harness/architectures")
+    layers: int | None = Field(
+        default=None, gt=0,
+        description="measure at full width with this many layers (full-size runs too big for the cards "
+        "at hand); omitted: the architecture's full depth",
+    )
     stack: Stack = Stack.plain
     precision: Precision = Precision.bf16
     method: Method
@@ -347,8 +352,24 @@ class Case(Strict):
     claims: list[Claim] = Field(default_factory=list)
     notes: str = ""
 
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value):
+        from harness.architectures import known_architectures
+
+        known = known_architectures()
+        if value not in known:
+            raise ValueError(f"unknown model '{value}'; allowed: {', '.join(known)}")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self):
+        if self.layers is not None:
+            from harness.architectures import load_architecture
+
+            depth = load_architecture(self.model).layers
+            if self.layers > depth:
+                raise ValueError(f"layers {self.layers} exceeds {self.model}'s {depth} layers")
         if not self.id.startswith(self.guide + "-"):
             raise ValueError(f"id '{self.id}' must start with its guide number '{self.guide}-'")
         if self.deepspeed is None and self.launch.launcher == "deepspeed":

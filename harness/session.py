@@ -6,6 +6,9 @@ than the failing config" reuses the failing config's run), keeps every report on
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +47,26 @@ def skip_reason(case: Case, fidelity: str, platform: plat.Platform, accelerators
     return None
 
 
+class _ProcessBudget:
+    """At most `capacity` training processes at once; a run takes as many as it starts."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            # a run larger than the whole budget still runs, alone
+            self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.capacity)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
 @dataclass
 class Session:
     case_dir: Path
@@ -52,26 +75,69 @@ class Session:
     steps: int | None = None
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
-    _runs: dict[tuple[str, str], CaseRun] = field(default_factory=dict)
+    _runs: dict[tuple[str, str], Future] = field(default_factory=dict)
     _judged: dict[tuple[str, str], Judgement] = field(default_factory=dict)
 
     def __post_init__(self):
+        self._lock = threading.Lock()
         self.platform = plat.detect()
         self.accelerators = plat.accelerator_count()
         loaded, self.errors = load_cases(self.case_dir)
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
 
+    def _execute(self, case_id: str, fidelity: str) -> CaseRun:
+        case, path = self.cases[case_id]
+        out = self.run_root / fidelity / case_id
+        emulate = None
+        if fidelity == "real" and case.launch.procs_per_card == 1:
+            emulate = case.target.card.memory  # cap the process at the target card's size
+        run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate)
+        (out / "run.json").write_text(run.model_dump_json(indent=1))
+        return run
+
     def run(self, case_id: str, fidelity: str) -> CaseRun:
         key = (case_id, fidelity)
-        if key not in self._runs:
-            case, path = self.cases[case_id]
-            out = self.run_root / fidelity / case_id
-            emulate = None
-            if fidelity == "real" and case.launch.procs_per_card == 1:
-                emulate = case.target.card.memory  # cap the process at the target card's size
-            self._runs[key] = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate)
-            (out / "run.json").write_text(self._runs[key].model_dump_json(indent=1))
-        return self._runs[key]
+        with self._lock:
+            if key not in self._runs:
+                future: Future = Future()
+                future.set_running_or_notify_cancel()
+                self._runs[key] = future
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                future.set_result(self._execute(case_id, fidelity))
+            except BaseException as exc:  # surfaced to every waiter
+                future.set_exception(exc)
+        return self._runs[key].result()
+
+    def prefetch(self, keys: list[tuple[str, str]], processes: int | None = None) -> None:
+        """Start tiny runs in the background, at most `processes` training processes at once
+        (default: one per CPU core). Tiny figures are byte counts, which concurrency does not
+        change; full-size runs are never run concurrently (they share the GPUs they measure)."""
+        budget = _ProcessBudget(processes or os.cpu_count() or 1)
+        todo = [k for k in keys if k[1] == "tiny" and k[0] in self.cases and k not in self._runs]
+        if not todo:
+            return
+        pool = ThreadPoolExecutor(max_workers=budget.capacity, thread_name_prefix="harness-run")
+
+        def task(case_id: str, fidelity: str) -> None:
+            from harness.shape import run_shape
+
+            case, _ = self.cases[case_id]
+            weight = run_shape(case, fidelity, self.steps).ranks * case.launch.procs_per_card
+            budget.acquire(weight)
+            try:
+                self.run(case_id, fidelity)
+            except BaseException:  # the waiting test reports it
+                pass
+            finally:
+                budget.release(weight)
+
+        for key in todo:
+            pool.submit(task, *key)
+        pool.shutdown(wait=False)
 
     def judge(self, case_id: str, fidelity: str) -> Judgement:
         key = (case_id, fidelity)

@@ -136,9 +136,8 @@ def _weights(model):
     params = list(model.parameters())
     q_bytes = q_bf16 = 0
     found_q = False
-    try:
-        import bitsandbytes as bnb
-
+    bnb = sys.modules.get("bitsandbytes")  # loaded by the QLoRA path only
+    if bnb is not None:
         for module in model.modules():
             if isinstance(module, bnb.nn.Linear4bit):
                 found_q = True
@@ -153,8 +152,6 @@ def _weights(model):
                     if nested is not None:
                         q_bytes += nested.absmax.numel() * nested.absmax.element_size()
                 q_bf16 += _logical_numel(w) * 2
-    except ImportError:
-        pass
     return Weights(
         params_total=sum(_logical_numel(p) for p in params),
         params_trainable=sum(_logical_numel(p) for p in params if p.requires_grad),
@@ -321,10 +318,11 @@ def run(args) -> int:
                 import deepspeed
 
                 deepspeed.init_distributed(dist_backend=dist_backend(platform), verbose=False)
-            checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len)
+            layers = case.layers if args.fidelity == "real" else None
+            checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len, layers)
             phase = "load"
             meas.reset()
-            built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, checkpoint=checkpoint)
+            built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, layers, checkpoint)
             model = built.model
             report.model_config_used = built.config_dict
             meas.sync()
@@ -447,6 +445,13 @@ def main(argv=None) -> int:
     parser.add_argument("--slot", type=int, default=0, help="index of this job among jobs sharing one card")
     parser.add_argument("--emulate-card-bytes", type=int, default=None)
     args = parser.parse_args(argv)
+    from harness.cases import load_case
+
+    if load_case(args.case).method.kind != "qlora":
+        # A case that does not quantize never loads bitsandbytes: peft and transformers import it
+        # whenever it is installed, and its import pulls in torch's compiler stack (~2 s of CPU per
+        # process, most of a tiny run). A None entry makes importlib report it as not installed.
+        sys.modules.setdefault("bitsandbytes", None)
     return run(args)
 
 

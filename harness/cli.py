@@ -1,0 +1,102 @@
+"""The command line: `oom-harness run` (cases and a summary table), `oom-harness validate`.
+
+    oom-harness run                    every case at tiny size (on a GPU host: --fidelity real)
+    oom-harness run -k 003 --json out.json
+    oom-harness validate cases/        check case files; exit 2 with the problems
+
+Exit codes: 0 all verdicts hold, 1 a case failed or a claim was refuted, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.cases import CASES_DIR, CaseError, load_case
+
+
+def _cmd_validate(args) -> int:
+    paths: list[Path] = []
+    for p in args.paths or [str(CASES_DIR)]:
+        path = Path(p)
+        paths += sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+    bad = 0
+    for path in paths:
+        try:
+            load_case(path)
+            print(f"ok       {path}")
+        except CaseError as exc:
+            bad += 1
+            print(str(exc), file=sys.stderr)
+    print(f"{len(paths) - bad} valid, {bad} invalid")
+    return 2 if bad else 0
+
+
+def _cmd_run(args) -> int:
+    from harness.session import Session, skip_reason
+    from harness.summary import findings, table
+
+    run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
+    session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps)
+    for err in session.errors:
+        print(str(err), file=sys.stderr)
+    selected = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
+    if not selected:
+        print("no case matches", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    skipped = []
+    session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
+    for i, cid in enumerate(selected, 1):
+        case, _ = session.cases[cid]
+        reason = skip_reason(case, args.fidelity, session.platform, session.accelerators)
+        if reason:
+            skipped.append((cid, reason))
+            continue
+        j = session.judge(cid, args.fidelity)
+        status = "FAILED" if j.failed else "ok"
+        print(f"[{i}/{len(selected)}] {cid} {args.fidelity}: {status} ({j.run.wall_s:.1f} s)", flush=True)
+    judged = session.judged()
+    print()
+    print(table(judged))
+    for cid, reason in skipped:
+        print(f"skipped {cid}: {reason}")
+    found = findings(judged)
+    if found:
+        print("\nFindings (refuted claims and outcomes):\n" + found)
+    print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{"case": j.case.id, "fidelity": j.run.fidelity, "run": json.loads(j.run.model_dump_json()),
+              "verdicts": [v.__dict__ for v in j.verdicts]} for j in judged], indent=1))
+    failed = any(j.failed for j in judged) or bool(session.errors)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run cases and print a summary table")
+    run.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
+    run.add_argument("-k", action="append", help="run only cases whose id contains this (repeatable)")
+    run.add_argument("--case-dir", default=str(CASES_DIR))
+    run.add_argument("--out", help="folder for the reports (default: a temporary folder)")
+    run.add_argument("--json", help="also write every run and verdict to this JSON file")
+    run.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
+    run.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
+    run.add_argument("--jobs", type=int, default=None,
+                     help="training processes at once for tiny runs (default: one per CPU core)")
+    run.set_defaults(func=_cmd_run)
+    val = sub.add_parser("validate", help="check case files")
+    val.add_argument("paths", nargs="*")
+    val.set_defaults(func=_cmd_validate)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

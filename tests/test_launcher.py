@@ -1,0 +1,110 @@
+"""The launcher classifies whatever a case's processes do, and never crashes itself."""
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.cases import CASES_DIR, load_case
+from harness.launcher import Job, plan_jobs, run_case, run_jobs
+from harness.platform import Platform
+from harness.report import Failure, RankReport
+from harness.units import GIB
+
+
+def _job(code: str) -> Job:
+    return Job([sys.executable, "-c", textwrap.dedent(code)])
+
+
+def test_a_process_that_raises_is_a_crash_with_its_error_line(tmp_path):
+    run = run_jobs([_job("raise ValueError('bad lora target: q_projj')")], tmp_path, 60, "x", "tiny", 1)
+    assert run.error.kind == Failure.crash
+    assert "bad lora target: q_projj" in run.error.message
+    assert run.returncode == 1
+
+
+def test_an_out_of_memory_is_classified_with_the_requested_size(tmp_path):
+    code = """
+        import sys
+        sys.stderr.write('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. '
+                         'GPU 0 has a total capacity of 15.77 GiB\\n')
+        sys.exit(1)
+    """
+    run = run_jobs([_job(code)], tmp_path, 60, "x", "tiny", 1)
+    assert run.error.kind == Failure.oom
+    assert run.error.tried_to_allocate == int(2.32 * GIB)
+
+
+def test_a_hang_past_the_timeout_is_killed_with_its_children(tmp_path):
+    code = """
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+        open(sys.argv[1], 'w').write(str(child.pid))
+        time.sleep(600)
+    """
+    pid_file = tmp_path / "child.pid"
+    job = Job([sys.executable, "-c", textwrap.dedent(code), str(pid_file)])
+    started = time.monotonic()
+    run = run_jobs([job], tmp_path / "run", 3, "x", "tiny", 1)
+    assert time.monotonic() - started < 30
+    assert run.error.kind == Failure.timeout
+    assert "3 s" in run.error.message
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the grandchild outlived the timeout"
+        time.sleep(0.1)
+
+
+def test_a_process_killed_by_sigkill_points_at_host_memory(tmp_path):
+    run = run_jobs([_job("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")], tmp_path, 60, "x", "tiny", 1)
+    assert run.error.kind == Failure.host_oom
+    assert "SIGKILL" in run.error.message
+
+
+def test_a_silent_success_without_reports_is_not_a_pass(tmp_path):
+    run = run_jobs([_job("pass")], tmp_path, 60, "x", "tiny", 2)
+    assert run.error.kind == Failure.no_report
+    assert not run.ok
+
+
+def test_jobs_sharing_a_card_start_together_with_their_slots(tmp_path):
+    case = load_case(CASES_DIR / "004-gla-plan-a-minimal.yaml")
+    jobs = plan_jobs(case, CASES_DIR / "004-gla-plan-a-minimal.yaml", "tiny", 1, tmp_path, Platform.cpu)
+    assert len(jobs) == 2
+    assert [j.argv[j.argv.index("--slot") + 1] for j in jobs] == ["0", "1"]
+    assert all(j.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" for j in jobs)
+    assert jobs[0].env["MASTER_PORT"] != jobs[1].env["MASTER_PORT"]
+
+
+def test_several_ranks_go_through_torchrun_on_a_cpu(tmp_path):
+    path = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
+    (job,) = plan_jobs(load_case(path), path, "tiny", 2, tmp_path, Platform.cpu)
+    assert job.argv[1:3] == ["-m", "torch.distributed.run"]
+    assert job.argv[job.argv.index("--nproc-per-node") + 1] == "2"
+
+
+def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path):
+    """End to end: the worker runs a case on an emulated card far too small and reports an OOM
+    with the phase and the bytes, and the launcher keeps going."""
+    path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
+    case = load_case(path)
+    run = run_case(case, path, "tiny", tmp_path, Platform.cpu, timeout_s=300, steps=2,
+                   emulate_card_bytes=64 * 1024)
+    assert run.returncode == 3
+    (rank,) = run.ranks
+    assert isinstance(rank, RankReport)
+    assert rank.error.kind == Failure.oom
+    assert rank.error.phase == "load"
+    assert "emulated card" in rank.error.message
+    assert rank.step.allocated > 64 * 1024
+    assert Path(run.run_dir, "log.txt").is_file()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

@@ -1,0 +1,165 @@
+"""The case schema accepts what the guides need and rejects typos and impossible values with a
+message naming the file, the field and what is allowed."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.cases import CASES_DIR, CaseError, case_files, load_case, load_cases, parse_case
+from harness.schema import Case
+
+BASE_FILE = CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml"
+BASE = yaml.safe_load(BASE_FILE.read_text())
+ZERO_FILE = CASES_DIR / "000-lora-z3-offload-aggressive-cutoff512-ga32.yaml"
+ZERO_BASE = yaml.safe_load(ZERO_FILE.read_text())
+WHERE = Path("cases/some-case.yaml")
+
+# Blocks of the base case and the keys the schema knows in each.
+BLOCKS = {
+    (): set(Case.model_fields),
+    ("train",): set(BASE["train"]) | {"prefetch_factor", "logits_to_keep"},
+    ("method",): {"kind", "lora", "quantization"},
+    ("method", "lora"): {"r", "alpha", "dropout", "targets"},
+    ("target",): {"card", "headroom", "host_ram"},
+    ("target", "card"): {"vendor", "name", "memory", "count"},
+}
+
+
+def _at(data, path):
+    for key in path:
+        data = data[key]
+    return data
+
+
+def _error(data) -> CaseError:
+    with pytest.raises(CaseError) as info:
+        parse_case(data, WHERE)
+    return info.value
+
+
+@pytest.mark.parametrize("path", sorted(case_files()), ids=lambda p: p.stem)
+def test_every_case_file_in_the_repo_is_valid(path):
+    case = load_case(path)
+    assert case.id == path.stem
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    micro_batch=st.integers(1, 64),
+    grad_accum=st.integers(1, 256),
+    seq_len=st.integers(16, 32768),
+    r=st.integers(1, 256),
+    headroom=st.floats(0.05, 1.0),
+    memory=st.sampled_from(["16 GB", "23.52 GiB", "64GB", "80 GiB", 17179869184]),
+)
+def test_valid_variations_are_accepted(micro_batch, grad_accum, seq_len, r, headroom, memory):
+    data = copy.deepcopy(BASE)
+    data["train"].update(micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len)
+    data["method"]["lora"]["r"] = r
+    data["target"]["headroom"] = headroom
+    data["target"]["card"]["memory"] = memory
+    case = parse_case(data, WHERE)
+    assert case.train.seq_len == seq_len and case.method.lora.r == r
+    assert case.budget_bytes == int(case.target.card.memory * headroom)
+
+
+@settings(max_examples=60)
+@given(
+    block=st.sampled_from(sorted(BLOCKS)),
+    key=st.text("abcdefghijklmnopqrstuvwxyz_", min_size=3, max_size=20),
+)
+def test_unknown_keys_are_rejected_with_file_field_and_allowed_keys(block, key):
+    if key in BLOCKS[block]:
+        return
+    data = copy.deepcopy(BASE)
+    _at(data, block)[key] = 1
+    err = _error(data)
+    text = str(err)
+    assert str(WHERE) in text
+    assert f"unknown key '{key}'" in text
+    assert ".".join([*block, key]) in text
+    some_allowed = sorted(BLOCKS[block])[0]
+    assert "allowed keys here" in text and some_allowed in text
+
+
+@settings(max_examples=40)
+@given(
+    field=st.sampled_from([("train", "micro_batch"), ("train", "seq_len"), ("train", "grad_accum"),
+                           ("method", "lora", "r"), ("target", "headroom")]),
+    value=st.one_of(st.text("xyz", min_size=1, max_size=5), st.lists(st.integers(), max_size=2)),
+)
+def test_wrong_types_are_rejected_naming_the_field(field, value):
+    data = copy.deepcopy(BASE)
+    _at(data, field[:-1])[field[-1]] = value
+    text = str(_error(data))
+    assert ".".join(field) in text
+
+
+@pytest.mark.parametrize(
+    "path, value, expect",
+    [
+        (("layers",), 0, ["layers", "greater than 0"]),
+        (("train", "seq_len"), 0, ["train.seq_len", "greater than 0"]),
+        (("train", "micro_batch"), -2, ["train.micro_batch"]),
+        (("target", "headroom"), 1.5, ["target.headroom", "less than or equal to 1"]),
+        (("target", "card", "memory"), "64 GX", ["target.card.memory", "unknown unit"]),
+        (("target", "card", "vendor"), "intel", ["target.card.vendor", "'nvidia'", "'hygon'"]),
+        (("method", "kind"), "prefix", ["method.kind", "'lora'", "'qlora'", "'full'"]),
+        (("model",), "qwen-9000", ["model", "unknown model", "qwen1.5-7b-chat"]),
+        (("layers",), 33, ["exceeds", "32 layers"]),
+    ],
+)
+def test_impossible_values_are_rejected_with_the_allowed_ones(path, value, expect):
+    data = copy.deepcopy(BASE)
+    _at(data, path[:-1])[path[-1]] = value
+    text = str(_error(data))
+    for part in expect:
+        assert part in text, text
+
+
+def test_zero_stage_5_names_the_allowed_stages():
+    data = copy.deepcopy(ZERO_BASE)
+    data["deepspeed"]["stage"] = 5
+    text = str(_error(data))
+    assert "deepspeed.stage" in text and "0, 1, 2 or 3" in text
+
+
+def test_contradictions_between_blocks_are_explained():
+    data = copy.deepcopy(ZERO_BASE)
+    data["deepspeed"]["stage"] = 2  # keeps stage-3-only thresholds and param offload
+    text = str(_error(data))
+    assert "offload_param needs stage 3" in text
+
+
+def test_a_bad_file_does_not_stop_the_others(tmp_path):
+    good = tmp_path / BASE_FILE.name
+    good.write_text(BASE_FILE.read_text())
+    bad = tmp_path / "003-broken.yaml"
+    bad.write_text(BASE_FILE.read_text().replace("seq_len: 1024", "seq_lenn: 1024"))
+    unparsable = tmp_path / "003-unparsable.yaml"
+    unparsable.write_text("id: [unclosed\n")
+    cases, errors = load_cases(tmp_path)
+    assert [c.id for c in cases] == [BASE["id"]]
+    messages = {e.path.name: str(e) for e in errors}
+    assert "unknown key 'seq_lenn'" in messages["003-broken.yaml"]
+    assert "train.seq_len: Field required" in messages["003-broken.yaml"]
+    assert "not valid YAML at line" in messages["003-unparsable.yaml"]
+
+
+def test_the_file_name_must_match_the_id(tmp_path):
+    wrong = tmp_path / "003-another-name.yaml"
+    wrong.write_text(BASE_FILE.read_text())
+    with pytest.raises(CaseError, match="must equal the file name"):
+        load_case(wrong)
+
+
+def test_a_claim_naming_a_missing_case_is_reported(tmp_path):
+    data = copy.deepcopy(BASE)
+    data["claims"].append({"kind": "lower_peak_than", "case": "003-nowhere", "quote": "x"})
+    (tmp_path / BASE_FILE.name).write_text(yaml.safe_dump(data, allow_unicode=True))
+    _, errors = load_cases(tmp_path)
+    assert any("003-nowhere" in str(e) for e in errors)

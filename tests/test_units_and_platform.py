@@ -1,0 +1,53 @@
+import pytest
+
+from harness.platform import parse_oom
+from harness.units import GIB, MIB, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16 GB", 16 * 10**9),
+        ("64GB", 64 * 10**9),
+        ("23.52 GiB", int(23.52 * GIB)),
+        ("512 MiB", 512 * MIB),
+        ("1024", 1024),
+        (2048, 2048),
+        ("1.45 GiB", int(1.45 * GIB)),
+    ],
+)
+def test_parse_size_reads_units_as_vendors_and_torch_write_them(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["16 GX", "lots", "-3 GB", "", True, -1])
+def test_parse_size_rejects_what_is_not_a_size(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_cuda_oom_of_guide_003_is_parsed_with_its_size():
+    oom = parse_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has ...")
+    assert oom.platform == "cuda"
+    assert oom.tried_to_allocate == int(2.32 * GIB)
+
+
+def test_hip_oom_of_guide_000_is_parsed_as_hip():
+    oom = parse_oom("RuntimeError: HIP out of memory. Tried to allocate 1.45 GiB (GPU 3; 63.98 GiB total)")
+    assert oom.platform == "hip"
+    assert oom.tried_to_allocate == int(1.45 * GIB)
+
+
+def test_oom_of_guide_004_in_mib():
+    oom = parse_oom("CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total capacity of 23.52 GiB")
+    assert oom.tried_to_allocate == 32 * MIB
+
+
+def test_cpu_allocator_failure_is_an_oom():
+    oom = parse_oom("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory: "
+                    "you tried to allocate 123456 bytes.")
+    assert oom.platform == "cpu" and oom.tried_to_allocate == 123456
+
+
+def test_other_errors_are_not_ooms():
+    assert parse_oom("ValueError: shapes (2,3) and (4,5) not aligned") is None

@@ -1,0 +1,111 @@
+"""Verdicts from reports: outcomes against the card, per-card peaks, detections and claims."""
+
+import math
+
+from harness.cases import CASES_DIR, load_case
+from harness.report import CaseRun, ErrorInfo, Failure, Memory, Probes, RankReport, Weights, Zero
+from harness.schema import CheckpointingClaim, TrainsClaim
+from harness.units import GIB
+from harness.verdicts import check_claim, check_outcome, detections
+
+FIX = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")  # 16 GB card, 90% headroom
+FAILING = load_case(CASES_DIR / "003-qlora-failing-bs2-seq2048-r64.yaml")
+SHARED = load_case(CASES_DIR / "004-gla-plan-a-minimal.yaml")  # two jobs per 23.52 GiB card
+WRONG = load_case(CASES_DIR / "002-gemma27b-wrong-model-before-deepspeed.yaml")
+RIGHT = load_case(CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml")
+
+
+def rank(step_device=None, step_alloc=1, rank_=0, slot=0, world=1, losses=(2.0, 1.5), **kw) -> RankReport:
+    return RankReport(case_id="x", fidelity="real", rank=rank_, world_size=world, process_slot=slot, platform="cuda",
+                      device_name="H100", step=Memory(allocated=step_alloc, reserved=step_alloc, device=step_device),
+                      load=Memory(allocated=1), losses=list(losses), **kw)
+
+
+def run_of(*ranks, fidelity="real", error=None) -> CaseRun:
+    return CaseRun(case_id="x", fidelity=fidelity, command=[], returncode=0, wall_s=1.0, ranks=list(ranks), error=error)
+
+
+def test_a_fix_within_the_headroom_fits():
+    v = check_outcome(FIX, run_of(rank(step_device=int(12 * GIB))))
+    assert v.status == "confirmed" and "<= budget" in v.detail
+
+
+def test_a_fix_over_the_headroom_is_refuted_with_numbers():
+    budget = FIX.budget_bytes
+    v = check_outcome(FIX, run_of(rank(step_device=budget + 1)))
+    assert v.status == "refuted"
+    assert "> budget 13.41 GiB" in v.detail and "90% of 14.90 GiB" in v.detail
+
+
+def test_the_device_figure_decides_over_reserved_and_allocated():
+    r = rank(step_device=int(15 * GIB), step_alloc=int(10 * GIB))
+    assert check_outcome(FIX, run_of(r)).status == "refuted"
+
+
+def test_a_failing_config_must_fail():
+    oom = ErrorInfo(kind=Failure.oom, message="CUDA out of memory. Tried to allocate 2.32 GiB", phase="step")
+    assert check_outcome(FAILING, run_of(rank(error=oom))).status == "confirmed"
+    above_line = rank(step_device=int(0.95 * FAILING.target.card.memory))
+    assert check_outcome(FAILING, run_of(above_line)).status == "confirmed"
+    fits = check_outcome(FAILING, run_of(rank(step_device=int(8 * GIB))))
+    assert fits.status == "refuted" and "failing config fits" in fits.detail
+
+
+def test_a_crash_is_never_a_pass():
+    crash = ErrorInfo(kind=Failure.crash, message="Traceback...\nKeyError: 'q_projj'", phase="load")
+    v = check_outcome(FAILING, run_of(rank(error=crash)))
+    assert v.status == "refuted" and "KeyError" in v.detail
+
+
+def test_sharded_ranks_take_the_worst_rank_but_shared_cards_add_up():
+    ranks = [rank(step_device=int(10 * GIB), rank_=0, world=2), rank(step_device=int(12 * GIB), rank_=1, world=2)]
+    assert run_of(*ranks).per_card_peak(procs_per_card=1) == int(12 * GIB)
+    jobs = [rank(step_device=int(10 * GIB), slot=0), rank(step_device=int(12 * GIB), slot=1)]
+    assert run_of(*jobs).per_card_peak(procs_per_card=2) == int(22 * GIB)
+    # two 11 GiB jobs fit one by one, but not together on a 23.52 GiB card at 90%
+    both = run_of(rank(step_device=int(11 * GIB), slot=0), rank(step_device=int(11 * GIB), slot=1))
+    assert check_outcome(SHARED, both).status == "refuted"
+
+
+def _zero_rank(zero_init: bool, before: int, r: int = 0) -> RankReport:
+    return rank(world=2, rank_=r, zero=Zero(stage=3, zero_init=zero_init, local_param_numel=500, total_param_numel=1000,
+                                            materialised_param_bytes_before_engine=before),
+                weights=Weights(params_total=1000, params_trainable=1000, param_bytes_local=1000))
+
+
+def test_a_model_materialised_before_zero_init_is_detected():
+    wrong = run_of(_zero_rank(False, 2000), _zero_rank(False, 2000, 1), fidelity="tiny")
+    assert "materialised_before_zero_init" in detections(WRONG, wrong)
+    assert check_outcome(WRONG, wrong).status == "confirmed"
+
+
+def test_a_partitioned_load_is_not_flagged_and_a_fix_with_the_mistake_fails():
+    right = run_of(_zero_rank(True, 1000), _zero_rank(True, 1000, 1), fidelity="tiny")
+    assert detections(RIGHT, right) == {}
+    assert check_outcome(WRONG, right).status == "refuted"
+    wrong = run_of(_zero_rank(False, 2000), _zero_rank(False, 2000, 1), fidelity="tiny")
+    assert check_outcome(RIGHT, wrong).status == "refuted"
+
+
+def test_checkpointing_that_does_not_recompute_is_refuted():
+    claim = CheckpointingClaim(kind="checkpointing_saves_activations", quote="q")
+    silent = rank(probes=Probes(activation_bytes=1000, activation_bytes_without_checkpointing=1000))
+    assert check_claim(claim, FIX, run_of(silent, fidelity="tiny"), None).status == "refuted"
+    works = rank(probes=Probes(activation_bytes=300, activation_bytes_without_checkpointing=1000))
+    v = check_claim(claim, FIX, run_of(works, fidelity="tiny"), None)
+    assert v.status == "confirmed" and "70% saved" in v.detail
+
+
+def test_training_must_lower_a_finite_loss():
+    claim = TrainsClaim(kind="trains", quote="q")
+    assert check_claim(claim, FIX, run_of(rank(losses=(2.0, 2.1)), fidelity="tiny"), None).status == "refuted"
+    assert check_claim(claim, FIX, run_of(rank(losses=(2.0, math.nan)), fidelity="tiny"), None).status == "refuted"
+    assert check_claim(claim, FIX, run_of(rank(losses=(2.0, 1.9)), fidelity="tiny"), None).status == "confirmed"
+
+
+def test_full_size_claims_wait_for_full_size():
+    claims = [c for c in FIX.claims if c.kind == "memory_range"]
+    v = check_claim(claims[0], FIX, run_of(rank(), fidelity="tiny"), None)
+    assert v.status == "not_checkable"
+    real = check_claim(claims[0], FIX, run_of(rank(step_device=int(11e9))), None)
+    assert real.status == "confirmed" and "11.00 GB" in real.detail
