@@ -64,7 +64,7 @@ def _hf_config(config_dict: dict):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def _random_checkpoint(config_dict: dict, dtype: torch.dtype) -> Path:
+def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.device) -> Path:
     """A folder holding config.json and random weights of this config, written once and cached."""
     from transformers import AutoModelForCausalLM
 
@@ -87,9 +87,12 @@ def _random_checkpoint(config_dict: dict, dtype: torch.dtype) -> Path:
         if not (folder / "config.json").is_file():
             tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+            with torch.device(device):  # random init is fast on an accelerator
+                model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
             model.save_pretrained(tmp)
             del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             tmp.rename(folder)
     if distributed:
         dist.barrier()
@@ -140,7 +143,8 @@ def prepare_checkpoint(case: Case, fidelity: str, device: torch.device, seq_len:
     it is the harness's stand-in for a downloaded model, not part of the scenario)."""
     if case.method.kind != "qlora":
         return None
-    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers), train_dtype(case, device.type == "cpu"))
+    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers), train_dtype(case, device.type == "cpu"),
+                              device)
 
 
 def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict | None, seq_len: int,
@@ -174,7 +178,7 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             bnb_4bit_use_double_quant=q.double_quant,
             bnb_4bit_compute_dtype=compute,
         )
-        folder = checkpoint or _random_checkpoint(config_dict, dtype)
+        folder = checkpoint or _random_checkpoint(config_dict, dtype, device)
         model = AutoModelForCausalLM.from_pretrained(
             folder, quantization_config=bnb, dtype=dtype, device_map={"": device}
         )

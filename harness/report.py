@@ -85,6 +85,7 @@ class RankReport(BaseModel):
     platform: str
     device_name: str
     emulated_card_bytes: int | None = None
+    context_bytes: int | None = None  # device memory of the CUDA/HIP context, outside the allocator
     load: Memory | None = None
     step: Memory | None = None
     weights: Weights | None = None
@@ -97,10 +98,21 @@ class RankReport(BaseModel):
     micro_batch: int = 0
     grad_accum: int = 0
     tokens_per_step: int = 0
+    flops_per_token: float | None = None
     losses: list[float] = Field(default_factory=list)
     model_config_used: dict = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=dict)
     error: ErrorInfo | None = None
+
+    @property
+    def mfu(self) -> float | None:
+        from harness.flops import peak_flops
+
+        peak = peak_flops(self.device_name)
+        rate = self.tokens_per_s
+        if peak is None or rate is None or not self.flops_per_token:
+            return None
+        return rate * self.flops_per_token / peak
 
     @property
     def tokens_per_s(self) -> float | None:

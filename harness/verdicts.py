@@ -246,8 +246,8 @@ def _memory_range(claim, case, run, lookup):
     if claim.metric == "usage_fraction":
         detail = f"measured {value:.0%} of the card, claimed {claim.low:.0%}-{claim.high:.0%}"
     else:
-        detail = (f"measured {claim.metric} {value / 1e9:.2f} GB ({fmt_gib(value)}), claimed "
-                  f"{claim.low / 1e9:.1f}-{claim.high / 1e9:.1f} GB")
+        detail = (f"measured {claim.metric} {fmt_gib(value)}, claimed {fmt_gib(claim.low, 1)} to "
+                  f"{fmt_gib(claim.high, 1)}")
     return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
 
 

@@ -56,14 +56,22 @@ class Measurement:
         self.device = device
         self.on_cpu = device.type == "cpu"
         self.limit = emulated_card_bytes
+        self.context_bytes = None
+        reader = device_memory_reader(device)
         if self.on_cpu:
             self.alloc = LiveTensorTracker()
         else:
             self.alloc = AcceleratorTracker(device)
+            torch.zeros(1, device=device)  # create the context, so its size can be read
+            if reader is not None and reader.per_process:
+                self.context_bytes = max(0, (reader.read() or 0) - torch.cuda.memory_reserved(device))
             if emulated_card_bytes:
+                # A smaller card on a bigger one: the allocator may use what the card has left
+                # after this process's context (which the real card holds too).
                 total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, emulated_card_bytes / total), device)
-        self.sampler = Sampler(device_memory_reader(device))
+                usable = emulated_card_bytes - (self.context_bytes or 0)
+                torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, usable / total)), device)
+        self.sampler = Sampler(reader)
 
     def __enter__(self):
         self.sampler.__enter__()
@@ -325,6 +333,7 @@ def run(args) -> int:
             built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, layers, checkpoint)
             model = built.model
             report.model_config_used = built.config_dict
+            report.context_bytes = meas.context_bytes
             meas.sync()
             meas.check_cpu_limit()
             report.load = meas.figures()
@@ -377,6 +386,11 @@ def run(args) -> int:
             report.step = meas.figures()
             report.probes.activation_bytes = report.step.allocated - step_start
             report.weights = _weights(model)
+            from harness.flops import flops_per_token, linear_weight_count
+
+            report.flops_per_token = flops_per_token(
+                linear_weight_count(model), built.config_dict, shape.seq_len, case.method.kind == "full"
+            )
             if engine is not None:
                 ds = case.deepspeed
                 report.zero = Zero(

@@ -34,7 +34,7 @@ def test_a_fix_over_the_headroom_is_refuted_with_numbers():
     budget = FIX.budget_bytes
     v = check_outcome(FIX, run_of(rank(step_device=budget + 1)))
     assert v.status == "refuted"
-    assert "> budget 13.41 GiB" in v.detail and "90% of 14.90 GiB" in v.detail
+    assert "> budget 14.19 GiB" in v.detail and "90% of 15.77 GiB" in v.detail
 
 
 def test_the_device_figure_decides_over_reserved_and_allocated():
@@ -107,5 +107,5 @@ def test_full_size_claims_wait_for_full_size():
     claims = [c for c in FIX.claims if c.kind == "memory_range"]
     v = check_claim(claims[0], FIX, run_of(rank(), fidelity="tiny"), None)
     assert v.status == "not_checkable"
-    real = check_claim(claims[0], FIX, run_of(rank(step_device=int(11e9))), None)
-    assert real.status == "confirmed" and "11.00 GB" in real.detail
+    real = check_claim(claims[0], FIX, run_of(rank(step_device=int(11 * GIB))), None)
+    assert real.status == "confirmed" and "11.00 GiB" in real.detail
