@@ -95,14 +95,35 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> subprocess.Popen:
+    ready = out_dir / "ballast.ready"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "harness.ballast", "--leave", str(leave_bytes), "--ready", str(ready)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_group(proc)
+            raise RuntimeError("the ballast process could not take the card's spare memory; see log.txt")
+        time.sleep(0.2)  # waiting on another process's CUDA start-up; nothing to block on
+    return proc
+
+
 def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
-             expected_reports: int) -> CaseRun:
+             expected_reports: int, ballast_leave_bytes: int | None = None) -> CaseRun:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "log.txt"
     started = time.monotonic()
     procs: list[subprocess.Popen] = []
     timed_out = False
+    ballast = None
     with open(log_path, "wb") as log:
+        if ballast_leave_bytes:
+            try:
+                ballast = _start_ballast(ballast_leave_bytes, out_dir, log)
+            except RuntimeError as exc:
+                return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
+                               error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
         for job in jobs:
             env = dict(os.environ)
             env.update(job.env)
@@ -121,6 +142,9 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
                 _kill_group(proc)
             for proc in procs:
                 proc.wait()
+        if ballast is not None:
+            _kill_group(ballast)
+            ballast.wait()
     wall = time.monotonic() - started
     codes = [p.returncode for p in procs]
     log_text = log_path.read_text(errors="replace")
@@ -171,8 +195,13 @@ def _last_error_line(log: str) -> str:
 def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform: Platform,
              timeout_s: float = DEFAULT_TIMEOUT_S, steps: int | None = None,
              emulate_card_bytes: int | None = None) -> CaseRun:
+    """Run a case. `emulate_card_bytes` makes a bigger device behave as the target card: a cap per
+    process for one job, a ballast process for several jobs sharing the card (GPU only)."""
     from harness.shape import run_shape
 
     shape = run_shape(case, fidelity, steps)
-    jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps, emulate_card_bytes)
-    return run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card)
+    shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
+    jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
+                     None if shared else emulate_card_bytes)
+    return run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
+                    ballast_leave_bytes=emulate_card_bytes if shared else None)

@@ -17,6 +17,7 @@ class Memory(BaseModel):
     reserved: int | None = None
     device: int | None = None
     host_rss: int | None = None
+    resident: int | None = None  # allocated bytes still live at the end of the phase
 
     def limiting(self) -> int:
         """The figure that decides an OOM: the device's own where known, else reserved, else allocated."""

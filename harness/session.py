@@ -88,9 +88,7 @@ class Session:
     def _execute(self, case_id: str, fidelity: str) -> CaseRun:
         case, path = self.cases[case_id]
         out = self.run_root / fidelity / case_id
-        emulate = None
-        if fidelity == "real" and case.launch.procs_per_card == 1:
-            emulate = case.target.card.memory  # cap the process at the target card's size
+        emulate = case.target.card.memory if fidelity == "real" else None
         run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate)
         (out / "run.json").write_text(run.model_dump_json(indent=1))
         return run

@@ -104,12 +104,27 @@ class Measurement:
 
         self.sampler.sample()
         reserved = None if self.on_cpu else self.alloc.peak_reserved()
+        device = self.sampler.device_peak
+        if device is not None and reserved is not None and self.context_bytes is not None:
+            # NVML is sampled every 20 ms and can miss a short spike; the process held at least
+            # its reserved peak plus its context at that moment.
+            device = max(device, reserved + self.context_bytes)
         return Memory(
             allocated=self.alloc.peak_bytes(),
             reserved=reserved,
-            device=self.sampler.device_peak,
+            device=device,
             host_rss=self.sampler.host_peak,
+            resident=self.alloc.current(),
         )
+
+    def lift_cap(self):
+        """Probes measure byte deltas of ablations (checkpointing off, all logits), which may not
+        fit the emulated card; they run without its cap."""
+        if not self.on_cpu and self.limit:
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        self.limit = None
 
     def current(self) -> int:
         return self.alloc.current()
@@ -406,6 +421,7 @@ def run(args) -> int:
                     report.offload = _offload(engine, platform == Platform.cpu)
 
             phase = "probe"
+            meas.lift_cap()
             probe_batch = next(iter(_loader(case, shape, vocab, True, 1)))
             probe_batch = probe_batch.to(device)
             held, logits_bytes = _forward_probe(runner, probe_batch, meas, None)
