@@ -36,6 +36,14 @@ def _cmd_validate(args) -> int:
     return 2 if bad else 0
 
 
+def _write_json(path: Path, judged) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(
+        [{"case": j.case.id, "fidelity": j.run.fidelity, "run": json.loads(j.run.model_dump_json()),
+          "verdicts": [v.__dict__ for v in j.verdicts]} for j in judged], indent=1))
+    tmp.replace(path)
+
+
 def _cmd_run(args) -> int:
     from harness.session import Session, skip_reason
     from harness.summary import findings, table
@@ -60,6 +68,8 @@ def _cmd_run(args) -> int:
         j = session.judge(cid, args.fidelity)
         status = "FAILED" if j.failed else "ok"
         print(f"[{i}/{len(selected)}] {cid} {args.fidelity}: {status} ({j.run.wall_s:.1f} s)", flush=True)
+        if args.json:  # rewritten after every case, so an interrupted run keeps what it measured
+            _write_json(Path(args.json), session.judged())
     judged = session.judged()
     print()
     print(table(judged))
@@ -69,10 +79,6 @@ def _cmd_run(args) -> int:
     if found:
         print("\nFindings (refuted claims and outcomes):\n" + found)
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            [{"case": j.case.id, "fidelity": j.run.fidelity, "run": json.loads(j.run.model_dump_json()),
-              "verdicts": [v.__dict__ for v in j.verdicts]} for j in judged], indent=1))
     failed = any(j.failed for j in judged) or bool(session.errors)
     return 1 if failed else 0
 
