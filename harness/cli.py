@@ -83,7 +83,18 @@ def _cmd_run(args) -> int:
     return 1 if failed else 0
 
 
+def _stop_on_sigterm() -> None:
+    """`timeout`, CI runners and job schedulers stop with SIGTERM: unwind, so running cases are killed."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv=None) -> int:
+    _stop_on_sigterm()
     parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run cases and print a summary table")

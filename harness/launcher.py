@@ -12,6 +12,7 @@ workers managed to write; the harness itself never crashes on a bad case.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -95,6 +96,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _reaped(procs: list[subprocess.Popen]):
+    """Each job runs in its own session (so a timeout can kill its whole tree), which also means
+    nothing kills it when the harness itself is stopped: do it here, on any way out."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            _kill_group(proc)
+            proc.wait()
+        raise
+
+
 def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> subprocess.Popen:
     ready = out_dir / "ballast.ready"
     ready.unlink(missing_ok=True)
@@ -117,10 +131,11 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
     procs: list[subprocess.Popen] = []
     timed_out = False
     ballast = None
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, _reaped(procs):
         if ballast_leave_bytes:
             try:
                 ballast = _start_ballast(ballast_leave_bytes, out_dir, log)
+                procs.append(ballast)
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
@@ -132,6 +147,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = started + timeout_s
         for proc in procs:
+            if proc is ballast:
+                continue
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -143,6 +160,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             for proc in procs:
                 proc.wait()
         if ballast is not None:
+            procs.remove(ballast)
             _kill_group(ballast)
             ballast.wait()
     wall = time.monotonic() - started

@@ -48,6 +48,9 @@ _OOM_PATTERNS = [
     (re.compile(r"HIP out of memory\.?(?: Tried to allocate " + _SIZE + ")?"), "hip"),
     # the harness's emulated card limit on CPU (tiny mode), worded like the GPU message
     (re.compile(r"CPU out of memory \(emulated card\)\.?(?: Tried to allocate " + _SIZE + ")?"), "cpu"),
+    # cuBLAS/hipBLAS could not allocate its handle or workspace: the device is out of memory
+    (re.compile(r"CUBLAS_STATUS_ALLOC_FAILED"), "cuda"),
+    (re.compile(r"HIPBLAS_STATUS_ALLOC_FAILED|rocblas_status_memory_error"), "hip"),
     (re.compile(r"DefaultCPUAllocator: (?:not enough memory|can't allocate memory)(?:: you tried to allocate (?P<bytes>\d+) bytes)?"), "cpu"),
 ]
 

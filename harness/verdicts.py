@@ -131,11 +131,11 @@ def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
     kind, quote = claim.kind, claim.quote
     if run.fidelity == "tiny" and kind not in TINY_CLAIMS:
         return Verdict(kind, "not_checkable", "checked at full size on real cards", quote)
-    if not run.ranks or any(r.step is None for r in run.ranks):
-        if kind == "oom_tried_to_allocate":
-            return _oom_size(claim, run)
-        err = run.first_error()
-        why = f"{err.kind.value}: {_first_line(err.message)}" if err else "no measurement"
+    if kind == "oom_tried_to_allocate":
+        return _oom_size(claim, run)
+    err = run.first_error()
+    if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
+        why = f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err else "no measurement"
         return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
     fn = _CHECKS[kind]
     return fn(claim, case, run, lookup)
@@ -235,7 +235,7 @@ def _lower_peak(claim, case, run, lookup):
 def _memory_range(claim, case, run, lookup):
     r_peak = per_card_peak(case, run)
     if claim.metric == "load_footprint":
-        value = max(r.load.limiting() for r in run.ranks if r.load)
+        value = max((r.load.limiting() for r in run.ranks if r.load), default=None)
     elif claim.metric == "usage_fraction":
         value = r_peak / case.target.card.memory if r_peak else None
     else:

@@ -108,3 +108,40 @@ def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path):
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def test_stopping_the_harness_kills_the_running_case(tmp_path):
+    """A run interrupted from outside (SIGTERM to the CLI, Ctrl-C) takes its process groups with it."""
+    import threading
+
+    code = """
+        import sys, time
+        open(sys.argv[1], 'w').write('started')
+        time.sleep(600)
+    """
+    marker = tmp_path / "started"
+    job = Job([sys.executable, "-c", textwrap.dedent(code), str(marker)])
+    pids = []
+    real_popen = __import__("subprocess").Popen
+
+    def spy(*a, **k):
+        p = real_popen(*a, **k)
+        pids.append(p.pid)
+        return p
+
+    def interrupt():
+        while not marker.exists():
+            time.sleep(0.05)
+        import _thread
+        _thread.interrupt_main()
+
+    import harness.launcher as launcher
+
+    launcher.subprocess.Popen, saved = spy, launcher.subprocess.Popen
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_jobs([job], tmp_path / "run", 120, "x", "tiny", 1)
+    finally:
+        launcher.subprocess.Popen = saved
+    assert pids and not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE

@@ -51,3 +51,8 @@ def test_cpu_allocator_failure_is_an_oom():
 
 def test_other_errors_are_not_ooms():
     assert parse_oom("ValueError: shapes (2,3) and (4,5) not aligned") is None
+
+
+def test_a_cublas_handle_that_cannot_be_allocated_is_an_oom():
+    oom = parse_oom("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert oom is not None and oom.platform == "cuda" and oom.tried_to_allocate is None
