@@ -328,6 +328,12 @@ def run(args) -> int:
         versions=_versions(),
     )
     out_path = Path(args.out_dir) / (f"rank{rank}" + (f"-slot{args.slot}" if args.slot else "") + ".json")
+    t_start = time.perf_counter()
+
+    def progress(what: str) -> None:  # to the case's log.txt, so a slow or hung run shows where it is
+        print(f"[harness.worker] {case.id} rank {rank} slot {args.slot}: {what} "
+              f"({time.perf_counter() - t_start:.1f} s)", file=sys.stderr, flush=True)
+
     phase = "setup"
     code = EXIT_OK
     meas = Measurement(device, args.emulate_card_bytes)
@@ -354,6 +360,7 @@ def run(args) -> int:
             report.load = meas.figures()
             params_before_engine = sum(_local_bytes(p) for p in model.parameters())
 
+            progress(f"loaded, {report.load.allocated / 2**30:.2f} GiB peak allocated")
             phase = "engine"
             if ds_config is not None:
                 import deepspeed
@@ -368,6 +375,7 @@ def run(args) -> int:
                 runner = model
             meas.check_cpu_limit()
 
+            progress("engine ready")
             phase = "step"
             vocab = int(built.config_dict["vocab_size"])
             loader = _loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum)
@@ -398,6 +406,7 @@ def run(args) -> int:
                 meas.sync()
                 report.step_times_s.append(time.perf_counter() - t0)
                 report.losses.append(statistics.fmean(losses))
+                progress(f"step {len(report.step_times_s)}/{shape.steps} in {report.step_times_s[-1]:.2f} s")
             report.step = meas.figures()
             report.probes.activation_bytes = report.step.allocated - step_start
             report.weights = _weights(model)
@@ -422,6 +431,7 @@ def run(args) -> int:
 
             phase = "probe"
             meas.lift_cap()
+            progress("probes")
             probe_batch = next(iter(_loader(case, shape, vocab, True, 1)))
             probe_batch = probe_batch.to(device)
             held, logits_bytes = _forward_probe(runner, probe_batch, meas, None)
