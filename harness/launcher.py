@@ -64,6 +64,9 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
+        # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
+        # fresh GPU host); keep them between runs too
+        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(cache_dir() / "triton")),
     }
     base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
     jobs: list[Job] = []

@@ -484,7 +484,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--slot", type=int, default=0, help="index of this job among jobs sharing one card")
     parser.add_argument("--emulate-card-bytes", type=int, default=None)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from harness.cases import load_case
 
     if load_case(args.case).method.kind != "qlora":
