@@ -93,6 +93,21 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _cmd_bless(args) -> int:
+    from harness.baselines import bless
+
+    for path in bless(Path(args.runs), driver=args.driver, note=args.note or ""):
+        print(f"wrote {path}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from harness.baselines import load_baselines, report_markdown
+
+    print(report_markdown(load_baselines()))
+    return 0
+
+
 def main(argv=None) -> int:
     _stop_on_sigterm()
     parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
@@ -108,6 +123,13 @@ def main(argv=None) -> int:
     run.add_argument("--jobs", type=int, default=None,
                      help="training processes at once for tiny runs (default: one per CPU core)")
     run.set_defaults(func=_cmd_run)
+    bl = sub.add_parser("bless", help="write or refresh baselines from a `run --fidelity real --json` file")
+    bl.add_argument("runs")
+    bl.add_argument("--driver", help="the GPU driver version, where the reports lack it")
+    bl.add_argument("--note", help="a line of provenance kept with the baselines")
+    bl.set_defaults(func=_cmd_bless)
+    rep = sub.add_parser("report", help="print the baselines as a markdown table")
+    rep.set_defaults(func=_cmd_report)
     val = sub.add_parser("validate", help="check case files")
     val.add_argument("paths", nargs="*")
     val.set_defaults(func=_cmd_validate)

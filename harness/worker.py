@@ -38,6 +38,14 @@ def _versions() -> dict[str, str]:
         out["cuda"] = torch.version.cuda
     if torch.version.hip:
         out["hip"] = torch.version.hip
+    if torch.cuda.is_available() and not torch.version.hip:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            out["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # nvidia-ml-py missing: the driver stays unrecorded
+            pass
     return out
 
 

@@ -1,0 +1,168 @@
+"""Baselines: measured figures of full-size runs, kept as data per platform, with provenance.
+
+`oom-harness bless RUNS.json` turns the JSON of `oom-harness run --fidelity real --json` into one
+file per case under results/baselines/<platform>/. A platform is the card, how many, and the
+software that measured (driver, torch and CUDA/ROCm, transformers, peft, DeepSpeed, bitsandbytes).
+Nothing measured is ever pasted into code: comparisons read these files.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import statistics
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from harness.report import CaseRun
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results" / "baselines"
+
+
+class PlatformInfo(BaseModel):
+    device_name: str
+    device_count: int
+    driver: str | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        name = re.sub(r"[^a-z0-9]+", "-", self.device_name.lower()).strip("-")
+        return f"{name}-x{self.device_count}"
+
+
+class Figures(BaseModel):
+    """Bytes and rates of one run. The per-card peak is the device's own figure where known
+    (the worst rank of a sharded job; the sum of the jobs sharing a card)."""
+
+    per_card_peak: int | None
+    allocated_peak: int | None
+    reserved_peak: int | None
+    load_footprint: int | None
+    tokens_per_s_per_gpu: float | None
+    mfu: float | None
+    step_times_s: list[float]
+    outcome: str  # ok, or the failure kind (oom, crash, timeout)
+    failure: str | None = None
+
+
+class Baseline(BaseModel):
+    case_id: str
+    platform: PlatformInfo
+    emulated_card_bytes: int | None
+    measured: str  # "full depth" or "extrapolated from N layers"
+    steps: int
+    runs: list[Figures]  # one per repetition
+    recorded: str
+    note: str = ""
+
+    def spread(self, attr: str) -> tuple[float, float] | None:
+        """(median, max relative deviation from it) over the repetitions."""
+        values = [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
+        if not values:
+            return None
+        mid = statistics.median(values)
+        return mid, (max(abs(v - mid) for v in values) / mid if mid else 0.0)
+
+
+def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
+    ranks = run.ranks
+    err = run.first_error()
+    rates = [r.tokens_per_s for r in ranks if r.tokens_per_s]
+    mfus = [r.mfu for r in ranks if r.mfu]
+    steps = [r for r in ranks if r.step is not None]
+    return Figures(
+        per_card_peak=run.per_card_peak(procs_per_card),
+        allocated_peak=max((r.step.allocated for r in steps), default=None),
+        reserved_peak=max((r.step.reserved or 0 for r in steps), default=None) or None,
+        load_footprint=max((r.load.limiting() for r in ranks if r.load), default=None),
+        tokens_per_s_per_gpu=min(rates) if rates else None,
+        mfu=min(mfus) if mfus else None,
+        step_times_s=ranks[0].step_times_s if ranks else [],
+        outcome="ok" if err is None else err.kind.value,
+        failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,
+    )
+
+
+def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
+          recorded: str | None = None) -> list[Path]:
+    """Write or refresh the baselines of every full-size run in an `oom-harness run --json` file.
+    Repeated runs of a case in one file become repetitions of one baseline."""
+    from harness.cases import CASES_DIR, load_case
+
+    entries = json.loads(Path(runs_json).read_text())
+    by_case: dict[str, list[CaseRun]] = {}
+    for entry in entries:
+        run = CaseRun.model_validate(entry["run"])
+        if run.fidelity != "real" or not run.ranks:
+            continue
+        by_case.setdefault(run.case_id, []).append(run)
+    written = []
+    for case_id, runs in by_case.items():
+        case = load_case(CASES_DIR / f"{case_id}.yaml")
+        first = runs[0].ranks[0]
+        platform = PlatformInfo(device_name=first.device_name, device_count=max(r.world_size for r in runs[0].ranks),
+                                driver=driver or first.versions.get("driver"), versions=first.versions)
+        baseline = Baseline(
+            case_id=case_id, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
+            measured="full depth" if case.layers is None else f"extrapolated from {case.layers} layers",
+            steps=len(first.step_times_s) or 0,
+            runs=[figures_of(r, case.launch.procs_per_card) for r in runs],
+            recorded=recorded or dt.date.today().isoformat(), note=note,
+        )
+        path = root / platform.key / f"{case_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(baseline.model_dump_json(indent=1) + "\n")
+        written.append(path)
+    return written
+
+
+def load_baselines(root: Path = RESULTS_DIR) -> list[Baseline]:
+    return [Baseline.model_validate_json(p.read_text()) for p in sorted(root.glob("*/*.json"))]
+
+
+def report_markdown(baselines: list[Baseline]) -> str:
+    """One row per baseline: target card, measured peaks, headroom, speed, and the guide's
+    memory claims beside the measurement."""
+    from harness.cases import CASES_DIR, load_case
+    from harness.units import fmt_gib
+
+    lines = [
+        "| case | measured on | target card (budget) | outcome | peak allocated / reserved (worst process) / device (per card) | headroom | tokens/s/GPU | MFU | guide's claims vs measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in baselines:
+        case = load_case(CASES_DIR / f"{b.case_id}.yaml")
+        r = b.runs[0]
+        budget = case.budget_bytes
+        head = "-" if r.per_card_peak is None else f"{(budget - r.per_card_peak) / 2**30:+.2f} GiB"
+        peaks = " / ".join(fmt_gib(x) for x in (r.allocated_peak, r.reserved_peak, r.per_card_peak))
+        if r.outcome != "ok":
+            peaks += " (at the failure)"
+        claims = []
+        for c in case.claims:
+            if c.kind != "memory_range":
+                continue
+            if c.metric == "usage_fraction":
+                value = r.per_card_peak / case.target.card.memory if r.per_card_peak else None
+                got = "-" if value is None else f"{value:.0%}"
+                want = f"{c.low:.0%}-{c.high:.0%}"
+            else:
+                value = r.load_footprint if c.metric == "load_footprint" else r.per_card_peak
+                got = fmt_gib(value)
+                want = f"{c.low / 2**30:.0f}-{c.high / 2**30:.0f} GiB"
+            ok = value is not None and c.low <= value <= c.high and r.outcome == "ok"
+            claims.append(f"{c.metric} {want}: {got} {'(holds)' if ok else '(refuted)'}")
+        expected = case.expect.outcome
+        verdict = r.outcome if r.outcome != "ok" else "fits"
+        agree = {("fits", "fits"), ("oom", "oom")}
+        mark = "as expected" if (verdict, expected) in agree else f"expected {expected}"
+        rate = "-" if r.tokens_per_s_per_gpu is None else f"{r.tokens_per_s_per_gpu:,.0f}"
+        mfu = "-" if r.mfu is None else f"{r.mfu:.1%}"
+        where = f"{b.platform.device_name} x{b.platform.device_count}, {b.measured}"
+        card = f"{case.target.card.name} ({fmt_gib(budget)})"
+        lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {rate} | {mfu} | "
+                     f"{'; '.join(claims) or '-'} |")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""Blessing full-size runs into baselines, and reporting them against the guides' claims."""
+
+import json
+
+import pytest
+
+from harness.baselines import bless, load_baselines, report_markdown
+from harness.report import CaseRun, Memory, RankReport
+from harness.units import GIB
+
+
+def _run(device_peak: float, step_s: float) -> dict:
+    rank = RankReport(case_id="003-qlora-fix-r32-seq1024-gc", fidelity="real", rank=0, world_size=1,
+                      platform="cuda", device_name="NVIDIA H100 80GB HBM3", emulated_card_bytes=int(15.77 * GIB),
+                      load=Memory(allocated=int(6 * GIB), reserved=int(6.2 * GIB), device=int(6.5 * GIB)),
+                      step=Memory(allocated=int(9 * GIB), reserved=int(9.5 * GIB), device=int(device_peak * GIB)),
+                      step_times_s=[9.0, step_s, step_s], tokens_per_step=16384, flops_per_token=3e10,
+                      losses=[12.8, 11.0, 10.5], versions={"torch": "2.11.0", "cuda": "13.0"})
+    run = CaseRun(case_id=rank.case_id, fidelity="real", command=[], returncode=0, wall_s=40.0, ranks=[rank])
+    return {"case": rank.case_id, "fidelity": "real", "run": json.loads(run.model_dump_json()), "verdicts": []}
+
+
+def test_repetitions_become_one_baseline_with_their_spread(tmp_path):
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([_run(10.4, 7.0), _run(10.6, 7.4)]))
+    (path,) = bless(runs, driver="580.159.04", root=tmp_path / "baselines", recorded="2026-11-25")
+    assert path.parent.name == "nvidia-h100-80gb-hbm3-x1"
+    (baseline,) = load_baselines(tmp_path / "baselines")
+    assert baseline.platform.driver == "580.159.04"
+    assert baseline.measured == "full depth"
+    assert len(baseline.runs) == 2
+    median, spread = baseline.spread("tokens_per_s_per_gpu")
+    assert median == pytest.approx((16384 / 7.0 + 16384 / 7.4) / 2)
+    assert 0.02 < spread < 0.03
+    assert baseline.runs[0].mfu == 16384 / 7.0 * 3e10 / 989.4e12
+
+
+def test_the_report_puts_the_guides_figures_beside_the_measurement(tmp_path):
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([_run(10.5, 7.0)]))
+    bless(runs, root=tmp_path / "baselines")
+    table = report_markdown(load_baselines(tmp_path / "baselines"))
+    row = next(line for line in table.splitlines() if line.startswith("| 003-qlora-fix-r32"))
+    assert "fits (as expected)" in row
+    assert "device_peak 10-12 GiB: 10.50 GiB (holds)" in row
+    assert "device_peak 12-14 GiB: 10.50 GiB (refuted)" in row
+    assert "+3.69 GiB" in row  # headroom under 90% of 15.77 GiB
