@@ -1,0 +1,55 @@
+"""The pytest surface: one test per case and fidelity, markers, and a bad file that fails alone."""
+
+import shutil
+
+from harness.cases import CASES_DIR
+
+pytest_plugins = ["pytester"]
+
+GOOD = "003-qlora-fix-r16-seq512-gc"
+
+
+def _case_dir(pytester):
+    cases = pytester.mkdir("mycases")
+    shutil.copy(CASES_DIR / f"{GOOD}.yaml", cases)
+    # the good case claims a lower peak than this one; keep the reference valid
+    shutil.copy(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml", cases)
+    shutil.copy(CASES_DIR / "003-qlora-failing-bs2-seq2048-r64.yaml", cases)
+    bad = (CASES_DIR / f"{GOOD}.yaml").read_text().replace("stage: 3", "").replace(
+        "id: 003-qlora-fix-r16-seq512-gc", "id: 003-broken").replace("seq_len: 512", "seq_len: 0")
+    (cases / "003-broken.yaml").write_text(bad.replace("micro_batch: 1", "micro_batch: 1\n  gradient_acumulation: 4"))
+    pytester.makepyfile(test_cases="""
+        from harness.plugin import check_case
+
+        def test_case(harness_case, harness_session):
+            check_case(harness_case, harness_session)
+    """)
+    pytester.makeconftest('pytest_plugins = ["harness.plugin"]')
+    return cases
+
+
+def test_every_case_is_collected_at_each_fidelity_with_its_markers(pytester):
+    cases = _case_dir(pytester)
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "gpu")
+    result.stdout.fnmatch_lines([f"*test_case?{GOOD}-real?*"])
+    assert f"{GOOD}-tiny" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "tiny")
+    result.stdout.fnmatch_lines([f"*test_case?{GOOD}-tiny?*", "*test_case?invalid-003-broken?*"])
+
+
+def test_a_malformed_case_fails_alone_naming_file_field_and_allowed_values(pytester):
+    cases = _case_dir(pytester)
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-k", "invalid", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "003-broken.yaml: invalid case file" in out
+    assert "train.gradient_acumulation: unknown key 'gradient_acumulation'; allowed keys here:" in out
+    assert "grad_accum" in out
+    assert "train.seq_len: Input should be greater than 0" in out
+
+
+def test_full_size_cases_skip_with_a_reason_without_a_gpu(pytester):
+    cases = _case_dir(pytester)
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-m", "gpu", "-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["*no GPU: full-size runs need CUDA or ROCm (tiny mode covers this case on CPU)*"])
