@@ -252,46 +252,48 @@ def _loader(case, shape, vocab, on_cpu, micro_steps):
     )
 
 
+def _measured_forward(model, batch, meas, grad: bool, **kwargs) -> tuple[int, int, int | None]:
+    """One forward from a synchronised start: (bytes it leaves alive, its peak above the start,
+    the bytes of its logits)."""
+    import torch
+
+    meas.sync()
+    start = meas.current()
+    meas.reset()
+    with torch.set_grad_enabled(grad):
+        out = model(input_ids=batch, **kwargs)
+        meas.sync()
+        held = meas.current() - start
+        logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else None
+    del out
+    return held, meas.figures().allocated - start, logits
+
+
 def _forward_probe(model, batch, meas, checkpointing: bool | None):
     """Bytes a training forward leaves alive for backward (activations, logits, loss), measured
     without running backward, so neither gradients nor optimizer state move."""
-    import torch
-
     from harness.modelbuild import checkpointing_active, set_checkpointing
 
     base = getattr(model, "module", model)  # DeepSpeed engine -> peft/HF model
     hf = base.get_base_model() if hasattr(base, "get_base_model") else base
     was = checkpointing_active(hf)
-    if checkpointing is not None and checkpointing != was:
+    toggled = checkpointing is not None and checkpointing != was
+    if toggled:
         set_checkpointing(hf, checkpointing)
-    meas.sync()
-    start = meas.current()
-    meas.reset()
-    with torch.enable_grad():
-        out = model(input_ids=batch, labels=batch)
-        meas.sync()
-        held = meas.current() - start
-        logits_bytes = out.logits.numel() * out.logits.element_size() if out.logits is not None else None
-    del out
-    if checkpointing is not None and checkpointing != was:
-        set_checkpointing(hf, was)
-    return held, logits_bytes
+    try:
+        held, _, logits = _measured_forward(model, batch, meas, grad=True, labels=batch)
+    finally:
+        if toggled:
+            set_checkpointing(hf, was)
+    return held, logits
 
 
 def _eval_probe(model, batch, meas, logits_to_keep: int):
-    import torch
-
+    """Peak above the start and logits bytes of an evaluation forward with `logits_to_keep`."""
     model.eval()
     try:
-        meas.sync()
-        start = meas.current()
-        meas.reset()
-        with torch.no_grad():
-            out = model(input_ids=batch, logits_to_keep=logits_to_keep)
-            meas.sync()
-            logits = out.logits.numel() * out.logits.element_size()
-            del out
-        return meas.figures().allocated - start, logits
+        _, peak, logits = _measured_forward(model, batch, meas, grad=False, logits_to_keep=logits_to_keep)
+        return peak, logits
     finally:
         model.train()
 
