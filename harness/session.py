@@ -67,6 +67,20 @@ class _ProcessBudget:
             self._cond.notify_all()
 
 
+class _Lookup:
+    """What a claim may consult: another case's run, or every run of a family (same fidelity)."""
+
+    def __init__(self, session: "Session", fidelity: str):
+        self._session, self._fidelity = session, fidelity
+
+    def __call__(self, case_id: str):
+        return self._session.cases[case_id][0], self._session.run(case_id, self._fidelity)
+
+    def family(self, name: str):
+        ids = sorted(cid for cid, (c, _) in self._session.cases.items() if c.family == name)
+        return [self(cid) for cid in ids]
+
+
 @dataclass
 class Session:
     case_dir: Path
@@ -143,9 +157,7 @@ class Session:
             case, _ = self.cases[case_id]
             run = self.run(case_id, fidelity)
 
-            def lookup(other_id: str):
-                return self.cases[other_id][0], self.run(other_id, fidelity)
-
+            lookup = _Lookup(self, fidelity)
             self._judged[key] = Judgement(case, run, check_outcome(case, run), check_claims(case, run, lookup))
         return self._judged[key]
 

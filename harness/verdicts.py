@@ -261,7 +261,25 @@ def _oom_size(claim, run, *_):
 
 
 def _speed_rank(claim, case, run, lookup):
-    return Verdict(claim.kind, "not_checkable", "the speed order is checked across the family", claim.quote)
+    """The claimed speed order against the measured tokens/s of the family's other ranked cases."""
+    mine = min((r.tokens_per_s for r in run.ranks if r.tokens_per_s), default=None)
+    if mine is None:
+        return Verdict(claim.kind, "not_checkable", "no throughput measured", claim.quote)
+    compared, wrong = [], []
+    for other_case, other_run in lookup.family(case.family):
+        theirs = min((r.tokens_per_s for r in other_run.ranks if r.tokens_per_s), default=None)
+        other_rank = next((c.rank for c in other_case.claims if c.kind == "speed_rank"), None)
+        if other_case.id == case.id or theirs is None or other_rank is None or other_run.first_error():
+            continue
+        compared.append(other_case.id)
+        if (other_rank < claim.rank) != (theirs > mine):
+            wrong.append(f"{other_case.id} (rank {other_rank}) runs {theirs:,.0f} tokens/s")
+    if not compared:
+        return Verdict(claim.kind, "not_checkable", "no other ranked case of the family finished", claim.quote)
+    detail = f"rank {claim.rank} at {mine:,.0f} tokens/s per GPU"
+    if wrong:
+        return Verdict(claim.kind, "refuted", detail + "; out of order against " + "; ".join(wrong), claim.quote)
+    return Verdict(claim.kind, "confirmed", detail + f", in order against {len(compared)} other(s)", claim.quote)
 
 
 _CHECKS = {

@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3

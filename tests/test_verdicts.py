@@ -109,3 +109,32 @@ def test_full_size_claims_wait_for_full_size():
     assert v.status == "not_checkable"
     real = check_claim(claims[0], FIX, run_of(rank(step_device=int(11 * GIB))), None)
     assert real.status == "confirmed" and "11.00 GiB" in real.detail
+
+
+class _Family:
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __call__(self, case_id):
+        return next(p for p in self.pairs if p[0].id == case_id)
+
+    def family(self, name):
+        return [p for p in self.pairs if p[0].family == name]
+
+
+def _timed(tokens_per_s: float) -> CaseRun:
+    r = rank(step_device=int(3 * GIB))
+    r.tokens_per_step, r.step_times_s = int(tokens_per_s), [5.0, 1.0, 1.0]
+    return run_of(r)
+
+
+def test_the_claimed_speed_order_is_checked_against_the_family():
+    rung1 = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")
+    rung2 = load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml")
+    claim2 = next(c for c in rung2.claims if c.kind == "speed_rank")
+    in_order = _Family([(rung1, _timed(5000)), (rung2, _timed(3000))])
+    v = check_claim(claim2, rung2, in_order(rung2.id)[1], in_order)
+    assert v.status == "confirmed" and "in order against 1" in v.detail
+    inverted = _Family([(rung1, _timed(2000)), (rung2, _timed(3000))])
+    v = check_claim(claim2, rung2, inverted(rung2.id)[1], inverted)
+    assert v.status == "refuted" and "001-ladder-rung1-zero2 (rank 1) runs 2,000 tokens/s" in v.detail
