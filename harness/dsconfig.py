@@ -24,9 +24,12 @@ def deepspeed_config(case: Case, world_size: int, grad_accum: int, hidden_size: 
         return None
     auto = auto_sizes(hidden_size)
 
-    def pick(name: str, value: int | None, default: int | None = None):
-        base = value if value is not None else auto.get(name, default)
-        return None if base is None else max(1, int(base * size_scale)) if base else 0
+    def pick(name: str, value: int | None) -> int | None:
+        """The case's value, else HF's 'auto' value, scaled with the model (0 stays 0)."""
+        base = value if value is not None else auto.get(name)
+        if base is None:
+            return None
+        return max(1, int(base * size_scale)) if base > 0 else 0
 
     zero: dict = {
         "stage": ds.stage,
