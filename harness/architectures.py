@@ -81,9 +81,8 @@ def tiny_config(arch: Architecture, max_seq_len: int) -> dict[str, Any]:
     if mt == "gla":
         heads = int(cfg.get("num_heads", 4))
         hidden = heads * TINY_HEAD_DIM * 2  # expand_k 0.5 keeps key heads of TINY_HEAD_DIM
-        cfg.update(hidden_size=hidden, num_heads=heads, num_hidden_layers=TINY_LAYERS, vocab_size=TINY_VOCAB)
-        if cfg.get("num_kv_heads"):
-            cfg["num_kv_heads"] = max(1, heads // (int(arch.config["num_heads"]) // int(cfg["num_kv_heads"])))
+        # heads (and any key-value heads) stay as they are: only their width shrinks
+        cfg.update(hidden_size=hidden, num_hidden_layers=TINY_LAYERS, vocab_size=TINY_VOCAB)
         if cfg.get("intermediate_size"):
             ratio = arch.config["intermediate_size"] / arch.config["hidden_size"]
             cfg["intermediate_size"] = _round8(hidden * ratio)

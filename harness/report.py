@@ -52,7 +52,7 @@ class Offload(BaseModel):
 class Probes(BaseModel):
     """Ablations measured inside the worker on the same model, so relative claims are checkable."""
 
-    activation_bytes: int | None = None  # step peak above the step-start footprint, as configured
+    activation_bytes: int | None = None  # held by a training forward for backward, as configured
     activation_bytes_without_checkpointing: int | None = None
     checkpointing_effective: bool | None = None
     eval_peak_bytes: int | None = None  # an evaluation forward with logits_to_keep as configured

@@ -382,7 +382,7 @@ class Case(Strict):
             raise ValueError("4-bit weights cannot be partitioned by ZeRO-3 here; use deepspeed.stage 2 (guide 000)")
         if self.launch.procs_per_card > 1 and self.launch.ranks > 1:
             raise ValueError("procs_per_card > 1 models independent single-rank jobs; set launch.ranks to 1")
-        if self.launch.ranks * 1 > self.target.card.count * self.launch.procs_per_card:
+        if self.launch.ranks > self.target.card.count:
             raise ValueError(
                 f"launch.ranks {self.launch.ranks} exceeds target.card.count {self.target.card.count}"
             )

@@ -391,7 +391,6 @@ def run(args) -> int:
             batches = iter(loader)
             meas.sync()
             meas.reset()
-            step_start = meas.current()
             for _ in range(shape.steps):
                 meas.sync()
                 t0 = time.perf_counter()
@@ -417,7 +416,6 @@ def run(args) -> int:
                 report.losses.append(statistics.fmean(losses))
                 progress(f"step {len(report.step_times_s)}/{shape.steps} in {report.step_times_s[-1]:.2f} s")
             report.step = meas.figures()
-            report.probes.activation_bytes = report.step.allocated - step_start
             report.weights = _weights(model)
             from harness.flops import flops_per_token, linear_weight_count
 
@@ -435,7 +433,7 @@ def run(args) -> int:
                     total_param_numel=report.weights.params_total,
                     materialised_param_bytes_before_engine=params_before_engine,
                 )
-                if ds.offload_optimizer.value != "none" or ds.stage in (1, 2, 3):
+                if ds.stage > 0:  # ZeRO partitions optimizer state from stage 1 on
                     report.offload = _offload(engine, platform == Platform.cpu)
 
             phase = "probe"
@@ -444,9 +442,9 @@ def run(args) -> int:
             probe_batch = next(iter(_loader(case, shape, vocab, True, 1)))
             probe_batch = probe_batch.to(device)
             held, logits_bytes = _forward_probe(runner, probe_batch, meas, None)
+            report.probes.activation_bytes = held
             report.probes.train_logits_bytes = logits_bytes
             if case.train.gradient_checkpointing:
-                report.probes.activation_bytes = held
                 off, _ = _forward_probe(runner, probe_batch, meas, False)
                 report.probes.activation_bytes_without_checkpointing = off
                 report.probes.checkpointing_effective = held < off
