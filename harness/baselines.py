@@ -41,6 +41,7 @@ class Figures(BaseModel):
     allocated_peak: int | None
     reserved_peak: int | None
     load_footprint: int | None
+    host_peak: int | None = None  # host RSS of the worst rank (with its dataloader workers)
     tokens_per_s_per_gpu: float | None
     mfu: float | None
     step_times_s: list[float]
@@ -50,9 +51,10 @@ class Figures(BaseModel):
 
 class Baseline(BaseModel):
     case_id: str
+    variant: str = ""  # '' as the case is written; '2r', '8L', '2r8L' (harness.variants)
     platform: PlatformInfo
     emulated_card_bytes: int | None
-    measured: str  # "full depth" or "extrapolated from N layers"
+    measured: str  # how: "full depth", "2 of 8 ranks, 8 of 64 layers" (harness.variants.Variant.label)
     steps: int
     runs: list[Figures]  # one per repetition
     recorded: str
@@ -78,6 +80,7 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         allocated_peak=max((r.step.allocated for r in steps), default=None),
         reserved_peak=max((r.step.reserved or 0 for r in steps), default=None) or None,
         load_footprint=max((r.load.limiting() for r in ranks if r.load), default=None),
+        host_peak=max((r.step.host_rss for r in steps if r.step.host_rss), default=None),
         tokens_per_s_per_gpu=min(rates) if rates else None,
         mfu=min(mfus) if mfus else None,
         step_times_s=ranks[0].step_times_s if ranks else [],
@@ -92,27 +95,29 @@ def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, 
     Repeated runs of a case in one file become repetitions of one baseline."""
     from harness.cases import CASES_DIR, load_case
 
+    from harness.variants import parse_variant
+
     entries = json.loads(Path(runs_json).read_text())
-    by_case: dict[str, list[CaseRun]] = {}
+    by_case: dict[tuple[str, str], list[CaseRun]] = {}
     for entry in entries:
         run = CaseRun.model_validate(entry["run"])
         if run.fidelity != "real" or not run.ranks:
             continue
-        by_case.setdefault(run.case_id, []).append(run)
+        by_case.setdefault((run.case_id, run.variant), []).append(run)
     written = []
-    for case_id, runs in by_case.items():
+    for (case_id, variant), runs in by_case.items():
         case = load_case(CASES_DIR / f"{case_id}.yaml")
         first = runs[0].ranks[0]
         platform = PlatformInfo(device_name=first.device_name, device_count=max(r.world_size for r in runs[0].ranks),
                                 driver=driver or first.versions.get("driver"), versions=first.versions)
+        v = parse_variant(variant)
         baseline = Baseline(
-            case_id=case_id, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
-            measured="full depth" if case.layers is None else f"extrapolated from {case.layers} layers",
-            steps=len(first.step_times_s) or 0,
+            case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
+            measured=v.label(case), steps=len(first.step_times_s) or 0,
             runs=[figures_of(r, case.launch.procs_per_card) for r in runs],
             recorded=recorded or dt.date.today().isoformat(), note=note,
         )
-        path = root / platform.key / f"{case_id}.json"
+        path = root / platform.key / f"{case_id}{v.suffix}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(baseline.model_dump_json(indent=1) + "\n")
         written.append(path)

@@ -36,12 +36,25 @@ def _cmd_validate(args) -> int:
     return 2 if bad else 0
 
 
-def _write_json(path: Path, judged) -> None:
+def _write_json(path: Path, session) -> None:
+    """Every run of the session (each variant and repetition), the judged ones with their verdicts."""
+    verdicts = {id(j.run): [v.__dict__ for v in j.verdicts] for j in session.judged()}
+    entries = [{"case": r.case_id, "fidelity": r.fidelity, "variant": r.variant,
+                "run": json.loads(r.model_dump_json()), "verdicts": verdicts.get(id(r), [])}
+               for r in session.all_runs()]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(
-        [{"case": j.case.id, "fidelity": j.run.fidelity, "run": json.loads(j.run.model_dump_json()),
-          "verdicts": [v.__dict__ for v in j.verdicts]} for j in judged], indent=1))
+    tmp.write_text(json.dumps(entries, indent=1))
     tmp.replace(path)
+
+
+def _measure_line(run) -> str:
+    from harness.baselines import figures_of
+    from harness.units import fmt_gib, fmt_mib
+
+    f = figures_of(run, 1)
+    size = fmt_mib if run.fidelity == "tiny" else fmt_gib
+    rate = "-" if f.tokens_per_s_per_gpu is None else f"{f.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+    return f"{f.outcome}, peak {size(f.per_card_peak)} (worst process), {rate}"
 
 
 def _cmd_run(args) -> int:
@@ -49,7 +62,8 @@ def _cmd_run(args) -> int:
     from harness.summary import findings, table
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
-    session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps)
+    session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
+                      full_depth=args.full_depth)
     for err in session.errors:
         print(str(err), file=sys.stderr)
     selected = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
@@ -57,6 +71,8 @@ def _cmd_run(args) -> int:
         print("no case matches", file=sys.stderr)
         return 2
     started = time.monotonic()
+    if args.variant:
+        return _measure_variants(args, session, selected, run_root)
     skipped = []
     session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
     for i, cid in enumerate(selected, 1):
@@ -68,9 +84,15 @@ def _cmd_run(args) -> int:
         j = session.judge(cid, args.fidelity)
         status = "FAILED" if j.failed else "ok"
         print(f"[{i}/{len(selected)}] {cid} {args.fidelity}: {status} ({j.run.wall_s:.1f} s)", flush=True)
+        for rep in range(1, args.repeat):  # repetitions: the spread the tolerances come from
+            for variant in session.plan(cid, args.fidelity):
+                extra = session.run(cid, args.fidelity, variant, rep)
+                print(f"    repetition {rep + 1}{variant.suffix}: {_measure_line(extra)}", flush=True)
         if args.json:  # rewritten after every case, so an interrupted run keeps what it measured
-            _write_json(Path(args.json), session.judged())
+            _write_json(Path(args.json), session)
     judged = session.judged()
+    if args.benchmark_json:
+        _write_benchmark(Path(args.benchmark_json), session)
     print()
     print(table(judged))
     for cid, reason in skipped:
@@ -81,6 +103,41 @@ def _cmd_run(args) -> int:
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     failed = any(j.failed for j in judged) or bool(session.errors)
     return 1 if failed else 0
+
+
+def _measure_variants(args, session, selected: list[str], run_root: Path) -> int:
+    """`--variant`: measure (no verdicts) each selected case under each variant, e.g. the depths
+    of a depth extrapolation, for `oom-harness bless`."""
+    from harness.variants import parse_variant
+
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        for cid in selected:
+            for v in variants:
+                v.apply(session.cases[cid][0])
+    except ValueError as exc:
+        print(f"--variant: {exc}", file=sys.stderr)
+        return 2
+    failed = False
+    for cid in selected:
+        for v in variants:
+            for rep in range(args.repeat):
+                run = session.run(cid, args.fidelity, v, rep)
+                failed |= not run.ok
+                print(f"{cid}{v.suffix} rep {rep + 1}: {_measure_line(run)} ({run.wall_s:.0f} s)", flush=True)
+                if args.json:
+                    _write_json(Path(args.json), session)
+    if args.benchmark_json:
+        _write_benchmark(Path(args.benchmark_json), session)
+    print(f"reports in {run_root}")
+    return 1 if failed else 0
+
+
+def _write_benchmark(path: Path, session) -> None:
+    from harness.benchjson import write_benchmark_json
+
+    n = write_benchmark_json(path, session.all_runs(), {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
+    print(f"wrote {n} benchmarks in pytest-benchmark's format to {path}")
 
 
 def _stop_on_sigterm() -> None:
@@ -120,6 +177,13 @@ def main(argv=None) -> int:
     run.add_argument("--json", help="also write every run and verdict to this JSON file")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
     run.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
+    run.add_argument("--variant", action="append",
+                     help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
+                          "(grad accum cap), combined '2r8L2ga'; repeatable")
+    run.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
+    run.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
+    run.add_argument("--full-depth", action="store_true",
+                     help="measure cases with depth_points at full depth (a host that holds them)")
     run.add_argument("--jobs", type=int, default=None,
                      help="training processes at once for tiny runs (default: one per CPU core)")
     run.set_defaults(func=_cmd_run)

@@ -25,6 +25,7 @@ from pathlib import Path
 from harness.platform import Platform, parse_oom
 from harness.report import CaseRun, ErrorInfo, Failure, RankReport
 from harness.schema import Case
+from harness.variants import Variant
 
 DEFAULT_TIMEOUT_S = 900
 
@@ -48,8 +49,10 @@ class Job:
 
 
 def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
-                emulate_card_bytes: int | None) -> list[str]:
+                emulate_card_bytes: int | None, variant: str = "") -> list[str]:
     args = ["--case", str(case_path), "--fidelity", fidelity, "--out-dir", str(out_dir), "--slot", str(slot)]
+    if variant:
+        args += ["--variant", variant]
     if steps:
         args += ["--steps", str(steps)]
     if emulate_card_bytes:
@@ -58,7 +61,9 @@ def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None
 
 
 def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: Path, platform: Platform,
-              steps: int | None = None, emulate_card_bytes: int | None = None) -> list[Job]:
+              steps: int | None = None, emulate_card_bytes: int | None = None, variant: str = "") -> list[Job]:
+    """`case` is the case as measured (a variant applied); `case_path` and `variant` tell the
+    worker how to rebuild it."""
     py = sys.executable
     base_env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -76,7 +81,7 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
         launcher = "torchrun"
     for slot in range(case.launch.procs_per_card):
-        wargs = worker_args(case_path, fidelity, out_dir, steps, slot, emulate_card_bytes)
+        wargs = worker_args(case_path, fidelity, out_dir, steps, slot, emulate_card_bytes, variant)
         port = str(free_port())
         if launcher == "python":
             env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -215,14 +220,18 @@ def _last_error_line(log: str) -> str:
 
 def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform: Platform,
              timeout_s: float = DEFAULT_TIMEOUT_S, steps: int | None = None,
-             emulate_card_bytes: int | None = None) -> CaseRun:
-    """Run a case. `emulate_card_bytes` makes a bigger device behave as the target card: a cap per
-    process for one job, a ballast process for several jobs sharing the card (GPU only)."""
+             emulate_card_bytes: int | None = None, variant: Variant = Variant()) -> CaseRun:
+    """Run a case (under a measurement variant, if given). `emulate_card_bytes` makes a bigger
+    device behave as the target card: a cap per process for one job, a ballast process for several
+    jobs sharing the card (GPU only)."""
     from harness.shape import run_shape
 
+    case = variant.apply(case)
     shape = run_shape(case, fidelity, steps)
     shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
     jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
-                     None if shared else emulate_card_bytes)
-    return run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
-                    ballast_leave_bytes=emulate_card_bytes if shared else None)
+                     None if shared else emulate_card_bytes, variant.text)
+    run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
+                   ballast_leave_bytes=emulate_card_bytes if shared else None)
+    run.variant = variant.text
+    return run

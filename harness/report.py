@@ -128,6 +128,7 @@ class CaseRun(BaseModel):
 
     case_id: str
     fidelity: str
+    variant: str = ""  # '' as written, else how it was measured (harness.variants: '2r8L2ga')
     command: list[str]
     returncode: int | None
     wall_s: float

@@ -196,6 +196,13 @@ class Expect(Strict):
         "detected: a mistake the harness must flag"
     )
     detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
+    memory_tolerance: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="allowed rise of the per-card peak over its baseline; omitted: derived from the "
+        "baseline's spread over repetitions (harness.regression)")
+    speed_tolerance: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="allowed drop of tokens/s below its baseline; omitted: derived from the spread")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -341,6 +348,11 @@ class Case(Strict):
         description="measure at full width with this many layers (full-size runs too big for the cards "
         "at hand); omitted: the architecture's full depth",
     )
+    depth_points: list[int] | None = Field(
+        default=None, min_length=2,
+        description="full-size runs measure at these layer counts (full width) and extrapolate to the full "
+        "depth: for configs whose full depth the GPUs or the host at hand cannot hold",
+    )
     stack: Stack = Stack.plain
     precision: Precision = Precision.bf16
     method: Method
@@ -370,6 +382,12 @@ class Case(Strict):
             depth = load_architecture(self.model).layers
             if self.layers > depth:
                 raise ValueError(f"layers {self.layers} exceeds {self.model}'s {depth} layers")
+        if self.depth_points is not None:
+            from harness.architectures import load_architecture
+
+            depth = self.layers or load_architecture(self.model).layers
+            if len(set(self.depth_points)) != len(self.depth_points) or any(not 0 < d < depth for d in self.depth_points):
+                raise ValueError(f"depth_points must be distinct layer counts between 1 and {depth - 1}")
         if not self.id.startswith(self.guide + "-"):
             raise ValueError(f"id '{self.id}' must start with its guide number '{self.guide}-'")
         if self.deepspeed is None and self.launch.launcher == "deepspeed":

@@ -17,19 +17,24 @@ from harness.cases import CaseError, load_cases
 from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
-from harness.verdicts import Verdict, check_claims, check_outcome
+from harness.extrapolate import Extrapolation
+from harness.variants import Variant
+from harness.verdicts import Verdict, check_claims, check_outcome, judge_on_variant
 
 
 @dataclass
 class Judgement:
     case: Case
-    run: CaseRun
+    run: CaseRun  # the run the claims were judged on (the deepest, for a depth extrapolation)
     outcome: Verdict
     claims: list[Verdict]
+    runs: list[CaseRun] = field(default_factory=list)  # every variant measured
+    extrapolation: Extrapolation | None = None
+    against_baseline: list[Verdict] = field(default_factory=list)
 
     @property
     def verdicts(self) -> list[Verdict]:
-        return [self.outcome, *self.claims]
+        return [self.outcome, *self.claims, *self.against_baseline]
 
     @property
     def failed(self) -> list[Verdict]:
@@ -42,9 +47,21 @@ def skip_reason(case: Case, fidelity: str, platform: plat.Platform, accelerators
         return None
     if platform == plat.Platform.cpu:
         return "no GPU: full-size runs need CUDA or ROCm (tiny mode covers this case on CPU)"
-    if case.launch.ranks > accelerators:
+    if case.launch.ranks > accelerators and (case.deepspeed is None or accelerators < 2):
         return f"needs {case.launch.ranks} GPUs, this host has {accelerators}"
     return None
+
+
+def plan(case: Case, fidelity: str, accelerators: int, full_depth: bool = False) -> list[Variant]:
+    """How a case is measured on this host: as written, or (full size only) on as many ranks as the
+    host has and at the case's depth points. Several variants mean a depth extrapolation."""
+    if fidelity == "tiny":
+        return [Variant()]
+    ranks = case.launch.ranks if case.launch.ranks <= accelerators else accelerators
+    capped = ranks if ranks != case.launch.ranks else None
+    if case.depth_points and not full_depth:
+        return [Variant(ranks=capped, layers=d) for d in sorted(case.depth_points)]
+    return [Variant(ranks=capped)]
 
 
 class _ProcessBudget:
@@ -74,7 +91,10 @@ class _Lookup:
         self._session, self._fidelity = session, fidelity
 
     def __call__(self, case_id: str):
-        return self._session.cases[case_id][0], self._session.run(case_id, self._fidelity)
+        """The other case as measured here (the same kind of variant as this one) and its run."""
+        case = self._session.cases[case_id][0]
+        variant = self._session.plan(case_id, self._fidelity)[-1]
+        return variant.apply(case), self._session.run(case_id, self._fidelity, variant)
 
     def family(self, name: str):
         ids = sorted(cid for cid, (c, _) in self._session.cases.items() if c.family == name)
@@ -87,9 +107,10 @@ class Session:
     run_root: Path
     timeout_s: float = DEFAULT_TIMEOUT_S
     steps: int | None = None
+    full_depth: bool = False  # ignore the cases' depth points (a host that holds the full depth)
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
-    _runs: dict[tuple[str, str], Future] = field(default_factory=dict)
+    _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
     _judged: dict[tuple[str, str], Judgement] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -99,16 +120,23 @@ class Session:
         loaded, self.errors = load_cases(self.case_dir)
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
 
-    def _execute(self, case_id: str, fidelity: str) -> CaseRun:
+    def plan(self, case_id: str, fidelity: str) -> list[Variant]:
+        return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth)
+
+    def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
-        out = self.run_root / fidelity / case_id
+        out = self.run_root / fidelity / (case_id + variant.suffix) / (f"rep{repetition}" if repetition else "")
         emulate = case.target.card.memory if fidelity == "real" else None
-        run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate)
+        run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate, variant)
         (out / "run.json").write_text(run.model_dump_json(indent=1))
         return run
 
-    def run(self, case_id: str, fidelity: str) -> CaseRun:
-        key = (case_id, fidelity)
+    def all_runs(self) -> list[CaseRun]:
+        """Every run that finished, repetitions included (for JSON reports and blessing)."""
+        return [f.result() for f in self._runs.values() if f.done() and f.exception() is None]
+
+    def run(self, case_id: str, fidelity: str, variant: Variant = Variant(), repetition: int = 0) -> CaseRun:
+        key = (case_id, fidelity, variant.text, repetition)
         with self._lock:
             if key not in self._runs:
                 future: Future = Future()
@@ -119,7 +147,7 @@ class Session:
                 mine = False
         if mine:
             try:
-                future.set_result(self._execute(case_id, fidelity))
+                future.set_result(self._execute(case_id, fidelity, variant, repetition))
             except BaseException as exc:  # surfaced to every waiter
                 future.set_exception(exc)
         return self._runs[key].result()
@@ -129,7 +157,7 @@ class Session:
         (default: one per CPU core). Tiny figures are byte counts, which concurrency does not
         change; full-size runs are never run concurrently (they share the GPUs they measure)."""
         budget = _ProcessBudget(processes or os.cpu_count() or 1)
-        todo = [k for k in keys if k[1] == "tiny" and k[0] in self.cases and k not in self._runs]
+        todo = [k for k in keys if k[1] == "tiny" and k[0] in self.cases and (*k, "", 0) not in self._runs]
         if not todo:
             return
         pool = ThreadPoolExecutor(max_workers=budget.capacity, thread_name_prefix="harness-run")
@@ -154,12 +182,41 @@ class Session:
     def judge(self, case_id: str, fidelity: str) -> Judgement:
         key = (case_id, fidelity)
         if key not in self._judged:
-            case, _ = self.cases[case_id]
-            run = self.run(case_id, fidelity)
-
-            lookup = _Lookup(self, fidelity)
-            self._judged[key] = Judgement(case, run, check_outcome(case, run), check_claims(case, run, lookup))
+            self._judged[key] = self._judge(case_id, fidelity)
         return self._judged[key]
+
+    def _judge(self, case_id: str, fidelity: str) -> Judgement:
+        from harness.baselines import PlatformInfo, figures_of
+        from harness.extrapolate import extrapolate_figures
+        from harness.regression import against_baseline, find_baseline
+
+        case, _ = self.cases[case_id]
+        variants = self.plan(case_id, fidelity)
+        runs = [self.run(case_id, fidelity, v) for v in variants]
+        measured_case, run = variants[-1].apply(case), runs[-1]
+        lookup = _Lookup(self, fidelity)
+        extrapolation = None
+        if len(variants) > 1:
+            figures = {v.layers: [figures_of(r, case.launch.procs_per_card)] for v, r in zip(variants, runs)}
+            ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
+            if len(ok) >= 2:
+                ranks_used = max((r.world_size for r in run.ranks), default=1)
+                key = PlatformInfo(device_name=run.ranks[0].device_name, device_count=ranks_used).key if run.ranks else ""
+                extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, key, ok)
+            # the first run that failed (if any) decides the outcome of a depth series
+            run = next((r for r in runs if not r.ok), run)
+        outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
+        claims = check_claims(measured_case, run, lookup)
+        dropped = [c for c in case.claims if c not in measured_case.claims]
+        claims += [Verdict(c.kind, "not_checkable", f"stated for the case as written; measured {variants[-1].label(case)}",
+                           c.quote) for c in dropped]
+        regression: list[Verdict] = []
+        if fidelity == "real" and run.ranks and len(variants) == 1:
+            plat_key = PlatformInfo(device_name=run.ranks[0].device_name,
+                                    device_count=max(r.world_size for r in run.ranks)).key
+            regression = against_baseline(case, figures_of(run, case.launch.procs_per_card),
+                                          find_baseline(case_id, variants[0].text, plat_key))
+        return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression)
 
     def judged(self) -> list[Judgement]:
         return list(self._judged.values())

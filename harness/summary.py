@@ -31,7 +31,13 @@ def _row(j: Judgement) -> tuple[str, ...]:
     err = run.first_error()
     if err is not None:
         outcome = f"{err.kind.value}" + (" ok" if j.outcome.status == "confirmed" else "")
-    return (case.id, run.fidelity, procs, size(load), size(peak), rate, loss, outcome, claims)
+    name = case.id + (run.variant and f"@{run.variant}")
+    if j.extrapolation is not None and "per_card_peak" in j.extrapolation.values:
+        name = case.id + f" (extrapolated from {','.join(map(str, j.extrapolation.from_layers))}L)"
+        peak = int(j.extrapolation.values["per_card_peak"])
+        if j.extrapolation.tokens_per_s:
+            rate = f"{j.extrapolation.tokens_per_s:,.0f}"
+    return (name, run.fidelity, procs, size(load), size(peak), rate, loss, outcome, claims)
 
 
 def table(judgements: list[Judgement]) -> str:

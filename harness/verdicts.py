@@ -115,6 +115,55 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
                    f"the guide's failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} on {fmt_gib(card)}")
 
 
+def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrapolation=None) -> Verdict:
+    """What a verdict measured on a variant says about the case as written.
+
+    Fewer ranks only raise a ZeRO rank's share of the model states, and activations per rank do not
+    depend on the world size: a fit on fewer ranks carries over, and so does a refutation of the
+    guide's OOM (it fits even on fewer ranks); an OOM on fewer ranks does not. A depth series is
+    judged on its extrapolated peak; an OOM at a shallower depth carries over to the full depth."""
+    if variant.as_written or verdict.what != "outcome":
+        return verdict
+    where = variant.label(case)
+    fewer_ranks = variant.ranks is not None and variant.ranks < case.launch.ranks
+    err = run.first_error()
+    if variant.layers is not None:
+        if err is not None and err.kind == Failure.oom:
+            if case.expect.outcome == "oom" and not fewer_ranks:
+                return Verdict("outcome", "confirmed", f"out of memory already at {where}: {_first_line(err.message)}")
+            return Verdict("outcome", "refuted" if case.expect.outcome == "fits" and not fewer_ranks else "not_checkable",
+                           f"out of memory at {where}: {_first_line(err.message)}")
+        if err is not None:
+            return verdict
+        if extrapolation is None or "per_card_peak" not in extrapolation.values:
+            return Verdict("outcome", "not_checkable", f"measured {where} only; no depth fit")
+        peak = int(extrapolation.values["per_card_peak"])
+        budget = case.budget_bytes
+        fits = peak <= budget
+        detail = (f"per-card peak {fmt_gib(peak)} {'<=' if fits else '>'} budget {fmt_gib(budget)} "
+                  f"({extrapolation.label}{', on ' + str(variant.ranks) + ' ranks' if fewer_ranks else ''})")
+        if case.expect.outcome == "fits":
+            return Verdict("outcome", "confirmed" if fits else ("not_checkable" if fewer_ranks else "refuted"), detail)
+        if fits:
+            return Verdict("outcome", "refuted", "the guide's failing config fits: " + detail)
+        return Verdict("outcome", "not_checkable" if fewer_ranks else "confirmed", detail)
+    if not fewer_ranks:
+        return verdict
+    note = f" (measured on {variant.ranks} of {case.launch.ranks} ranks, which bounds the {case.launch.ranks}-rank peak from above)"
+    if case.expect.outcome == "fits":
+        if verdict.status == "confirmed":
+            return Verdict("outcome", "confirmed", verdict.detail + note)
+        return Verdict(
+            "outcome", "not_checkable", f"does not fit on {variant.ranks} ranks; that says nothing of "
+            f"{case.launch.ranks}: {verdict.detail}")
+    if case.expect.outcome == "oom":
+        if verdict.status == "refuted" and err is None:
+            return Verdict("outcome", "refuted", verdict.detail + note)
+        return Verdict("outcome", "not_checkable", f"an OOM on {variant.ranks} ranks does not carry over to "
+                       f"{case.launch.ranks}: {verdict.detail}")
+    return verdict
+
+
 def _first_line(text: str) -> str:
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""

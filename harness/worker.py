@@ -307,7 +307,9 @@ def run(args) -> int:
     from harness.report import ErrorInfo, Failure, RankReport, Zero
     from harness.shape import run_shape
 
-    case = load_case(args.case)
+    from harness.variants import parse_variant
+
+    case = parse_variant(args.variant).apply(load_case(args.case))
     shape = run_shape(case, args.fidelity, args.steps)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -489,6 +491,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--variant", default="", help="measure with fewer ranks/layers/accumulation (harness.variants)")
     parser.add_argument("--slot", type=int, default=0, help="index of this job among jobs sharing one card")
     parser.add_argument("--emulate-card-bytes", type=int, default=None)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,

@@ -1,0 +1,156 @@
+"""Depth extrapolation: figures measured at full width with fewer layers, carried to the full depth.
+
+Per-rank memory and step time of a decoder are close to affine in the number of layers: embeddings,
+the output head, logits, the CUDA context and the allocator's slack are paid once; weights, their
+gradients and optimizer state, checkpointed activations and the per-layer compute are paid per layer.
+So two or more depths measured at full width fix a line, and the full depth is read off it.
+
+Every figure made here is labelled "extrapolated from N, M layers"; where a full-depth measurement
+of the same variant exists (same ranks and accumulation), the relative error is reported beside it,
+which is how the linearity assumption is checked per architecture.
+
+numpy's least squares would do the fit; two to four points do not need it, and the closed form keeps
+the residual visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.baselines import Baseline, Figures
+
+
+@dataclass(frozen=True)
+class Line:
+    """value(L) = intercept + slope * L, fitted to (layers, value) points."""
+
+    intercept: float
+    slope: float
+    points: tuple[tuple[int, float], ...]
+
+    def at(self, layers: int) -> float:
+        return self.intercept + self.slope * layers
+
+    @property
+    def worst_residual(self) -> float:
+        """Largest relative misfit among the points themselves (0 for two points)."""
+        return max((abs(self.at(x) - y) / y for x, y in self.points if y), default=0.0)
+
+
+def fit_line(points: list[tuple[int, float]]) -> Line:
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        raise ValueError(f"a depth fit needs at least two different layer counts, got {sorted(xs)}")
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return Line(intercept=my - slope * mx, slope=slope, points=tuple(sorted(points)))
+
+
+# Figures fitted in depth; throughput follows from the fitted step time.
+_METRICS = ("per_card_peak", "allocated_peak", "reserved_peak", "load_footprint", "host_peak")
+
+
+@dataclass
+class Extrapolation:
+    case_id: str
+    base_variant: str  # the variant without its layer count ('2r2ga'): what the fit holds fixed
+    platform_key: str
+    depth: int
+    from_layers: tuple[int, ...]
+    values: dict[str, float]  # metric -> extrapolated bytes at full depth
+    step_time_s: float | None
+    tokens_per_step: int | None
+    lines: dict[str, Line] = field(default_factory=dict)
+    measured_full_depth: Figures | None = None  # the check, where one exists
+
+    @property
+    def label(self) -> str:
+        return f"extrapolated from {', '.join(map(str, self.from_layers))} layers to {self.depth}"
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if not self.step_time_s or not self.tokens_per_step:
+            return None
+        return self.tokens_per_step / self.step_time_s
+
+    def error(self, metric: str) -> float | None:
+        """Relative error of the extrapolation against the full-depth measurement."""
+        m = self.measured_full_depth
+        truth = None if m is None else getattr(m, metric, None)
+        if truth is None or metric not in self.values or m.outcome != "ok":
+            return None
+        return (self.values[metric] - truth) / truth
+
+    def step_time_error(self) -> float | None:
+        m = self.measured_full_depth
+        if m is None or m.outcome != "ok" or not self.step_time_s:
+            return None
+        timed = sorted(m.step_times_s[1:] or m.step_times_s)
+        truth = timed[len(timed) // 2] if timed else None
+        return None if not truth else (self.step_time_s - truth) / truth
+
+
+def _median_step(f: Figures) -> float | None:
+    timed = sorted(f.step_times_s[1:])  # the first step is warm-up
+    return timed[len(timed) // 2] if timed else None
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: dict[int, list[Figures]],
+                        full_depth: Figures | None = None) -> Extrapolation:
+    """Fit each figure in depth over runs at two or more layer counts (repetitions: their median)."""
+    from harness.architectures import load_architecture
+    from harness.shape import run_shape
+    from harness.variants import parse_variant
+
+    depth = case.layers or load_architecture(case.model).layers
+    lines, values = {}, {}
+    for metric in _METRICS:
+        pts = [(L, _median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
+               for L, runs in by_depth.items() if any(getattr(r, metric) is not None for r in runs)]
+        if len({x for x, _ in pts}) >= 2:
+            lines[metric] = fit_line(pts)
+            values[metric] = lines[metric].at(depth)
+    steps = [(L, _median([t for r in runs if (t := _median_step(r))])) for L, runs in by_depth.items()
+             if any(_median_step(r) for r in runs)]
+    step = None
+    if len({x for x, _ in steps}) >= 2:
+        lines["step_time_s"] = fit_line(steps)
+        step = lines["step_time_s"].at(depth)
+    measured_case = parse_variant(base_variant).apply(case)
+    return Extrapolation(
+        case_id=case.id, base_variant=base_variant, platform_key=platform_key, depth=depth,
+        from_layers=tuple(sorted(by_depth)), values=values, step_time_s=step,
+        tokens_per_step=run_shape(measured_case, "real").tokens_per_step, lines=lines, measured_full_depth=full_depth,
+    )
+
+
+def extrapolate(case, baselines: list[Baseline]) -> list[Extrapolation]:
+    """Every depth fit the baselines of one case allow: measured variants that differ only in their
+    layer count, with at least two depths that finished, on one platform."""
+    from harness.architectures import load_architecture
+    from harness.variants import Variant, parse_variant
+
+    depth = case.layers or load_architecture(case.model).layers
+    groups: dict[tuple[str, str], dict[int, list[Figures]]] = {}
+    full: dict[tuple[str, str], Baseline] = {}
+    for b in baselines:
+        if b.case_id != case.id:
+            continue
+        v = parse_variant(b.variant)
+        base = Variant(ranks=v.ranks, grad_accum=v.grad_accum).text
+        layers = v.layers or depth
+        if layers == depth:
+            full[(b.platform.key, base)] = b
+        elif all(r.outcome == "ok" for r in b.runs):
+            groups.setdefault((b.platform.key, base), {})[layers] = b.runs
+    return [extrapolate_figures(case, base, key, by_depth, full[(key, base)].runs[0] if (key, base) in full else None)
+            for (key, base), by_depth in sorted(groups.items()) if len(by_depth) >= 2]
