@@ -63,7 +63,7 @@ def _cmd_run(args) -> int:
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
-                      full_depth=args.full_depth)
+                      full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap)
     for err in session.errors:
         print(str(err), file=sys.stderr)
     selected = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
@@ -182,6 +182,9 @@ def main(argv=None) -> int:
                           "(grad accum cap), combined '2r8L2ga'; repeatable")
     run.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
     run.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
+    run.add_argument("--grad-accum-cap", type=int, default=None,
+                     help="full-size runs accumulate at most N micro steps (peaks do not change past 2; "
+                          "saves time; labelled in every figure)")
     run.add_argument("--full-depth", action="store_true",
                      help="measure cases with depth_points at full depth (a host that holds them)")
     run.add_argument("--jobs", type=int, default=None,

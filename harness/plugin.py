@@ -46,6 +46,8 @@ def pytest_addoption(parser):
                     help="training processes at once for tiny runs (default: one per CPU core)")
     group.addoption("--harness-full-depth", action="store_true",
                     help="measure cases with depth_points at full depth (a host that holds them)")
+    group.addoption("--harness-grad-accum-cap", type=int, default=None,
+                    help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
     group.addoption("--harness-benchmark-json", default=None,
                     help="write full-size throughput in pytest-benchmark's JSON format to this file")
 
@@ -59,6 +61,7 @@ def _session(config) -> Session:
             timeout_s=config.getoption("--case-timeout"),
             steps=config.getoption("--harness-steps"),
             full_depth=config.getoption("--harness-full-depth"),
+            grad_accum_cap=config.getoption("--harness-grad-accum-cap"),
         )
     return config.stash[_SESSION]
 

@@ -52,16 +52,22 @@ def skip_reason(case: Case, fidelity: str, platform: plat.Platform, accelerators
     return None
 
 
-def plan(case: Case, fidelity: str, accelerators: int, full_depth: bool = False) -> list[Variant]:
+def plan(case: Case, fidelity: str, accelerators: int, full_depth: bool = False,
+         grad_accum_cap: int | None = None) -> list[Variant]:
     """How a case is measured on this host: as written, or (full size only) on as many ranks as the
-    host has and at the case's depth points. Several variants mean a depth extrapolation."""
+    host has, at the case's depth points, with accumulation capped when asked (memory does not grow
+    past 2 micro steps; see harness.variants). Several variants mean a depth extrapolation."""
     if fidelity == "tiny":
         return [Variant()]
     ranks = case.launch.ranks if case.launch.ranks <= accelerators else accelerators
     capped = ranks if ranks != case.launch.ranks else None
+    accum = grad_accum_cap if grad_accum_cap and case.train.grad_accum > grad_accum_cap else None
     if case.depth_points and not full_depth:
-        return [Variant(ranks=capped, layers=d) for d in sorted(case.depth_points)]
-    return [Variant(ranks=capped)]
+        depths = sorted(case.depth_points)
+        if case.expect.outcome == "detected":
+            depths = depths[:1]  # a mistake shows at any depth; no figure is extrapolated
+        return [Variant(ranks=capped, layers=d, grad_accum=accum) for d in depths]
+    return [Variant(ranks=capped, grad_accum=accum)]
 
 
 class _ProcessBudget:
@@ -108,6 +114,7 @@ class Session:
     timeout_s: float = DEFAULT_TIMEOUT_S
     steps: int | None = None
     full_depth: bool = False  # ignore the cases' depth points (a host that holds the full depth)
+    grad_accum_cap: int | None = None  # full-size runs accumulate at most this many micro steps
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
     _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
@@ -121,7 +128,7 @@ class Session:
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
 
     def plan(self, case_id: str, fidelity: str) -> list[Variant]:
-        return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth)
+        return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth, self.grad_accum_cap)
 
     def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
