@@ -168,6 +168,45 @@ def report_markdown(baselines: list[Baseline]) -> str:
         mfu = "-" if r.mfu is None else f"{r.mfu:.1%}"
         where = f"{b.platform.device_name} x{b.platform.device_count}, {b.measured}"
         card = f"{case.target.card.name} ({fmt_gib(budget)})"
+        if b.variant:
+            claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
         lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {rate} | {mfu} | "
                      f"{'; '.join(claims) or '-'} |")
-    return "\n".join(lines)
+    extra = extrapolation_markdown(baselines)
+    return "\n".join(lines) + ("\n\n" + extra if extra else "")
+
+
+def extrapolation_markdown(baselines: list[Baseline]) -> str:
+    """Depth fits of the measured variants: the full-depth figures they predict, labelled as
+    extrapolated, and the full-depth measurement beside them where one exists."""
+    from harness.cases import CASES_DIR, load_case
+    from harness.extrapolate import extrapolate
+    from harness.units import fmt_gib
+
+    rows = []
+    for case_id in sorted({b.case_id for b in baselines if b.variant}):
+        case = load_case(CASES_DIR / f"{case_id}.yaml")
+        for e in extrapolate(case, baselines):
+            peak = e.values.get("per_card_peak")
+            budget = case.budget_bytes
+            verdict = "-" if peak is None else ("fits" if peak <= budget else "exceeds the budget")
+            check = "-"
+            m = e.measured_full_depth
+            if m is not None and m.outcome == "ok":
+                err = e.error("per_card_peak")
+                check = f"measured {fmt_gib(m.per_card_peak)} ({err:+.1%})"
+            elif m is not None:
+                check = f"measured: {m.outcome} at {fmt_gib(m.per_card_peak)} on the {fmt_gib(case.target.card.memory)} card"
+            line = e.lines.get("per_card_peak")
+            per_layer = "-" if line is None else f"{line.slope / 2**30:.3f} GiB"
+            rate = "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}"
+            rows.append(f"| {case_id} | {e.platform_key}, variant {e.base_variant or 'as written'} | {e.label} | "
+                        f"{fmt_gib(peak)} | {per_layer} | {fmt_gib(e.values.get('host_peak'))} | {rate} | "
+                        f"{fmt_gib(budget)}: {verdict} | {check} |")
+    if not rows:
+        return ""
+    head = ["Depth extrapolations (extrapolated figures, not measurements):", "",
+            "| case | measured on | extrapolation | per-card peak at full depth | per layer | host RAM per rank | "
+            "tokens/s/GPU | budget | full-depth check |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(head + rows)

@@ -65,6 +65,7 @@ class Extrapolation:
     tokens_per_step: int | None
     lines: dict[str, Line] = field(default_factory=dict)
     measured_full_depth: Figures | None = None  # the check, where one exists
+    rejected: list[str] = field(default_factory=list)  # figures that were not affine in depth
 
     @property
     def label(self) -> str:
@@ -112,13 +113,17 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
     from harness.variants import parse_variant
 
     depth = case.layers or load_architecture(case.model).layers
-    lines, values = {}, {}
+    lines, values, rejected = {}, {}, []
     for metric in _METRICS:
         pts = [(L, _median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
                for L, runs in by_depth.items() if any(getattr(r, metric) is not None for r in runs)]
         if len({x for x, _ in pts}) >= 2:
-            lines[metric] = fit_line(pts)
-            values[metric] = lines[metric].at(depth)
+            line = fit_line(pts)
+            if line.slope < 0:  # memory cannot shrink with depth: this figure is not affine here
+                rejected.append(f"{metric} falls with depth ({', '.join(f'{x}L: {y / 2**30:.2f} GiB' for x, y in line.points)})")
+                continue
+            lines[metric] = line
+            values[metric] = line.at(depth)
     steps = [(L, _median([t for r in runs if (t := _median_step(r))])) for L, runs in by_depth.items()
              if any(_median_step(r) for r in runs)]
     step = None
@@ -130,6 +135,7 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
         case_id=case.id, base_variant=base_variant, platform_key=platform_key, depth=depth,
         from_layers=tuple(sorted(by_depth)), values=values, step_time_s=step,
         tokens_per_step=run_shape(measured_case, "real").tokens_per_step, lines=lines, measured_full_depth=full_depth,
+        rejected=rejected,
     )
 
 

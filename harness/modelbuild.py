@@ -129,6 +129,13 @@ def set_checkpointing(model, on: bool, reentrant: bool = False) -> None:
         model.gradient_checkpointing_disable()
 
 
+def _reentrant(case: Case) -> bool:
+    """use_reentrant as the case's stack sets it, unless the case says (train.checkpointing_reentrant)."""
+    if case.train.checkpointing_reentrant is not None:
+        return case.train.checkpointing_reentrant
+    return case.method.kind == "qlora" or case.stack == Stack.llamafactory
+
+
 def _enable_checkpointing(model, reentrant: bool) -> None:
     set_checkpointing(model, True, reentrant)
     if reentrant:
@@ -187,16 +194,17 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             from peft import prepare_model_for_kbit_training
 
             model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=gc_on, gradient_checkpointing_kwargs={"use_reentrant": True}
+                model, use_gradient_checkpointing=gc_on,
+                gradient_checkpointing_kwargs={"use_reentrant": _reentrant(case)},
             )
-        elif gc_on:  # LLaMA-Factory: no fp32 upcast, reentrant checkpointing
-            _enable_checkpointing(model, reentrant=True)
+        elif gc_on:  # LLaMA-Factory: no fp32 upcast
+            _enable_checkpointing(model, reentrant=_reentrant(case))
     else:
         model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
         if hf_ds_config is None:  # zero.Init did not partition it: it lives whole on the device
             model.to(device)
         if case.train.gradient_checkpointing:
-            _enable_checkpointing(model, reentrant=case.stack == Stack.llamafactory)
+            _enable_checkpointing(model, reentrant=_reentrant(case))
 
     zero_init = any(hasattr(p, "ds_id") for p in model.parameters())
     if case.method.kind in ("lora", "qlora"):

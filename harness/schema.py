@@ -90,6 +90,10 @@ class Train(Strict):
     grad_accum: int = Field(gt=0, le=65536)
     seq_len: int = Field(gt=0, le=1_048_576)
     gradient_checkpointing: bool = False
+    checkpointing_reentrant: bool | None = Field(
+        default=None,
+        description="torch.utils.checkpoint's use_reentrant; omitted: the stack's default (peft's k-bit "
+        "preparation and LLaMA-Factory's use_reentrant_gc: true; plain: false, the transformers default)")
     learning_rate: float = Field(default=1e-4, gt=0)
     dataloader_workers: int = Field(default=0, ge=0, le=256)
     pin_memory: bool = True
