@@ -1,0 +1,204 @@
+"""Accuracy of the predictor against every GPU baseline in results/, out of sample.
+
+    .venv/bin/python benchmarks/bench_predictor.py [--no-timing]
+
+For each baseline (each platform, each case, as measured: a variant such as '2r8L' is applied to
+the case first) the predictor runs with that platform's calibration and the case itself excluded
+from it (leave-one-out), and the table shows predicted vs measured peak allocated, reserved and
+device (per card: the sum of the processes sharing a card) with relative errors. A run that ended
+in an OOM only gives a lower bound (the figure at the failure on its emulated card): for those the
+table says whether the prediction is at or above it, never an error.
+
+Beside it, where they apply, two reference estimators of the same peak:
+* DeepSpeed's model-state estimator (`estimate_zero2_model_states_mem_needs` /
+  `estimate_zero3_model_states_mem_needs`, the functions behind the `*_all_cold` printers), for
+  DeepSpeed cases. It counts every parameter, frozen LoRA base weights included, and no
+  activations.
+* LLaMA-Factory's README "Hardware Requirement" rule (hiyouga/LLaMA-Factory README, commit
+  00409ff): Full AMP 18x GB, Full pure bf16 8x GB, Freeze/LoRA 16-bit 2x GB, QLoRA 8-bit x GB,
+  QLoRA 4-bit x/2 GB, for a model of x billion parameters (GB = 1e9 bytes), per job; divided over
+  the ranks for ZeRO-3 here.
+Their errors are against the measured device peak.
+
+Last, the wall time of `predict()` on guide 000's 32B case in a fresh interpreter (imports included),
+with an empty trace cache and with the trace cached on disk (harness.predict_trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GiB = 2**30
+LF_RULE = {("full", None): 18, ("lora", None): 2, ("qlora", 4): 0.5, ("qlora", 8): 1.0}
+
+
+def lf_rule(case, params: int) -> float | None:
+    x = params / 1e9
+    if case.method.kind == "qlora":
+        factor = LF_RULE.get(("qlora", case.method.quantization.bits))
+    else:
+        factor = LF_RULE.get((case.method.kind, None))
+    if factor is None:
+        return None
+    total = factor * x * 1e9
+    if case.deepspeed is not None and case.deepspeed.stage == 3:
+        total /= case.launch.ranks
+    return total
+
+
+def ds_estimate(case, params: int, largest_layer: int) -> float | None:
+    ds = case.deepspeed
+    if ds is None or ds.stage not in (2, 3):
+        return None
+    import io
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(io.StringIO()):
+        if ds.stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+            _, gpu = estimate_zero2_model_states_mem_needs(
+                params, num_gpus_per_node=case.launch.ranks, num_nodes=1,
+                cpu_offload=ds.offload_optimizer.value == "cpu")
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+            _, gpu, _ = estimate_zero3_model_states_mem_needs(
+                params, largest_layer, num_gpus_per_node=case.launch.ranks, num_nodes=1,
+                cpu_offload=ds.offload_optimizer.value == "cpu", cpu_offload_params=ds.offload_param.value == "cpu",
+                zero_init=case.launch.init_order == "deepspeed_first")
+    return gpu
+
+
+def rel(pred: float, meas: float) -> float:
+    return pred / meas - 1
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x / GiB:6.2f}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-timing", action="store_true")
+    args = parser.parse_args(argv)
+
+    from harness.baselines import load_baselines
+    from harness.cases import CASES_DIR, load_case
+    from harness.predict import predict
+    from harness.variants import parse_variant
+
+    rows = []
+    worst = {"allocated": (0.0, ""), "reserved": (0.0, ""), "device": (0.0, "")}
+    ref_worst = {"deepspeed": [], "llamafactory": []}
+    print("Predicted (leave-one-out) vs measured peaks, GiB. device = per card (sum of processes sharing it).")
+    header = (f"{'case':44s} {'platform':26s} {'var':5s} {'outcome':7s} | {'alloc p/m':>15s} {'err':>7s} | "
+              f"{'reserved p/m':>15s} {'err':>7s} | {'device p/m':>15s} {'err':>7s} | "
+              f"{'DS est':>6s} {'err':>7s} | {'LF rule':>7s} {'err':>7s}")
+    print(header)
+    print("-" * len(header))
+    for b in load_baselines():
+        try:
+            case = load_case(CASES_DIR / f"{b.case_id}.yaml")
+        except Exception as exc:  # noqa: BLE001
+            print(f"{b.case_id}: case file unreadable ({exc}); skipped")
+            continue
+        try:
+            measured_case = parse_variant(b.variant).apply(case) if b.variant else case
+        except Exception as exc:  # noqa: BLE001
+            print(f"{b.case_id}@{b.variant}: variant not applicable ({exc}); skipped")
+            continue
+        procs = measured_case.launch.procs_per_card
+        pred = predict(measured_case, platform=b.platform.key, exclude={b.case_id})
+        assert b.case_id not in pred.calibrated_on
+        runs_ok = [r for r in b.runs if r.outcome == "ok"]
+        oom = not runs_ok
+        runs = runs_ok or b.runs
+
+        def med(attr):
+            vals = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
+            return statistics.median(vals) if vals else None
+
+        m_alloc, m_res, m_dev = med("allocated_peak"), med("reserved_peak"), med("per_card_peak")
+        p_alloc, p_res, p_dev = pred.allocated, pred.reserved, pred.device * procs
+        params = pred.params_total
+        ds = ds_estimate(measured_case, params, pred.largest_layer_params)
+        lf = lf_rule(measured_case, params)
+        lf = None if lf is None else lf * procs  # the rule is per job; the card holds `procs` jobs
+        cells = []
+        for name, p, m in (("allocated", p_alloc, m_alloc), ("reserved", p_res, m_res), ("device", p_dev, m_dev)):
+            if m is None:
+                cells.append(f"{fmt(p)}/{fmt(m)} {'-':>7s}")
+                continue
+            if oom:
+                cells.append(f"{fmt(p)}/{fmt(m)} {'>=' if p >= m else '< !':>7s}")
+            else:
+                e = rel(p, m)
+                if abs(e) > abs(worst[name][0]):
+                    worst[name] = (e, f"{b.case_id} ({b.platform.key})")
+                cells.append(f"{fmt(p)}/{fmt(m)} {e:+7.1%}")
+        refs = []
+        for key, est in (("deepspeed", ds), ("llamafactory", lf)):
+            if est is None or m_dev is None:
+                refs.append(f"{fmt(est):>6s} {'-':>7s}")
+            elif oom:
+                refs.append(f"{fmt(est):>6s} {'>=' if est >= m_dev else '< !':>7s}")
+            else:
+                e = rel(est, m_dev)
+                ref_worst[key].append((abs(e), e, b.case_id))
+                refs.append(f"{fmt(est):>6s} {e:+7.1%}")
+        print(f"{b.case_id:44s} {b.platform.key:26s} {b.variant or '-':5s} {'OOM' if oom else 'ok':7s} | "
+              + " | ".join(cells) + " | " + " | ".join(refs))
+        rows.append((b, pred))
+    print()
+    for name, (e, where) in worst.items():
+        print(f"worst {name:9s} error (finished runs): {e:+.1%}  {where}")
+    for key, errs in ref_worst.items():
+        if errs:
+            a, e, cid = max(errs)
+            print(f"worst {key} reference error (device peak, finished runs): {e:+.1%}  {cid} "
+                  f"({len(errs)} cases apply)")
+        else:
+            print(f"{key} reference: applies to no finished run")
+    print("OOM rows: the measured figure is where the run failed on its emulated card, a lower bound; "
+          "'>=' means the prediction is at or above it ('< !' means it predicts a fit that OOMed).")
+    if rows:
+        pred = rows[-1][1]
+        print(f"fitted constants: {', '.join(pred.fitted)} (per platform, from results/baselines)")
+
+    if not args.no_timing:
+        code = ("import time; t=time.perf_counter()\n"
+                "from harness.cases import load_case, CASES_DIR\n"
+                "from harness.predict import predict\n"
+                "c = load_case(CASES_DIR / '000-lora-z3-offload-cutoff1024-ga16.yaml')\n"
+                "p = predict(c)\n"
+                "print(f'{time.perf_counter()-t:.2f} {p.seconds:.2f}')\n")
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for label, cache in (("cold (empty trace cache)", tmp), ("warm (trace cached on disk)", tmp)):
+                env = dict(os.environ, HARNESS_PREDICT_CACHE=cache)
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+                wall = time.perf_counter() - t0
+                try:
+                    total, inner = out.stdout.split()[-2:]
+                    print(f"predict() on 000-lora-z3-offload-cutoff1024-ga16 (32B, 8 ranks), fresh interpreter, "
+                          f"{label}: {float(total):.2f} s imports included (predict() itself {float(inner):.2f} s; "
+                          f"process wall {wall:.2f} s)")
+                except ValueError:
+                    print("timing run failed:", out.stderr[-2000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

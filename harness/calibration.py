@@ -1,0 +1,121 @@
+"""Calibrated constants of the predictor, fitted at run time from the GPU baselines in results/.
+
+Only what no closed form or trace can give is fitted, and only from measured figures (so fitting
+needs no prediction and costs milliseconds):
+
+* ``reserved_over_allocated``: the caching allocator's reserved / allocated ratio at the step
+  peak (fragmentation, rounding to 2 MiB / 20 MiB segments, blocks cached from the load). Median
+  of reserved_peak / allocated_peak over baselines whose run finished (an OOM stops at the cap).
+* ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
+  handles and module images outside the allocator. Median over baselines without DeepSpeed,
+  OOM outcomes included (the overhead does not depend on where the run stopped).
+* ``device_overhead_deepspeed``: what a DeepSpeed process adds on top (NCCL communicator and
+  buffers, DeepSpeed's extensions). Median of (device - reserved - device_overhead) over
+  DeepSpeed baselines.
+
+Per platform (the baseline folder, e.g. ``nvidia-h100-80gb-hbm3-x1``): a constant uses that
+platform's baselines; where it has none, every platform's, and the notes say so. ``exclude``
+removes case ids (leave-one-out). A baseline measured on a variant (fewer ranks / layers) counts
+as its case id. Fitted on medians, so one outlier (a cold Triton autotune cache adding GiBs
+outside the allocator, seen once) does not move the others.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from harness.baselines import RESULTS_DIR, Baseline, load_baselines
+
+FITTED = ("reserved_over_allocated", "device_overhead", "device_overhead_deepspeed")
+
+
+@dataclass
+class Calibration:
+    platform: str
+    values: dict[str, float]
+    used: dict[str, list[str]]  # constant -> case ids it was fitted on
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def calibrated_on(self) -> list[str]:
+        return sorted({c for ids in self.used.values() for c in ids})
+
+
+@dataclass(frozen=True)
+class _Obs:
+    case_id: str
+    platform: str
+    ok: bool
+    allocated: int | None
+    reserved: int | None
+    device: int | None  # per process
+    deepspeed: bool
+
+
+@lru_cache(maxsize=4)
+def _observations(root: str) -> tuple[_Obs, ...]:
+    from harness.cases import CASES_DIR, load_case
+
+    out = []
+    for b in load_baselines(Path(root)):
+        try:
+            case = load_case(CASES_DIR / f"{b.case_id}.yaml")
+        except Exception:  # a baseline of a case that no longer exists
+            continue
+        procs = case.launch.procs_per_card
+        for r in b.runs:
+            device = None if r.per_card_peak is None else r.per_card_peak // procs
+            out.append(_Obs(case_id=b.case_id, platform=b.platform.key, ok=r.outcome == "ok",
+                            allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
+                            deepspeed=case.deepspeed is not None))
+    return tuple(out)
+
+
+def platforms(root: Path = RESULTS_DIR) -> list[str]:
+    return sorted({o.platform for o in _observations(str(root))})
+
+
+def _fit(obs: list[_Obs], select, value) -> tuple[float | None, list[str]]:
+    pts = [(o.case_id, value(o)) for o in obs if select(o)]
+    pts = [(c, v) for c, v in pts if v is not None]
+    if not pts:
+        return None, []
+    return statistics.median(v for _, v in pts), sorted({c for c, _ in pts})
+
+
+def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RESULTS_DIR) -> Calibration:
+    every = [o for o in _observations(str(root)) if o.case_id not in exclude]
+    label = platform or "pooled"
+    notes = []
+    if platform is None:
+        notes.append("no platform named: constants pooled over every platform in results/baselines")
+    values: dict[str, float] = {}
+    used: dict[str, list[str]] = {}
+
+    def fit(name, select, value):
+        own = [o for o in every if platform is None or o.platform == platform]
+        v, ids = _fit(own, select, value)
+        if v is None and platform is not None:
+            v, ids = _fit(every, select, value)
+            if v is not None:
+                notes.append(f"{name}: no baseline on {platform}; pooled over every platform")
+        if v is None:
+            return None
+        values[name] = v
+        used[name] = ids
+        return v
+
+    fit("reserved_over_allocated", lambda o: o.ok and o.allocated and o.reserved,
+        lambda o: o.reserved / o.allocated)
+    base = fit("device_overhead", lambda o: not o.deepspeed and o.device and o.reserved,
+               lambda o: o.device - o.reserved)
+    if base is not None:
+        fit("device_overhead_deepspeed", lambda o: o.deepspeed and o.device and o.reserved,
+            lambda o: max(0, o.device - o.reserved - base))
+    for name in FITTED:
+        if name not in values:
+            notes.append(f"{name}: no baseline to fit it on; prior used")
+    return Calibration(platform=label, values=values, used=used, notes=notes)

@@ -1,0 +1,201 @@
+"""Fake-tensor tracing of one training micro-step: activations, logits and the transient peak.
+
+The real model code (transformers / fla model classes, peft's LoRA layers, Hugging Face
+checkpointing) runs on fake tensors: the model is built on `meta` at full width with 1 and 2
+layers, moved to fake `cpu` storage inside `FakeTensorMode`, and one forward + backward runs under
+`harness.tracker.LiveTensorTracker`, which counts the bytes of live storages. Parameters (and, for
+accumulation, the gradients of earlier micro-steps) are registered before the step, so the traced
+figures are what the step adds on top of the model's states. Depth is extrapolated affinely:
+``x(L) = x(1) + (x(2) - x(1)) * (L - 1)``.
+
+What the stack changes, and how it is reproduced here (see harness/modelbuild.py):
+* QLoRA: every `nn.Linear` but the output head stands for a bitsandbytes `Linear4bit`. Its matmul
+  (`_Fake4bitMatmul`) keeps what bitsandbytes' `MatMul4Bit` keeps: no input is saved, the weight is
+  dequantized into a transient in forward and again in backward; inputs are cast to the compute
+  dtype and outputs back to the input dtype, as `Linear4bit.forward` does.
+* peft stack: `prepare_model_for_kbit_training` makes every non-4-bit parameter fp32, so the residual
+  stream runs in fp32; reentrant checkpointing with input grads enabled.
+* LLaMA-Factory: parameters stay bf16; reentrant checkpointing.
+* LoRA adapters through peft itself (fp32 adapters, `autocast_adapter_dtype`); under DeepSpeed the
+  engine casts the whole model to the half dtype, adapters included.
+* DeepSpeed moves each gradient into its buckets as soon as it is produced: gradients are dropped by
+  a post-accumulate hook (the buckets are closed-form terms in `harness.predict_states`). Without
+  DeepSpeed, gradients stay; with accumulation the previous micro-step's gradients exist already.
+* GLA (flash-linear-attention): fla's Triton kernels have no CPU or fake implementation; the CPU
+  reference path (`harness.fla_cpu`) stands in, with fused-kernel emulations that save what the
+  Triton kernels save (`_fla_fake_kernels`).
+
+Nothing here reads measurements. The model code runs in `harness.predict_fake` (torch, transformers,
+peft); this module holds the spec, the results and their caches (in-process, and on disk keyed by
+the spec, this code and the library versions), so a cached prediction imports none of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.architectures import Architecture
+from harness.schema import Case, Stack
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """Everything of a case that changes the traced step (hashable, the cache key)."""
+
+    config_json: str  # full-width architecture config
+    seq_len: int
+    micro_batch: int
+    kind: str  # lora, qlora, full
+    stack: str
+    dtype: str
+    lora_r: int | None
+    lora_targets: tuple[str, ...] | str | None
+    lora_dropout: float
+    checkpointing: bool
+    reentrant: bool
+    deepspeed: bool
+    accumulated_grads: bool  # earlier micro-steps' gradients are live (no DeepSpeed, GA > 1)
+
+    @classmethod
+    def of(cls, case: Case, arch: Architecture) -> "TraceSpec":
+        lora = case.method.lora
+        targets = None
+        if lora is not None:
+            targets = "all" if lora.targets == "all" else tuple(lora.targets)
+        gc = case.train.gradient_checkpointing
+        reentrant = gc and (case.stack in (Stack.llamafactory, Stack.peft) and case.method.kind == "qlora"
+                            or case.stack == Stack.llamafactory)
+        return cls(
+            config_json=json.dumps(arch.config, sort_keys=True),
+            seq_len=case.train.seq_len,
+            micro_batch=case.train.micro_batch,
+            kind=case.method.kind,
+            stack=case.stack.value,
+            dtype=case.precision.value,
+            lora_r=lora.r if lora else None,
+            lora_targets=targets,
+            lora_dropout=lora.dropout if lora else 0.0,
+            checkpointing=gc,
+            reentrant=reentrant,
+            deepspeed=case.deepspeed is not None,
+            accumulated_grads=case.deepspeed is None and case.train.grad_accum > 1,
+        )
+
+
+@dataclass
+class ParamInfo:
+    """Parameters of a truncated model, by kind (element counts)."""
+
+    quantizable: int = 0  # linear weights a 4-bit load quantizes (every Linear but the head)
+    trainable: int = 0  # LoRA adapters, or everything for full fine-tuning
+    other: int = 0  # embeddings, head, norms, biases, non-quantized rest
+    sizes: list[int] = field(default_factory=list)  # numel of every base parameter (ZeRO-3 terms)
+    head: int = 0  # output head (or tied embedding) elements
+    largest_layer_module: int = 0  # largest leaf module's parameter count inside a layer
+    bytes_total: int = 0  # bytes of every parameter as the stack holds it (before ZeRO)
+
+
+@dataclass
+class TraceResult:
+    layers: int
+    peak: int  # highest live bytes above the step's starting states, during forward + backward
+    held_after_forward: int  # bytes a forward leaves alive for backward (activations, logits, loss)
+    logits: int  # bytes of the logits tensor the model returns
+    params: ParamInfo
+    seconds: float
+    cached: bool = False
+
+
+def extrapolate(a1: float, a2: float, layers: int) -> float:
+    return a1 + (a2 - a1) * (layers - 1)
+
+
+# --- the on-disk cache ------------------------------------------------------------------------------
+# A trace is a pure function of its spec, of the code here and in harness.predict_fake, and of the
+# library versions that run the model code; the cache key holds all of them. Set
+# HARNESS_PREDICT_CACHE to a folder to move it, or to "off" to disable it.
+
+_LIBS = ("torch", "transformers", "peft", "flash-linear-attention", "fla-core")
+
+
+def _cache_dir() -> Path | None:
+    value = os.environ.get("HARNESS_PREDICT_CACHE", "")
+    if value.lower() in ("off", "0", "no", "false"):
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "oom-harness" / "predict-trace"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_key() -> str:
+    import importlib.metadata as md
+
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("predict_trace.py", "predict_fake.py"):
+        h.update((here / name).read_bytes())
+    for lib in _LIBS:
+        try:
+            h.update(f"{lib}={md.version(lib)};".encode())
+        except md.PackageNotFoundError:
+            h.update(f"{lib}=none;".encode())
+    return h.hexdigest()
+
+
+def _key(spec: TraceSpec) -> str:
+    return hashlib.sha256((_code_key() + json.dumps(dataclasses.asdict(spec), sort_keys=True)).encode()).hexdigest()[:32]
+
+
+def _from_dict(d: dict) -> TraceResult:
+    d = dict(d)
+    d["params"] = ParamInfo(**d["params"])
+    return TraceResult(**d)
+
+
+def _load(spec: TraceSpec) -> tuple[TraceResult, TraceResult] | None:
+    folder = _cache_dir()
+    if folder is None:
+        return None
+    path = folder / f"{_key(spec)}.json"
+    try:
+        a, b = json.loads(path.read_text())
+        return _from_dict(a), _from_dict(b)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _store(spec: TraceSpec, pair) -> None:
+    folder = _cache_dir()
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{_key(spec)}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in pair]))
+        tmp.replace(path)
+    except OSError:  # a read-only home: the in-process cache still holds
+        pass
+
+
+@functools.lru_cache(maxsize=64)
+def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
+    """Traces at 1 and 2 layers: from the in-process cache, else the on-disk cache, else traced
+    (harness.predict_fake, which imports torch, transformers and peft)."""
+    cached = _load(spec)
+    if cached is not None:
+        for r in cached:
+            r.cached = True
+        return cached
+    from harness.predict_fake import trace
+
+    pair = (trace(spec, 1), trace(spec, 2))
+    _store(spec, pair)
+    return pair

@@ -1,0 +1,121 @@
+"""Behaviour of the predictor (harness.predict): the directions its terms must move in, the
+interface the importers and `oom-harness check` rely on, and leave-one-out calibration.
+No timings here (benchmarks/bench_predictor.py has them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.baselines import load_baselines
+from harness.cases import CASES_DIR, load_case
+from harness.predict import Prediction, predict
+from harness.schema import Case
+
+GiB = 2**30
+
+
+def case(name: str) -> Case:
+    return load_case(CASES_DIR / f"{name}.yaml")
+
+
+def changed(base: Case, **edits) -> Case:
+    """A copy of a case with nested fields changed: changed(c, **{"deepspeed.stage": 3})."""
+    data = base.model_dump(mode="json")
+    data["target"]["card"]["memory"] = f"{base.target.card.memory} B"
+    data["claims"] = []  # claims do not change a prediction, and may contradict the edit
+    if base.target.host_ram is not None:
+        data["target"]["host_ram"] = f"{base.target.host_ram} B"
+    for path, value in edits.items():
+        node = data
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return Case.model_validate(data)
+
+
+def test_interface_fields_and_consistency():
+    p = predict(case("003-qlora-fix-r32-seq1024-gc"))
+    assert isinstance(p, Prediction)
+    assert 0 < p.allocated <= p.reserved < p.device
+    assert p.host_ram > 0 and p.seconds > 0
+    assert all(isinstance(v, int) for v in p.terms.values())
+    assert set(p.fitted) <= {"reserved_over_allocated", "device_overhead", "device_overhead_deepspeed"}
+    assert isinstance(p.notes, list) and isinstance(p.calibrated_on, list) and p.platform
+
+
+def test_zero3_over_8_ranks_holds_an_eighth_of_the_parameters():
+    base = changed(case("001-ladder-rung3-zero3"), **{"target.card.count": 8})
+    one = predict(base)
+    eight = predict(changed(base, **{"launch.ranks": 8}))
+    ratio = eight.terms["zero3_param_partition"] / one.terms["zero3_param_partition"]
+    assert ratio == pytest.approx(1 / 8, rel=0.01)
+    assert eight.allocated < one.allocated
+
+
+def test_optimizer_offload_moves_state_to_host():
+    on_device = predict(case("001-ladder-rung1-zero2"))
+    offloaded = predict(changed(case("001-ladder-rung1-zero2"), **{"deepspeed.offload_optimizer": "cpu"}))
+    assert "optimizer_fp32_master_adam" in on_device.terms
+    assert "optimizer_fp32_master_adam" not in offloaded.terms
+    assert offloaded.terms["host_optimizer_fp32_master_adam"] == on_device.terms["optimizer_fp32_master_adam"]
+    assert offloaded.host_ram > on_device.host_ram
+
+
+def test_parameter_offload_moves_zero3_partition_to_host():
+    p = predict(case("001-ladder-rung4-zero3-offload"))
+    assert "zero3_param_partition" not in p.terms and p.terms["host_zero3_param_partition"] > 0
+
+
+def test_checkpointing_lowers_activations():
+    with_gc = predict(case("003-qlora-fix-r32-seq1024-gc"))
+    without = predict(changed(case("003-qlora-fix-r32-seq1024-gc"), **{"train.gradient_checkpointing": False}))
+    assert with_gc.terms["activations_held_after_forward"] < 0.3 * without.terms["activations_held_after_forward"]
+    assert with_gc.allocated < without.allocated
+
+
+def test_four_bit_shrinks_linear_weights_about_fourfold():
+    q = case("003-qlora-fix-r32-seq1024-gc-llamafactory")
+    lora = changed(q, **{"method.kind": "lora", "method.quantization": None})
+    pq, pl = predict(q), predict(lora)
+    linear_bf16 = pl.terms["weights"] - pq.terms["weights_other"]
+    assert 0.24 < pq.terms["weights_4bit"] / linear_bf16 < 0.28
+
+
+def test_peft_stack_upcasts_non_quantized_weights():
+    peft = predict(case("003-qlora-fix-r32-seq1024-gc"))
+    lf = predict(case("003-qlora-fix-r32-seq1024-gc-llamafactory"))
+    assert peft.terms["weights_other"] == 2 * lf.terms["weights_other"]
+    assert peft.allocated > lf.allocated
+
+
+def test_fewer_layers_predict_less_and_32b_completes():
+    full = predict(case("000-lora-z3-offload-cutoff1024-ga16"))
+    short = predict(changed(case("000-lora-z3-offload-cutoff1024-ga16"), layers=8, depth_points=None))
+    assert short.allocated < full.allocated
+    assert short.host_ram < full.host_ram
+    assert any("8 of 64 layers" in n for n in short.notes)
+
+
+def test_procs_per_card_figures_are_per_process():
+    two = predict(case("004-gla-plan-b-bs2"))
+    one = predict(changed(case("004-gla-plan-b-bs2"), **{"launch.procs_per_card": 1}))
+    assert two.device == one.device
+    assert two.host_ram > one.host_ram  # host memory is the node's: both jobs
+
+
+def test_leave_one_out_excludes_the_case():
+    b = next(iter(load_baselines()), None)
+    if b is None:
+        pytest.skip("no baselines in results/")
+    c = case(b.case_id)
+    inside = predict(c, platform=b.platform.key)
+    out = predict(c, platform=b.platform.key, exclude={b.case_id})
+    assert b.case_id in inside.calibrated_on
+    assert b.case_id not in out.calibrated_on
+    assert out.platform == b.platform.key
+
+
+def test_unknown_platform_falls_back_to_pooled_constants():
+    p = predict(case("004-gla-plan-b-bs2"), platform="hygon-dcu-k100-x8")
+    assert any("pooled" in n for n in p.notes) or not p.fitted
