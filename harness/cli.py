@@ -3,6 +3,7 @@
     oom-harness run                    every case at tiny size (on a GPU host: --fidelity real)
     oom-harness run -k 003 --json out.json
     oom-harness validate cases/        check case files; exit 2 with the problems
+    oom-harness check llamafactory.yaml --gpu-memory 64GiB --gpus 8    pre-merge: does a config fit?
 
 Exit codes: 0 all verdicts hold, 1 a case failed or a claim was refuted, 2 bad input.
 """
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 from harness.cases import CASES_DIR, CaseError, load_case
+from harness.check import add_arguments as check_arguments
+from harness.check import command as check_command
 
 
 def _cmd_validate(args) -> int:
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
     val = sub.add_parser("validate", help="check case files")
     val.add_argument("paths", nargs="*")
     val.set_defaults(func=_cmd_validate)
+    chk = sub.add_parser("check", help="pre-merge: predict whether a training config fits its cards, and lint it")
+    check_arguments(chk)
+    chk.set_defaults(func=check_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

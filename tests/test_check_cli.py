@@ -1,0 +1,279 @@
+"""`oom-harness check`: exit codes, the table, --json, and bad input as one message (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from harness import check
+from harness.cli import main
+from harness.units import GIB
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "configs" / "examples"
+GUIDE000 = str(EXAMPLES / "000-ds32b-optimized.yaml")
+DCU_ARGS = ["--gpu-memory", "64GiB", "--gpus", "8"]
+
+
+@dataclass
+class FakePrediction:
+    allocated: int
+    reserved: int
+    device: int
+    host_ram: int = 150 * GIB
+    terms: dict = field(default_factory=dict)
+    notes: list = field(default_factory=lambda: ["fake prediction"])
+    calibrated_on: list = field(default_factory=list)
+    platform: str = "cuda"
+
+
+@pytest.fixture
+def predicted(monkeypatch):
+    """Make the predictor return a given device peak (GiB); records what it was asked."""
+    calls = []
+
+    def use(device_gib: float):
+        def fake(case, arch=None, *, platform=None, exclude=frozenset()):
+            calls.append((case, arch, platform))
+            return FakePrediction(int((device_gib - 3) * GIB), int((device_gib - 1) * GIB), int(device_gib * GIB))
+
+        monkeypatch.setattr(check, "_predictor", lambda: fake)
+        return calls
+
+    return use
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fits_exit_0_and_table(capsys, predicted):
+    calls = predicted(40)
+    code, out, err = run(capsys, GUIDE000, *DCU_ARGS)
+    assert code == 0, out + err
+    assert "verdict: FITS" in out
+    for label in ("peak allocated", "peak reserved", "device peak", "host RAM", "headroom"):
+        assert label in out
+    assert "40.00 GiB" in out and "57.60 GiB" in out  # the device peak; 0.9 x 64 GiB
+    case, arch, _ = calls[0]
+    assert case.train.seq_len == 512 and arch.name == "deepseek-r1-distill-qwen-32b"
+
+
+def test_does_not_fit_exit_1(capsys, predicted):
+    predicted(60)  # above 0.9 x 64 = 57.6 GiB
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS)
+    assert code == 1 and "DOES NOT FIT" in out
+
+
+def test_headroom_flag(capsys, predicted):
+    predicted(60)
+    assert run(capsys, GUIDE000, *DCU_ARGS, "--headroom", "0.95")[0] == 0  # 60.8 GiB budget
+
+
+def test_procs_per_gpu_sum_on_the_card(capsys, predicted):
+    predicted(20)
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--json")
+    assert code == 0 and json.loads(out)["card_peak_gib"] == 20
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--procs-per-gpu", "3", "--json")
+    result = json.loads(out)
+    assert code == 1 and result["fits"] is False and result["card_peak_gib"] == 60
+    assert "procs-per-card-oversubscribed" in [f["code"] for f in result["lints"]]
+
+
+def test_json_output(capsys, predicted):
+    predicted(40)
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--host-ram", "1TiB", "--json")
+    result = json.loads(out)  # one JSON object, nothing else on stdout
+    assert code == 0
+    for key in ("fits", "peak_allocated_gib", "peak_reserved_gib", "device_peak_gib", "host_ram_gib", "lints"):
+        assert key in result
+    assert result["fits"] is True and result["lints"] == []
+    assert (result["peak_allocated_gib"], result["peak_reserved_gib"], result["device_peak_gib"]) == (37, 39, 40)
+    assert result["host_ram_gib"] == 150
+    assert result["files"][1].endswith("ds_z3_offload_aggressive.json")
+
+
+def test_error_lint_fails_a_config_that_fits(capsys, predicted, tmp_path):
+    predicted(10)
+    cfg = tmp_path / "ta.json"
+    cfg.write_text(json.dumps({"model_name_or_path": "Qwen/Qwen1.5-1.8B-Chat", "output_dir": "o",
+                               "max_seq_length": 512, "fp16": True, "bf16": True}))
+    code, out, _ = run(capsys, str(cfg), "--gpu-memory", "80GB", "--gpus", "1", "--json")
+    result = json.loads(out)
+    assert code == 1 and result["fits"] is True
+    assert [f["code"] for f in result["lints"]] == ["fp16-and-bf16"]
+    assert result["lints"][0]["reason"] and result["lints"][0]["fix"]
+
+
+def test_unpredictable_config_exit_1_with_its_lint(capsys, predicted, tmp_path):
+    calls = predicted(10)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("model_name_or_path: Qwen/Qwen1.5-7B-Chat\nquantization_bit: 4\ndeepspeed: ds.json\n"
+                   "output_dir: o\nbf16: true\n")
+    code, out, _ = run(capsys, str(cfg), *DCU_ARGS, "--json")
+    result = json.loads(out)
+    assert code == 1 and result["fits"] is None and calls == []
+    assert "qlora-zero3" in [f["code"] for f in result["lints"]]
+
+
+# --- bad input: exit 2, one message, no traceback --------------------------------------------------
+
+
+def _bad(tmp_path: Path, kind: str) -> list[str]:
+    if kind == "missing file":
+        return [str(tmp_path / "nope.yaml"), *DCU_ARGS]
+    if kind == "malformed yaml":
+        (tmp_path / "bad.yaml").write_text("model_name_or_path: [unclosed\nstage: sft\n")
+        return [str(tmp_path / "bad.yaml"), *DCU_ARGS]
+    if kind == "malformed json":
+        (tmp_path / "bad.json").write_text('{"model_name_or_path": "Qwen/Qwen1.5-7B-Chat",}')
+        return [str(tmp_path / "bad.json"), *DCU_ARGS]
+    if kind == "unknown key":
+        (tmp_path / "typo.yaml").write_text("model_name_or_path: Qwen/Qwen1.5-7B-Chat\ncutof_len: 512\n")
+        return [str(tmp_path / "typo.yaml"), *DCU_ARGS]
+    if kind == "model without config":
+        (tmp_path / "weights-only").mkdir()
+        (tmp_path / "m.yaml").write_text("model_name_or_path: weights-only\n")
+        return [str(tmp_path / "m.yaml"), *DCU_ARGS]
+    if kind == "bad size":
+        return [GUIDE000, "--gpu-memory", "64GX", "--gpus", "8"]
+    if kind == "no gpus":
+        return [GUIDE000, "--gpu-memory", "64GiB"]
+    if kind == "missing deepspeed":
+        return [GUIDE000, *DCU_ARGS, "--deepspeed", str(tmp_path / "none.json")]
+    if kind == "not a config":
+        (tmp_path / "list.yaml").write_text("- a\n- b\n")
+        return [str(tmp_path / "list.yaml"), *DCU_ARGS]
+    raise AssertionError(kind)
+
+
+BAD = {
+    "missing file": "no such file",
+    "malformed yaml": "not valid YAML at line",
+    "malformed json": "not valid JSON at line 1",
+    "unknown key": "cutof_len: unknown key. Fix: did you mean 'cutoff_len'?",
+    "model without config": "no config.json",
+    "bad size": "--gpu-memory",
+    "no gpus": "--gpus",
+    "missing deepspeed": "no such DeepSpeed config file",
+    "not a config": "must hold a mapping",
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_input_exit_2_one_message(capsys, predicted, tmp_path, kind):
+    predicted(10)
+    code, out, err = run(capsys, *_bad(tmp_path, kind))
+    assert code == 2
+    assert out == ""
+    assert err.startswith("oom-harness check: ") and err.count("\n") == 1, err
+    assert BAD[kind] in err
+    assert "Traceback" not in err
+
+
+def test_bad_input_with_json_prints_an_error_object(capsys, predicted, tmp_path):
+    predicted(10)
+    code, out, _ = run(capsys, *_bad(tmp_path, "unknown key"), "--json")
+    assert code == 2 and "cutof_len" in json.loads(out)["error"]
+
+
+def test_predictor_failure_is_one_message(capsys, monkeypatch):
+    def broken(case, arch=None, *, platform=None, exclude=frozenset()):
+        raise KeyError("num_attention_heads")
+
+    monkeypatch.setattr(check, "_predictor", lambda: broken)
+    monkeypatch.delenv("OOM_HARNESS_DEBUG", raising=False)
+    code, _, err = run(capsys, GUIDE000, *DCU_ARGS)
+    assert code == 2 and "predictor could not size" in err and "Traceback" not in err
+
+
+def test_subprocess_bad_input_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stage: sft\n  finetuning_type: lora\n")
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "check", str(bad), *DCU_ARGS],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_real_predictor_on_guide000(capsys):
+    """End to end with the real predictor: the 32B config of guide 000 on 8 x 64 GiB cards."""
+    pytest.importorskip("harness.predict", reason="the predictor (harness/predict.py) is not there yet")
+    code, out, err = run(capsys, GUIDE000, *DCU_ARGS, "--vendor", "hygon", "--json")
+    assert code in (0, 1), err
+    result = json.loads(out)
+    assert 0 < result["peak_allocated_gib"] <= result["peak_reserved_gib"] <= result["device_peak_gib"] < 64 * 4
+    assert result["host_ram_gib"] > 0
+    assert result["fits"] == (result["device_peak_gib"] <= 0.9 * 64)
+
+
+# --- pytest -m premerge: the folder, its sidecar, the selection of touched configs -------------------
+
+from harness import premerge_plugin as pm  # noqa: E402
+
+
+def _folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "team"
+    folder.mkdir()
+    (folder / "ds_z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (folder / "ds_z2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    base = "model_name_or_path: Qwen/Qwen1.5-7B-Chat\noutput_dir: o\nbf16: true\ncutoff_len: 512\n"
+    (folder / "a.yaml").write_text(base + "deepspeed: ds_z3.json\n")
+    (folder / "b.yaml").write_text(base + "deepspeed: ds_z2.json\n")
+    (folder / "premerge.yaml").write_text(
+        "defaults: {gpus: 8, gpu_memory: 80GB}\nconfigs:\n  b.yaml: {gpus: 2, expect: oom, lints: [qlora-zero3]}\n")
+    return folder
+
+
+def test_premerge_entries_merge_defaults_and_skip_deepspeed_files(tmp_path):
+    found = pm.entries(_folder(tmp_path))
+    assert [e.config.name for e in found] == ["a.yaml", "b.yaml"]  # the DeepSpeed JSONs are not tests
+    a, b = found
+    assert (a.settings.gpus, a.settings.gpu_memory, a.settings.expect) == (8, 80 * 10**9, None)
+    assert (b.settings.gpus, b.settings.gpu_memory, b.settings.expect) == (2, 80 * 10**9, "oom")
+
+
+def test_premerge_selects_configs_touched_by_a_change(tmp_path):
+    folder = _folder(tmp_path)
+    found = pm.entries(folder)
+    assert [e.config.name for e in pm.select(found, [str(folder / "ds_z3.json")])] == ["a.yaml"]
+    assert [e.config.name for e in pm.select(found, [str(folder / "b.yaml")])] == ["b.yaml"]
+    assert len(pm.select(found, [str(folder / "premerge.yaml")])) == 2
+    assert pm.select(found, [str(tmp_path / "elsewhere.yaml")]) == []
+
+
+def test_premerge_sidecar_problems_are_failing_entries(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "premerge.yaml").write_text("configs:\n  gone.yaml: {gpus: 1}\n  a.yaml: {gpu: 1}\n")
+    [broken] = pm.entries(folder)
+    assert "configs.a.yaml.gpu" in broken.problem
+    (folder / "premerge.yaml").write_text("configs:\n  gone.yaml: {gpus: 1}\n")
+    problems = [e.problem for e in pm.entries(folder) if e.problem]
+    assert problems == [f"{folder / 'premerge.yaml'}: configs.gone.yaml: no such training config in {folder}"]
+
+
+def test_premerge_judge(tmp_path, predicted):
+    folder = _folder(tmp_path)
+    a, _ = pm.entries(folder)
+    predicted(30)
+    fits = check.run_check(a.config, pm.spec_of(a))
+    assert pm.judge(a, fits) == []
+    oom_expected = pm.PremergeEntry(a.config, a.settings.model_copy(update={"expect": "oom"}))
+    assert pm.judge(oom_expected, fits) == ["expected not to fit (expect: oom), but it fits"]
+    lint_expected = pm.PremergeEntry(a.config, a.settings.model_copy(update={"lints": ["fp16-and-bf16"]}))
+    assert pm.judge(lint_expected, fits) == ["expected lint(s) did not fire: fp16-and-bf16"]
+    predicted(80)
+    too_big = check.run_check(a.config, pm.spec_of(a))
+    assert pm.judge(a, too_big) == ["expected to fit, but it does not"]
+    with pytest.raises(pytest.fail.Exception) as failed:
+        pm.check_entry(a)
+    assert "DOES NOT FIT" in str(failed.value) and "device peak" in str(failed.value)
