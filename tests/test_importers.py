@@ -93,6 +93,21 @@ def test_llamafactory_disable_gradient_checkpointing(tmp_path):
     assert import_config(write(tmp_path, "lf.yaml", data), ONE).case.train.gradient_checkpointing is False
 
 
+def test_llamafactory_use_reentrant_gc(tmp_path):
+    """use_reentrant_gc (LLaMA-Factory's default: true) becomes train.checkpointing_reentrant."""
+    default = import_config(write(tmp_path, "lf.yaml", LF_MIN), ONE)
+    assert default.case.train.checkpointing_reentrant is True
+    assert default.training.checkpointing_reentrant is True and default.training.checkpointing_reentrant_key == ""
+    off = import_config(write(tmp_path, "lf.yaml", dict(LF_MIN, use_reentrant_gc=False)), ONE)
+    assert off.case.train.checkpointing_reentrant is False
+    assert off.training.checkpointing_reentrant_key == "use_reentrant_gc"
+    no_gc = dict(LF_MIN, disable_gradient_checkpointing=True, use_reentrant_gc=False)
+    assert import_config(write(tmp_path, "lf.yaml", no_gc), ONE).case.train.checkpointing_reentrant is None
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "lf.yaml", dict(LF_MIN, use_reentrant_gc="sometimes")), ONE)
+    assert err.value.key == "use_reentrant_gc"
+
+
 def test_contradictory_checkpointing_keys(tmp_path):
     data = dict(LF_MIN, disable_gradient_checkpointing=True, gradient_checkpointing=True)
     with pytest.raises(ConfigError) as err:
@@ -245,6 +260,30 @@ def test_training_args_needs_a_sequence_length(tmp_path):
 
 def test_training_args_checkpointing_off_by_default(tmp_path):
     assert import_config(write(tmp_path, "ta.json", TA_MIN), ONE).case.train.gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("kwargs, reentrant", [
+    ({"use_reentrant": False}, False), ({"use_reentrant": True}, True), ('{"use_reentrant": false}', False),
+    ({}, None), (None, None),
+])
+def test_training_args_gradient_checkpointing_kwargs(tmp_path, kwargs, reentrant):
+    data = dict(TA_MIN, gradient_checkpointing=True)
+    if kwargs is not None:
+        data["gradient_checkpointing_kwargs"] = kwargs
+    imported = import_config(write(tmp_path, "ta.json", data), ONE)
+    assert imported.case.train.checkpointing_reentrant is reentrant
+    assert imported.training.checkpointing_reentrant is bool(reentrant)  # plain transformers: non-reentrant
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ("use_reentrant", "gradient_checkpointing_kwargs"),
+    ({"use_reentrant": "maybe"}, "gradient_checkpointing_kwargs.use_reentrant"),
+])
+def test_training_args_bad_gradient_checkpointing_kwargs(tmp_path, kwargs, key):
+    data = dict(TA_MIN, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "ta.json", data), ONE)
+    assert err.value.key == key
 
 
 def test_training_args_four_bit_needs_lora(tmp_path):

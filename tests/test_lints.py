@@ -79,7 +79,7 @@ def test_every_lint_has_a_reason_and_a_fix(tmp_path):
         assert f.reason and f.fix and f.file and f.message
     severities = [f.severity for f in found]
     assert severities == sorted(severities, key=lambda s: s != "error")  # errors first
-    assert len(RULES) == 9
+    assert len(RULES) == 10
 
 
 # --- ZeRO-3 model built before DeepSpeed is configured -------------------------------------------
@@ -239,8 +239,55 @@ def test_processes_per_card_add_up():
     assert "procs-per-card-oversubscribed" not in codes(one, FakePrediction(device=12 * GIB))
 
 
+# --- ZeRO-3 + LoRA + reentrant checkpointing ---------------------------------------------------------
+
+
+def test_reentrant_checkpointing_under_zero3(tmp_path):
+    """LLaMA-Factory's default use_reentrant_gc: true keeps ZeRO-3's gathered frozen weights (measured, guide 000)."""
+    hit = next(f for f in lint(import_config(config(tmp_path, LF, ds=Z3), DCU))
+               if f.code == "zero3-reentrant-checkpointing")
+    assert hit.severity == "warning" and hit.key == "use_reentrant_gc" and "use_reentrant_gc: false" in hit.fix
+    assert "all 64 layers" in hit.message and "0.93 GiB per layer" in hit.reason
+    fixed = config(tmp_path, dict(LF, use_reentrant_gc=False), ds=Z3)
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(fixed, DCU))
+
+
+def test_reentrant_checkpointing_needs_zero3_frozen_weights_and_checkpointing(tmp_path):
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(config(tmp_path, LF), DCU))  # no ZeRO-3
+    z2 = config(tmp_path, LF, ds={"zero_optimization": {"stage": 2}})
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(z2, DCU))
+    full = config(tmp_path, dict(LF, finetuning_type="full"), ds=Z3)
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(full, DCU))
+    no_gc = config(tmp_path, dict(LF, disable_gradient_checkpointing=True), ds=Z3)
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(no_gc, DCU))
+
+
+def test_reentrant_checkpointing_in_training_arguments_and_case_files(tmp_path):
+    reentrant = config(tmp_path, dict(TA, gradient_checkpointing=True,
+                                      gradient_checkpointing_kwargs={"use_reentrant": True}), "ta.json", Z3)
+    hit = next(f for f in lint(import_config(reentrant, DCU)) if f.code == "zero3-reentrant-checkpointing")
+    assert hit.key == "gradient_checkpointing_kwargs.use_reentrant" and '{"use_reentrant": false}' in hit.fix
+    plain = config(tmp_path, dict(TA, gradient_checkpointing=True), "ta.json", Z3)  # transformers' default: false
+    assert "zero3-reentrant-checkpointing" not in codes(import_config(plain, DCU))
+    failing = import_config(CASES / "000-lora-z3-offload-cutoff1024-ga16.yaml", JobSpec())
+    assert "zero3-reentrant-checkpointing" in codes(failing)
+    fixed = import_config(CASES / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml", JobSpec())
+    assert "zero3-reentrant-checkpointing" not in codes(fixed)
+
+
+# --- the guide's fixed config -------------------------------------------------------------------------
+
+# The guide's fix 1 keeps LLaMA-Factory's reentrant checkpointing: measured at 4 and 8 layers its peak
+# grows 0.93 GiB per layer like the failing config's, so that warning is expected there.
+_EXPECTED_ON_FIX1 = {"zero3_reentrant_checkpointing"}
+
+
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
 def test_rules_are_quiet_on_the_fixed_guide000_config(rule):
     imported = import_config(EXAMPLES / "000-ds32b-optimized.yaml",
                              JobSpec(gpus=8, gpu_memory=parse_size("64GiB"), host_ram=parse_size("512GiB")))
-    assert rule(imported, FakePrediction()) == []
+    found = rule(imported, FakePrediction())
+    if rule.__name__ in _EXPECTED_ON_FIX1:
+        assert [f.severity for f in found] == ["warning"]
+    else:
+        assert found == []
