@@ -78,6 +78,35 @@ def ds_estimate(case, params: int, largest_layer: int) -> float | None:
     return gpu
 
 
+def issue6() -> None:
+    """Guide 000 (issue #6): per-rank device peak predicted at 8 ranks (as written, full depth)
+    beside the 2-rank prediction and the 2-rank measurement or depth extrapolation."""
+    from harness.baselines import load_baselines
+    from harness.cases import CASES_DIR, load_case
+    from harness.extrapolate import extrapolate
+    from harness.predict import predict
+
+    baselines = load_baselines()
+    print()
+    print("Issue #6, guide 000 at full depth (64 layers), per-rank device peak, GiB (budget: 64 GiB card x 0.9 = 57.60):")
+    print(f"  {'case':50s} {'8 ranks pred':>12s} {'2 ranks pred':>12s} {'2 ranks measured / extrapolated':>34s}")
+    for path in sorted(CASES_DIR.glob("000-*.yaml")):
+        case = load_case(path)
+        p8 = predict(case, platform="nvidia-h200-x2", exclude={case.id})
+        p2 = predict(case, platform="nvidia-h200-x2", exclude={case.id}, variant="2r2ga")
+        seen = []
+        for b in baselines:
+            if b.case_id == case.id and b.variant == "2r2ga":
+                r = b.runs[0]
+                seen.append(f"{r.per_card_peak / GiB:.2f} {'measured' if r.outcome == 'ok' else r.outcome.upper() + ' at'}")
+        for e in extrapolate(case, baselines):
+            if e.base_variant == "2r2ga" and "per_card_peak" in e.values:
+                seen.append(f"{e.values['per_card_peak'] / GiB:.2f} extrap.")
+        print(f"  {case.id:50s} {p8.device / GiB:12.2f} {p2.device / GiB:12.2f} {'; '.join(seen) or '-':>34s}")
+    print("  (predictions leave the case out of the calibration; 2-rank figures at grad accum 2, which does not "
+          "change the peak)")
+
+
 def rel(pred: float, meas: float) -> float:
     return pred / meas - 1
 
@@ -97,10 +126,11 @@ def main(argv=None) -> int:
     from harness.variants import parse_variant
 
     rows = []
+    host_rows = []
     worst = {"allocated": (0.0, ""), "reserved": (0.0, ""), "device": (0.0, "")}
     ref_worst = {"deepspeed": [], "llamafactory": []}
     print("Predicted (leave-one-out) vs measured peaks, GiB. device = per card (sum of processes sharing it).")
-    header = (f"{'case':44s} {'platform':26s} {'var':5s} {'outcome':7s} | {'alloc p/m':>15s} {'err':>7s} | "
+    header = (f"{'case':44s} {'platform':26s} {'var':7s} {'outcome':7s} | {'alloc p/m':>15s} {'err':>7s} | "
               f"{'reserved p/m':>15s} {'err':>7s} | {'device p/m':>15s} {'err':>7s} | "
               f"{'DS est':>6s} {'err':>7s} | {'LF rule':>7s} {'err':>7s}")
     print(header)
@@ -155,9 +185,13 @@ def main(argv=None) -> int:
                 e = rel(est, m_dev)
                 ref_worst[key].append((abs(e), e, b.case_id))
                 refs.append(f"{fmt(est):>6s} {e:+7.1%}")
-        print(f"{b.case_id:44s} {b.platform.key:26s} {b.variant or '-':5s} {'OOM' if oom else 'ok':7s} | "
+        print(f"{b.case_id:44s} {b.platform.key:26s} {b.variant or '-':7s} {'OOM' if oom else 'ok':7s} | "
               + " | ".join(cells) + " | " + " | ".join(refs))
         rows.append((b, pred))
+        m_host = med("host_peak")
+        if m_host is not None:  # per-rank RSS (worst rank) x the processes on this node
+            node = m_host * measured_case.launch.ranks * procs
+            host_rows.append((f"{b.case_id}@{b.variant or '-'}", pred.host_ram, node, oom))
     print()
     for name, (e, where) in worst.items():
         print(f"worst {name:9s} error (finished runs): {e:+.1%}  {where}")
@@ -168,11 +202,26 @@ def main(argv=None) -> int:
                   f"({len(errs)} cases apply)")
         else:
             print(f"{key} reference: applies to no finished run")
+    print()
+    print("Host RAM of the job on one node, GiB: predicted Prediction.host_ram vs measured host_peak (worst rank's RSS) "
+          "x ranks x processes per card (every rank of these runs shared one node).")
+    herrs = []
+    for name, p, m, oom in host_rows:
+        e = rel(p, m)
+        if not oom:
+            herrs.append((abs(e), e, name))
+        print(f"  {name:60s} {p / GiB:7.2f} / {m / GiB:7.2f}  {e:+7.1%}{'  (OOM run)' if oom else ''}")
+    if herrs:
+        a, e, name = max(herrs)
+        print(f"worst host RAM error (finished runs): {e:+.1%}  {name}")
+    print()
     print("OOM rows: the measured figure is where the run failed on its emulated card, a lower bound; "
           "'>=' means the prediction is at or above it ('< !' means it predicts a fit that OOMed).")
     if rows:
         pred = rows[-1][1]
         print(f"fitted constants: {', '.join(pred.fitted)} (per platform, from results/baselines)")
+
+    issue6()
 
     if not args.no_timing:
         code = ("import time; t=time.perf_counter()\n"

@@ -6,6 +6,13 @@ needs no prediction and costs milliseconds):
 * ``reserved_over_allocated``: the caching allocator's reserved / allocated ratio at the step
   peak (fragmentation, rounding to 2 MiB / 20 MiB segments, blocks cached from the load). Median
   of reserved_peak / allocated_peak over baselines whose run finished (an OOM stops at the cap).
+  ZeRO-3 runs are left out of it (next constant).
+* ``zero3_cached_gathers``: ZeRO-3 only: reserved beyond allocated x that ratio, in units of the
+  largest parameter gathered whole (`largest_gather_bytes`: the embedding / head). The all-gather
+  buffers of the largest parameters are freed and reallocated every micro-step; the caching
+  allocator keeps their blocks (about two of them on guide 000's 32B). Median over finished
+  ZeRO-3 runs; fitted on one model so far (guide 000's 32B on nvidia-h200-x2), so its transfer to
+  other vocabularies is an assumption.
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
   OOM outcomes included (the overhead does not depend on where the run stopped).
@@ -29,7 +36,7 @@ from pathlib import Path
 
 from harness.baselines import RESULTS_DIR, Baseline, load_baselines
 
-FITTED = ("reserved_over_allocated", "device_overhead", "device_overhead_deepspeed")
+FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
 
 
 @dataclass
@@ -53,6 +60,8 @@ class _Obs:
     reserved: int | None
     device: int | None  # per process
     deepspeed: bool
+    zero3: bool = False
+    gather_bytes: int = 0  # ZeRO-3: bytes of the largest parameter gathered whole (largest_gather_bytes)
 
 
 @lru_cache(maxsize=4)
@@ -66,12 +75,27 @@ def _observations(root: str) -> tuple[_Obs, ...]:
         except Exception:  # a baseline of a case that no longer exists
             continue
         procs = case.launch.procs_per_card
+        zero3 = case.deepspeed is not None and case.deepspeed.stage == 3
+        gather = largest_gather_bytes(case) if zero3 else 0
         for r in b.runs:
             device = None if r.per_card_peak is None else r.per_card_peak // procs
             out.append(_Obs(case_id=b.case_id, platform=b.platform.key, ok=r.outcome == "ok",
                             allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
-                            deepspeed=case.deepspeed is not None))
+                            deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather))
     return tuple(out)
+
+
+def largest_gather_bytes(case) -> int:
+    """Bytes of the largest single parameter a ZeRO-3 rank gathers whole: the embedding / output
+    head (vocab x hidden) or an MLP matrix (intermediate x hidden), in the half dtype. From the
+    architecture's config (a closed form, not a trace), so fitting stays cheap."""
+    from harness.architectures import load_architecture
+
+    cfg = load_architecture(case.model).config
+    hidden = int(cfg.get("hidden_size", 0))
+    inter = int(cfg.get("intermediate_size") or 0)
+    half = 4 if case.precision.value == "fp32" else 2
+    return max(int(cfg.get("vocab_size", 0)), inter) * hidden * half
 
 
 def platforms(root: Path = RESULTS_DIR) -> list[str]:
@@ -108,8 +132,12 @@ def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RES
         used[name] = ids
         return v
 
-    fit("reserved_over_allocated", lambda o: o.ok and o.allocated and o.reserved,
-        lambda o: o.reserved / o.allocated)
+    ratio = fit("reserved_over_allocated", lambda o: o.ok and o.allocated and o.reserved and not o.zero3,
+                lambda o: o.reserved / o.allocated)
+    if ratio is None:
+        ratio = 1.05  # harness.predict.PRIORS
+    fit("zero3_cached_gathers", lambda o: o.ok and o.zero3 and o.allocated and o.reserved and o.gather_bytes,
+        lambda o: max(0.0, o.reserved - o.allocated * ratio) / o.gather_bytes)
     base = fit("device_overhead", lambda o: not o.deepspeed and o.device and o.reserved,
                lambda o: o.device - o.reserved)
     if base is not None:

@@ -2,6 +2,7 @@
 
     from harness.predict import predict, Prediction
     pred = predict(case, arch=None, platform="nvidia-h100-80gb-hbm3-x1", exclude={case.id})
+    pred = predict(case, platform="nvidia-h200-x2", exclude={case.id}, variant="2r4L2ga")  # as measured
 
 How a prediction is made (per GPU process; the worst rank of a sharded job):
 
@@ -15,11 +16,16 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    partitions and persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state,
    ZeRO buckets and the gathered ZeRO-3 live set, offload to host, cuBLAS workspaces.
 3. allocated = states + max(trace peak, optimizer-step transient).
-4. Calibrated (`harness.calibration`, fitted on results/baselines at call time, per platform):
-   reserved = allocated x reserved_over_allocated; device = reserved + device_overhead
-   (+ device_overhead_deepspeed for DeepSpeed processes).
-5. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
-   dataloader worker, plus offloaded optimizer state and parameters. Assumptions, not fitted.
+4. ZeRO-3 + reentrant checkpointing + frozen (LoRA) weights: every layer's gathered frozen weights
+   are held at once (`harness.predict_states.zero3_reentrant_retention`, evidence there);
+   allocated = max(step 3, states + that term).
+5. Calibrated (`harness.calibration`, fitted on results/baselines at call time, per platform):
+   reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
+   parameter's bytes under ZeRO-3); device = reserved + device_overhead (+ device_overhead_deepspeed
+   for DeepSpeed processes).
+6. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
+   dataloader worker, plus offloaded optimizer state and parameters (pinned: each partition
+   rounded up to a power of two, as torch's pinned host allocator does). Not fitted.
 
 For `launch.procs_per_card > 1` every figure is per process; the caller multiplies.
 """
@@ -35,7 +41,8 @@ from harness.schema import Case
 
 GiB = 2**30
 # Priors, used only where results/ holds no baseline to fit a constant on (say so in notes).
-PRIORS = {"reserved_over_allocated": 1.05, "device_overhead": 0.6 * GiB, "device_overhead_deepspeed": 0.5 * GiB}
+PRIORS = {"reserved_over_allocated": 1.05, "zero3_cached_gathers": 2.0, "device_overhead": 0.6 * GiB,
+          "device_overhead_deepspeed": 0.5 * GiB}
 # Host-memory assumptions (not fitted: the baselines hold no host figure yet).
 HOST_PROCESS_BASE = 3 * GiB  # torch + CUDA libraries + Python of one training process
 HOST_PER_WORKER = int(0.5 * GiB)  # one dataloader worker (forked, copy-on-write)
@@ -73,12 +80,20 @@ def _inventory(r1, r2, layers: int):
     ex = lambda a, b: int(round(extrapolate(a, b, layers)))  # noqa: E731
     return Inventory(quantizable=ex(p1.quantizable, p2.quantizable), other=ex(p1.other, p2.other),
                      trainable=ex(p1.trainable, p2.trainable), head=p1.head,
-                     largest_layer_module=p1.largest_layer_module, sizes=sizes)
+                     largest_layer_module=p1.largest_layer_module, sizes=sizes,
+                     layer_sizes=list(per_layer.elements()), layers=layers)
 
 
 def predict(case: Case, arch: Architecture | None = None, *, platform: str | None = None,
-            exclude=frozenset()) -> Prediction:
+            exclude=frozenset(), variant=None) -> Prediction:
+    """`variant` (a harness.variants.Variant or its text, e.g. '2r4L2ga'): predict the case as
+    measured on that variant (ranks, layers, grad accum applied), to compare with a baseline of it.
+    `exclude`: case ids left out of the calibration (a case id excludes every variant of it)."""
     t0 = time.perf_counter()
+    if variant:
+        from harness.variants import Variant, parse_variant
+
+        case = (variant if isinstance(variant, Variant) else parse_variant(variant)).apply(case)
     from harness.calibration import calibrate
     from harness.predict_states import model_states
     from harness.predict_trace import TraceSpec, extrapolate, trace_pair
@@ -104,25 +119,38 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     before_step = resident - (dev.get("grads", 0) if grads_in_trace else 0)
     backward_peak = before_step + peak
     optimizer_peak = resident + states.optimizer_step_extra
-    allocated = max(backward_peak, optimizer_peak)
+    # ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered weights held at once
+    # (harness.predict_states.zero3_reentrant_retention), at the moment the next parameter is gathered
+    retained = states.step_only.get("zero3_reentrant_retained_weights", 0)
+    retention_peak = resident + retained if retained else 0
+    allocated = max(backward_peak, optimizer_peak, retention_peak)
 
     terms = {k: int(v) for k, v in dev.items()}
+    terms.update({k: int(v) for k, v in states.step_only.items()})
     terms["activations_held_after_forward"] = held
     terms["logits"] = int(r1.logits)
     terms["step_transient_peak"] = peak
     terms["optimizer_step_transient"] = states.optimizer_step_extra
-    notes.append("peak during " + ("backward" if backward_peak >= optimizer_peak else "the optimizer step"))
+    where = {backward_peak: "the forward/backward (loss and logits)", optimizer_peak: "the optimizer step",
+             retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)"}
+    notes.append("peak during " + where[allocated])
 
     cal = calibrate(platform, frozenset(exclude))
     notes += cal.notes
     values = {k: cal.values.get(k, v) for k, v in PRIORS.items()}
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
+    if case.deepspeed is not None and case.deepspeed.stage == 3:
+        from harness.calibration import largest_gather_bytes
+
+        cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
+        reserved += cached
+        terms["zero3_cached_gather_blocks"] = cached
     overhead = int(values["device_overhead"])
     if case.deepspeed is not None:
         overhead += int(values["device_overhead_deepspeed"])
     device = reserved + overhead
-    terms["allocator_fragmentation"] = reserved - allocated
+    terms["allocator_fragmentation"] = reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
     terms["context_and_workspaces"] = overhead
     if case.model.startswith("gla"):
         notes.append("fla/Triton: a cold autotune cache can add GiBs outside the allocator on the first "

@@ -139,7 +139,7 @@ def _build(spec: TraceSpec, layers: int):
         config = peft.LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=spec.lora_dropout,
                                  target_modules=targets, task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, config)
-    if spec.deepspeed:  # the engine casts the module (adapters included) to the half dtype
+    if spec.engine_casts:  # the engine casts the module (adapters included) to the half dtype
         half = DTYPES[Precision(spec.dtype)]
         for p in model.parameters():
             if p.is_floating_point() and id(p) not in quantized:

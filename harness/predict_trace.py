@@ -16,8 +16,14 @@ What the stack changes, and how it is reproduced here (see harness/modelbuild.py
 * peft stack: `prepare_model_for_kbit_training` makes every non-4-bit parameter fp32, so the residual
   stream runs in fp32; reentrant checkpointing with input grads enabled.
 * LLaMA-Factory: parameters stay bf16; reentrant checkpointing.
-* LoRA adapters through peft itself (fp32 adapters, `autocast_adapter_dtype`); under DeepSpeed the
-  engine casts the whole model to the half dtype, adapters included.
+* LoRA adapters through peft itself (fp32 adapters, `autocast_adapter_dtype`, so each adapter saves
+  an fp32 copy of its input); under DeepSpeed the engine casts the whole model to the half dtype,
+  adapters included, except for a ZeRO-Init model (ZeRO-3, init_order deepspeed_first), which it
+  leaves as built (`zero_init`). Guide 000's measurements agree: without checkpointing, 0.52 GiB
+  per layer of activations at 1024 tokens (results/runs/2026-11-26-h200x2-000-checkpointing-
+  experiment.json, -nogc), of which 0.22 GiB are those fp32 input copies.
+* Checkpointing reentrant or not as the case's stack sets it (`reentrant_checkpointing`, the
+  rule of harness.modelbuild; `train.checkpointing_reentrant` overrides it).
 * DeepSpeed moves each gradient into its buckets as soon as it is produced: gradients are dropped by
   a post-accumulate hook (the buckets are closed-form terms in `harness.predict_states`). Without
   DeepSpeed, gradients stay; with accumulation the previous micro-step's gradients exist already.
@@ -60,6 +66,7 @@ class TraceSpec:
     reentrant: bool
     deepspeed: bool
     accumulated_grads: bool  # earlier micro-steps' gradients are live (no DeepSpeed, GA > 1)
+    engine_casts: bool = False  # the DeepSpeed engine casts the module to the half dtype (not a ZeRO-Init model)
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> "TraceSpec":
@@ -68,8 +75,8 @@ class TraceSpec:
         if lora is not None:
             targets = "all" if lora.targets == "all" else tuple(lora.targets)
         gc = case.train.gradient_checkpointing
-        reentrant = gc and (case.stack in (Stack.llamafactory, Stack.peft) and case.method.kind == "qlora"
-                            or case.stack == Stack.llamafactory)
+        reentrant = gc and reentrant_checkpointing(case)
+        ds = case.deepspeed
         return cls(
             config_json=json.dumps(arch.config, sort_keys=True),
             seq_len=case.train.seq_len,
@@ -82,9 +89,28 @@ class TraceSpec:
             lora_dropout=lora.dropout if lora else 0.0,
             checkpointing=gc,
             reentrant=reentrant,
-            deepspeed=case.deepspeed is not None,
-            accumulated_grads=case.deepspeed is None and case.train.grad_accum > 1,
+            deepspeed=ds is not None,
+            accumulated_grads=ds is None and case.train.grad_accum > 1,
+            engine_casts=ds is not None and not zero_init(case),
         )
+
+
+def reentrant_checkpointing(case: Case) -> bool:
+    """torch.utils.checkpoint's use_reentrant as the case's stack sets it (harness.modelbuild): the
+    case's `train.checkpointing_reentrant` when given, else reentrant for QLoRA (peft's k-bit
+    preparation) and for LLaMA-Factory (use_reentrant_gc: true), non-reentrant otherwise."""
+    if case.train.checkpointing_reentrant is not None:
+        return case.train.checkpointing_reentrant
+    return case.method.kind == "qlora" or case.stack == Stack.llamafactory
+
+
+def zero_init(case: Case) -> bool:
+    """ZeRO-3 with the model built under zero.Init (init_order deepspeed_first). DeepSpeed's engine
+    then leaves parameter dtypes alone (`_cast_module_mixed_precision` skips a ZeRO-Init model), so
+    peft's fp32 LoRA adapters stay fp32 and every adapter casts its input to fp32 (saved for
+    backward); any other DeepSpeed engine casts the module, adapters included, to the half dtype."""
+    ds = case.deepspeed
+    return ds is not None and ds.stage == 3 and case.launch.init_order == "deepspeed_first"
 
 
 @dataclass

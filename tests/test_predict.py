@@ -40,7 +40,8 @@ def test_interface_fields_and_consistency():
     assert 0 < p.allocated <= p.reserved < p.device
     assert p.host_ram > 0 and p.seconds > 0
     assert all(isinstance(v, int) for v in p.terms.values())
-    assert set(p.fitted) <= {"reserved_over_allocated", "device_overhead", "device_overhead_deepspeed"}
+    assert set(p.fitted) <= {"reserved_over_allocated", "zero3_cached_gathers", "device_overhead",
+                             "device_overhead_deepspeed"}
     assert isinstance(p.notes, list) and isinstance(p.calibrated_on, list) and p.platform
 
 
@@ -119,3 +120,50 @@ def test_leave_one_out_excludes_the_case():
 def test_unknown_platform_falls_back_to_pooled_constants():
     p = predict(case("004-gla-plan-b-bs2"), platform="hygon-dcu-k100-x8")
     assert any("pooled" in n for n in p.notes) or not p.fitted
+
+
+def _layer_bytes(c: Case) -> int:
+    """bf16 bytes of one decoder layer's weights (from the prediction's own inventory)."""
+    one = predict(changed(c, layers=1, depth_points=None))
+    two = predict(changed(c, layers=2, depth_points=None))
+    return (two.params_total - one.params_total) * 2
+
+
+def test_zero3_reentrant_checkpointing_retains_every_layers_frozen_weights():
+    failing = case("000-lora-z3-offload-cutoff1024-ga16")  # LLaMA-Factory: reentrant by default
+    layer = _layer_bytes(failing)
+    at = lambda c, n: predict(c, variant=f"2r{n}L2ga")  # noqa: E731
+    re4, re8 = at(failing, 4), at(failing, 8)
+    non = changed(failing, **{"train.checkpointing_reentrant": False})
+    non4, non8 = at(non, 4), at(non, 8)
+    assert re4.allocated > non4.allocated and re8.allocated > non8.allocated
+    # reentrant: about one whole layer of weights per layer (not 1/world)
+    assert (re8.allocated - re4.allocated) / 4 == pytest.approx(layer, rel=0.1)
+    assert re8.terms["zero3_reentrant_retained_weights"] == pytest.approx(8 * layer, rel=0.05)
+    # non-reentrant: no retention, and far less than a layer per layer
+    assert "zero3_reentrant_retained_weights" not in non8.terms
+    assert (non8.allocated - non4.allocated) / 4 < 0.2 * layer
+
+
+def test_retention_needs_zero3_checkpointing_and_frozen_weights():
+    failing = case("000-lora-z3-offload-cutoff1024-ga16")
+    for edit in ({"train.gradient_checkpointing": False}, {"deepspeed.stage": 2, "deepspeed.offload_param": "none"}):
+        p = predict(changed(failing, **edit), variant="2r4L2ga")
+        assert "zero3_reentrant_retained_weights" not in p.terms
+
+
+def test_variant_predicts_the_case_as_measured():
+    c = case("000-qlora4bit-z2-cutoff512")
+    from harness.variants import parse_variant
+
+    assert predict(c, variant="2r4L2ga").allocated == predict(parse_variant("2r4L2ga").apply(c)).allocated
+    assert predict(c, variant="2r8L2ga").allocated > predict(c, variant="2r4L2ga").allocated
+
+
+def test_leave_one_out_excludes_every_variant_of_the_case():
+    variants = [b for b in load_baselines() if b.variant]
+    if not variants:
+        pytest.skip("no variant baselines in results/")
+    b = variants[0]
+    p = predict(case(b.case_id), platform=b.platform.key, exclude={b.case_id}, variant=b.variant)
+    assert b.case_id not in p.calibrated_on
