@@ -50,6 +50,22 @@ def _write_json(path: Path, session) -> None:
     tmp.replace(path)
 
 
+def _slice(selected: list[str], session, select: str, shard: str | None) -> list[str]:
+    """`--select single|multi` and `--shard K/N`: one slice of the single-rank cases per GPU (each
+    run pinned to its GPU with CUDA_VISIBLE_DEVICES), the multi-rank cases in a run of their own."""
+    def ranks(cid):
+        return session.cases[cid][0].launch.ranks
+
+    if select != "all":
+        selected = [cid for cid in selected if (ranks(cid) == 1) == (select == "single")]
+    if shard:
+        k, _, n = shard.partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise ValueError(f"'{shard}': write K/N with 0 <= K < N, e.g. 0/8")
+        selected = selected[int(k)::int(n)]
+    return selected
+
+
 def _measure_line(run) -> str:
     from harness.baselines import figures_of
     from harness.units import fmt_gib, fmt_mib
@@ -70,6 +86,11 @@ def _cmd_run(args) -> int:
     for err in session.errors:
         print(str(err), file=sys.stderr)
     selected = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
+    try:
+        selected = _slice(selected, session, args.select, args.shard)
+    except ValueError as exc:
+        print(f"--shard: {exc}", file=sys.stderr)
+        return 2
     if not selected:
         print("no case matches", file=sys.stderr)
         return 2
@@ -183,6 +204,9 @@ def main(argv=None) -> int:
     run.add_argument("--variant", action="append",
                      help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
                           "(grad accum cap), combined '2r8L2ga'; repeatable")
+    run.add_argument("--select", choices=["all", "single", "multi"], default="all",
+                     help="only single-rank or only multi-rank cases")
+    run.add_argument("--shard", help="K/N: the K-th of N slices of the selected cases (one per GPU)")
     run.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
     run.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
     run.add_argument("--grad-accum-cap", type=int, default=None,

@@ -1,0 +1,197 @@
+"""Measuring a case on fewer ranks, fewer layers or less accumulation, extrapolating in depth, and
+judging what such a measurement says about the case as written."""
+
+import json
+
+import pytest
+
+from harness.baselines import Figures, bless, load_baselines
+from harness.cases import CASES_DIR, load_case
+from harness.extrapolate import extrapolate, extrapolate_figures, fit_line
+from harness.regression import against_baseline, tolerance
+from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
+from harness.session import plan
+from harness.units import GIB
+from harness.variants import Variant, parse_variant
+from harness.verdicts import Verdict, judge_on_variant
+
+FAILING_32B = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml")  # 8 ranks, 64 GiB, oom
+FIX_32B = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")  # expect fits
+FIX_7B = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")  # one card, no DeepSpeed
+
+
+# --- variants -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "2r", "8L", "2ga", "2r8L", "2r8L2ga", "4L16ga"])
+def test_variant_text_round_trips(text):
+    v = parse_variant(text)
+    assert v.text == text
+    assert v.suffix == ("@" + text if text else "")
+
+
+@pytest.mark.parametrize("bad", ["x", "2", "r2", "0r", "2L2r", "2r 8L"])
+def test_a_malformed_variant_is_refused_with_the_forms_it_takes(bad):
+    with pytest.raises(ValueError, match="'2r8L2ga'"):
+        parse_variant(bad)
+
+
+def test_a_variant_changes_only_ranks_layers_and_accumulation():
+    measured = parse_variant("2r8L2ga").apply(FAILING_32B)
+    assert (measured.launch.ranks, measured.layers, measured.train.grad_accum) == (2, 8, 2)
+    assert measured.target == FAILING_32B.target  # the card it is judged against stays
+    assert measured.deepspeed == FAILING_32B.deepspeed and measured.train.seq_len == 1024
+    assert measured.depth_points is None  # it is one of the depths
+    # figures stated for the case as written are not checked on a variant
+    assert {c.kind for c in measured.claims} == {"trains", "zero3_partitions_parameters"}
+    assert Variant().apply(FAILING_32B) is FAILING_32B
+
+
+def test_a_variant_may_not_raise_ranks_or_split_a_job_without_deepspeed():
+    with pytest.raises(ValueError, match="only lower the ranks"):
+        Variant(ranks=16).apply(FAILING_32B)
+    with pytest.raises(ValueError, match="only lower grad_accum"):
+        Variant(grad_accum=64).apply(FAILING_32B)
+    with pytest.raises(ValueError, match="exceeds"):
+        Variant(layers=65).apply(FAILING_32B)
+
+
+def test_the_label_says_how_it_was_measured():
+    assert parse_variant("2r8L2ga").label(FAILING_32B) == "2 of 8 ranks, 8 of 64 layers, grad accum 2 of 16"
+    assert Variant().label(FAILING_32B) == "full depth"
+
+
+def test_the_plan_fits_the_host():
+    assert plan(FAILING_32B, "tiny", 0) == [Variant()]
+    assert [v.text for v in plan(FAILING_32B, "real", 2, grad_accum_cap=2)] == ["2r4L2ga", "2r8L2ga"]
+    assert [v.text for v in plan(FAILING_32B, "real", 8, full_depth=True)] == [""]
+    assert [v.text for v in plan(FIX_7B, "real", 1)] == [""]
+    assert [v.text for v in plan(FIX_7B, "real", 1, grad_accum_cap=2)] == ["2ga"]
+
+
+# --- depth extrapolation ------------------------------------------------------------------------
+
+
+def test_a_line_through_two_depths_reads_off_the_full_depth():
+    line = fit_line([(4, 10.0), (8, 14.0)])
+    assert (line.intercept, line.slope) == (6.0, 1.0)
+    assert line.at(64) == 70.0
+    assert line.worst_residual == 0.0
+    with pytest.raises(ValueError, match="two different layer counts"):
+        fit_line([(4, 1.0), (4, 2.0)])
+
+
+def _figures(peak_gib, step_s, outcome="ok", host_gib=None):
+    return Figures(per_card_peak=int(peak_gib * GIB), allocated_peak=int(peak_gib * 0.9 * GIB), reserved_peak=None,
+                   load_footprint=None, host_peak=None if host_gib is None else int(host_gib * GIB),
+                   tokens_per_s_per_gpu=None, mfu=None, step_times_s=[9.0, step_s, step_s], outcome=outcome)
+
+
+def test_figures_extrapolate_in_depth_and_are_checked_against_a_full_depth_run():
+    e = extrapolate_figures(FAILING_32B, "2r2ga", "h200-x2", {4: [_figures(6.0, 1.0)], 8: [_figures(10.0, 1.5)]},
+                            full_depth=_figures(66.0, 9.0))
+    assert e.values["per_card_peak"] == pytest.approx(66.0 * GIB, rel=1e-6)
+    assert e.step_time_s == pytest.approx(1.0 + 0.125 * 60)
+    assert e.tokens_per_s == pytest.approx(1024 * 2 / e.step_time_s)  # seq 1024, batch 1, accum capped at 2
+    assert e.error("per_card_peak") == pytest.approx(0.0, abs=1e-6)
+    assert e.step_time_error() == pytest.approx((8.5 - 9.0) / 9.0)
+    assert e.label == "extrapolated from 4, 8 layers to 64"
+
+
+def test_a_figure_that_falls_with_depth_is_not_extrapolated():
+    e = extrapolate_figures(FAILING_32B, "2r2ga", "k", {4: [_figures(6.0, 1.0, host_gib=20)],
+                                                        8: [_figures(7.0, 1.2, host_gib=12)]})
+    assert "host_peak" not in e.values and "per_card_peak" in e.values
+    assert e.rejected and "host_peak falls with depth" in e.rejected[0]
+
+
+def _rank_report(case_id, world, peak_gib, step_s):
+    return RankReport(case_id=case_id, fidelity="real", rank=0, world_size=world, platform="cuda",
+                      device_name="NVIDIA H200", step=Memory(allocated=int(peak_gib * GIB), device=int(peak_gib * GIB)),
+                      step_times_s=[5.0, step_s, step_s], tokens_per_step=2048)
+
+
+def test_blessed_variants_group_into_a_depth_fit(tmp_path):
+    entries = []
+    for variant, peak, step in (("2r4L2ga", 6.24, 0.8), ("2r8L2ga", 9.88, 1.7)):
+        run = CaseRun(case_id=FAILING_32B.id, fidelity="real", variant=variant, command=[], returncode=0, wall_s=1,
+                      ranks=[_rank_report(FAILING_32B.id, 2, peak, step)])
+        entries.append({"case": run.case_id, "run": json.loads(run.model_dump_json())})
+    (tmp_path / "runs.json").write_text(json.dumps(entries))
+    paths = bless(tmp_path / "runs.json", root=tmp_path / "b", recorded="2026-11-26")
+    assert sorted(p.name for p in paths) == [f"{FAILING_32B.id}@2r4L2ga.json", f"{FAILING_32B.id}@2r8L2ga.json"]
+    baselines = load_baselines(tmp_path / "b")
+    assert {b.measured for b in baselines} == {"2 of 8 ranks, 4 of 64 layers, grad accum 2 of 16",
+                                               "2 of 8 ranks, 8 of 64 layers, grad accum 2 of 16"}
+    (e,) = extrapolate(FAILING_32B, baselines)
+    assert e.base_variant == "2r2ga" and e.from_layers == (4, 8)
+    assert e.values["per_card_peak"] / GIB == pytest.approx(6.24 + (9.88 - 6.24) / 4 * 60, rel=1e-6)
+
+
+# --- what a variant's verdict says about the case as written ------------------------------------
+
+
+def _run(err=None):
+    return CaseRun(case_id="x", fidelity="real", command=[], returncode=0, wall_s=1.0, ranks=[], error=err)
+
+
+OOM = ErrorInfo(kind=Failure.oom, message="CUDA out of memory. Tried to allocate 744.00 MiB.")
+
+
+def test_a_fit_on_fewer_ranks_carries_over_and_an_oom_does_not():
+    fewer = Variant(ranks=2)
+    fits = judge_on_variant(FIX_32B, fewer, Verdict("outcome", "confirmed", "peak 10 GiB <= budget"), _run())
+    assert fits.status == "confirmed" and "2 of 8 ranks" in fits.detail
+    oom = judge_on_variant(FIX_32B, fewer, Verdict("outcome", "refuted", "out of memory"), _run(OOM))
+    assert oom.status == "not_checkable"
+    # the guide's failing config: an OOM on 2 ranks says nothing of 8, a fit on 2 ranks refutes it
+    assert judge_on_variant(FAILING_32B, fewer, Verdict("outcome", "confirmed", "oom"), _run(OOM)).status == "not_checkable"
+    assert judge_on_variant(FAILING_32B, fewer, Verdict("outcome", "refuted", "fits"), _run()).status == "refuted"
+
+
+def test_a_depth_series_is_judged_on_its_extrapolated_peak():
+    deep = Variant(layers=8)
+    e = extrapolate_figures(FIX_32B, "", "k", {4: [_figures(6.0, 1.0)], 8: [_figures(10.0, 1.5)]})  # 66 GiB
+    v = judge_on_variant(FIX_32B, deep, Verdict("outcome", "not_checkable", ""), _run(), e)
+    assert v.status == "refuted" and "66.00 GiB > budget 57.60 GiB" in v.detail and "extrapolated" in v.detail
+    flat = extrapolate_figures(FIX_32B, "", "k", {4: [_figures(10.2, 1.0)], 8: [_figures(10.3, 1.5)]})
+    assert judge_on_variant(FIX_32B, deep, Verdict("outcome", "not_checkable", ""), _run(), flat).status == "confirmed"
+    # an OOM at a shallower depth is an OOM at full depth
+    assert judge_on_variant(FAILING_32B, deep, Verdict("outcome", "confirmed", ""), _run(OOM)).status == "confirmed"
+    assert judge_on_variant(FIX_32B, deep, Verdict("outcome", "refuted", ""), _run(OOM)).status == "refuted"
+
+
+# --- against the baseline -----------------------------------------------------------------------
+
+
+def test_tolerances_come_from_the_case_the_spread_or_the_floor():
+    assert tolerance(0.1, (1.0, 0.5), 3, 0.05).value == 0.1
+    assert tolerance(None, (1.0, 0.04), 3, 0.05).value == pytest.approx(0.12)
+    floor = tolerance(None, (1.0, 0.0), 1, 0.05)
+    assert floor.value == 0.05 and "one repetition" in floor.why
+
+
+def _baseline(tmp_path, peaks_and_steps):
+    entries = []
+    for peak, step in peaks_and_steps:
+        run = CaseRun(case_id=FIX_7B.id, fidelity="real", command=[], returncode=0, wall_s=1,
+                      ranks=[_rank_report(FIX_7B.id, 1, peak, step)])
+        entries.append({"case": run.case_id, "run": json.loads(run.model_dump_json())})
+    (tmp_path / "r.json").write_text(json.dumps(entries))
+    bless(tmp_path / "r.json", root=tmp_path / "b", recorded="2026-11-26")
+    (b,) = load_baselines(tmp_path / "b")
+    return b
+
+
+def test_a_run_is_held_to_its_baseline(tmp_path):
+    base = _baseline(tmp_path, [(10.0, 1.0), (10.0, 1.1), (10.0, 1.0)])  # speed spread ~9%
+    same = _figures(10.1, 1.05)
+    same.tokens_per_s_per_gpu = 2048 / 1.05
+    verdicts = {v.what: v for v in against_baseline(FIX_7B, same, base)}
+    assert verdicts["baseline_memory"].status == "confirmed" and verdicts["baseline_speed"].status == "confirmed"
+    worse = _figures(10.5, 2.0)  # +5% memory (floor 2%), half the speed (tolerance ~27%)
+    worse.tokens_per_s_per_gpu = 2048 / 2.0
+    verdicts = {v.what: v for v in against_baseline(FIX_7B, worse, base)}
+    assert verdicts["baseline_memory"].status == "refuted" and "10.50 GiB vs baseline 10.00 GiB" in verdicts["baseline_memory"].detail
+    assert verdicts["baseline_speed"].status == "refuted" and "3 repetitions" in verdicts["baseline_speed"].detail
+    assert against_baseline(FIX_7B, same, None)[0].status == "not_checkable"
