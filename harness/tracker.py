@@ -156,13 +156,88 @@ class _NvmlProcessMemory:
         return int(nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
 
-def device_memory_reader(device: torch.device):
-    """A reader of the device's own figure for this process, or None where none is available."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None  # ROCm/DCU readers (amdsmi, rocm-smi, hy-smi) are chosen in harness.platform
+class _AmdSmiProcessMemory:
+    """ROCm / Hygon DCU: this process's VRAM through amdsmi (ROCm 6+), the library behind amd-smi."""
+
+    per_process = True
+
+    def __init__(self, index: int) -> None:
+        import amdsmi
+
+        amdsmi.amdsmi_init()
+        self._amdsmi = amdsmi
+        self._handle = amdsmi.amdsmi_get_processor_handles()[index]
+        self._pid = os.getpid()
+
+    def read(self) -> int | None:
+        entries = self._amdsmi.amdsmi_get_gpu_process_list(self._handle)
+        infos = [e if isinstance(e, dict) else self._amdsmi.amdsmi_get_gpu_process_info(self._handle, e) for e in entries]
+        return amdsmi_process_vram(infos, self._pid)
+
+
+def amdsmi_process_vram(infos: list[dict], pid: int) -> int | None:
+    """VRAM bytes of `pid` in amdsmi's process records ('memory_usage': {'vram_mem': ...}; older
+    releases: 'mem')."""
+    for info in infos:
+        if int(info.get("pid", -1)) == pid:
+            usage = info.get("memory_usage") or {}
+            value = usage.get("vram_mem", info.get("mem"))
+            return None if value is None else int(value)
+    return None
+
+
+class _SmiCardMemory:
+    """ROCm / Hygon DCU without amdsmi: the card's used VRAM from `rocm-smi` or Hygon's `hy-smi`
+    (`--showmeminfo vram --json`). Card-level, not per process (`per_process` is False), and each
+    call is a subprocess, so it samples less often than the libraries do."""
+
+    per_process = False
+
+    def __init__(self, tool: str, index: int) -> None:
+        self._argv = [tool, "--showmeminfo", "vram", "--json"]
+        self._index = index
+
+    def read(self) -> int | None:
+        import subprocess
+
+        out = subprocess.run(self._argv, capture_output=True, text=True, timeout=10)
+        return smi_card_used_vram(out.stdout, self._index) if out.returncode == 0 else None
+
+
+def smi_card_used_vram(text: str, index: int) -> int | None:
+    """'VRAM Total Used Memory (B)' of card `index` in rocm-smi / hy-smi JSON ({"card0": {...}})."""
+    import json
+
     try:
-        return _NvmlProcessMemory(device.index or 0)
-    except Exception:  # nvidia-ml-py missing or NVML unavailable: report no device figure
+        data = json.loads(text)
+    except ValueError:
+        return None
+    card = data.get(f"card{index}") or {}
+    for key, value in card.items():
+        if "used" in key.lower() and "vram" in key.lower():
+            return int(str(value).strip())
+    return None
+
+
+def device_memory_reader(device: torch.device):
+    """A reader of the device's own figure for this process (NVML on NVIDIA; amdsmi, else rocm-smi
+    or hy-smi on ROCm / DCU), or None where none is available."""
+    if device.type != "cuda":
+        return None
+    index = device.index or 0
+    if torch.version.hip is None:
+        try:
+            return _NvmlProcessMemory(index)
+        except Exception:  # nvidia-ml-py missing or NVML unavailable: report no device figure
+            return None
+    try:
+        return _AmdSmiProcessMemory(index)
+    except Exception:  # amdsmi not installed (ROCm < 6, most DCU stacks): the command-line tools
+        import shutil
+
+        for tool in ("rocm-smi", "hy-smi"):
+            if shutil.which(tool):
+                return _SmiCardMemory(tool, index)
         return None
 
 

@@ -60,3 +60,27 @@ def test_backward_activations_are_counted_and_released():
         y.backward()
         del y
         assert tracker.current() - start <= w.numel() * 4 + 1024  # only the gradient remains
+
+
+# --- ROCm / DCU device figures ------------------------------------------------------------------
+
+
+def test_amdsmi_records_give_this_process_vram_in_either_layout():
+    from harness.tracker import amdsmi_process_vram
+
+    records = [{"pid": 11, "memory_usage": {"vram_mem": 5 * 2**30, "gtt_mem": 1}},
+               {"pid": 12, "mem": 7 * 2**30}]  # older amdsmi releases
+    assert amdsmi_process_vram(records, 11) == 5 * 2**30
+    assert amdsmi_process_vram(records, 12) == 7 * 2**30
+    assert amdsmi_process_vram(records, 13) is None
+
+
+def test_rocm_smi_and_hy_smi_json_give_the_cards_used_vram():
+    from harness.tracker import smi_card_used_vram
+
+    text = ('{"card0": {"VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "1073741824"},'
+            ' "card1": {"VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "42"}}')
+    assert smi_card_used_vram(text, 0) == 2**30
+    assert smi_card_used_vram(text, 1) == 42
+    assert smi_card_used_vram(text, 2) is None
+    assert smi_card_used_vram("ERROR: no GPU", 0) is None
