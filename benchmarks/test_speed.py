@@ -1,0 +1,73 @@
+"""The harness's own speed, measured with pytest-benchmark:
+
+    .venv/bin/pytest benchmarks/                      # both benchmarks, pytest-benchmark's table
+    .venv/bin/pytest benchmarks/ -k check --benchmark-json out.json
+
+* `oom-harness check` on guide 000's 32B config, each round a cold process (imports, config import,
+  the predictor's fake-tensor trace, lints, the table), as a pre-merge CI job runs it; once with the
+  predictor's on-disk trace cache off (a fresh CI runner; target 10 s) and once with it warm.
+* the whole tiny suite (every case at tiny size, as CI runs it; target 3 minutes). Run it once
+  before timing on a fresh machine, so DeepSpeed's JIT ops and the random checkpoints are cached.
+
+Targets are printed beside the figures and kept in `extra_info`, not asserted: a slower machine is
+a figure to read, not a failing test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "configs" / "examples"
+CHECK_TARGET_S = 10.0
+TINY_SUITE_TARGET_S = 180.0
+
+
+def _say(request, line: str) -> None:
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode not in (0, 1):  # 1: the config does not fit, a verdict, not a failure to run
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc
+
+
+@pytest.mark.parametrize("trace_cache", ["off", "warm"])
+def test_check_32b(benchmark, request, trace_cache, tmp_path):
+    cmd = [sys.executable, "-m", "harness.cli", "check", str(EXAMPLES / "000-ds32b-optimized.yaml"),
+           "--deepspeed", str(EXAMPLES / "ds_z3_offload_aggressive.json"),
+           "--gpu-memory", "64GiB", "--gpus", "8", "--vendor", "hygon", "--json"]
+    env = dict(os.environ, HARNESS_PREDICT_CACHE="off" if trace_cache == "off" else str(tmp_path / "trace-cache"))
+    if trace_cache == "warm":
+        _run(cmd, env)  # fills the cache
+    proc = benchmark.pedantic(_run, args=(cmd, env), rounds=3, iterations=1)
+    result = json.loads(proc.stdout)
+    benchmark.extra_info.update(target_s=CHECK_TARGET_S if trace_cache == "off" else None,
+                                device_peak_gib=result["device_peak_gib"], fits=result["fits"], cpus=os.cpu_count())
+    worst = max(benchmark.stats.stats.data)
+    target = f"; target {CHECK_TARGET_S:.0f} s: {'met' if worst <= CHECK_TARGET_S else 'NOT met'}" if trace_cache == "off" else ""
+    _say(request, f"\noom-harness check 32B, trace cache {trace_cache}: worst of 3 cold processes {worst:.2f} s{target}")
+
+
+def test_tiny_suite(benchmark, request, tmp_path):
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, "-m", "harness.cli", "run", "--out", str(tmp_path / "runs"), "--json", str(out)]
+    benchmark.pedantic(_run, args=(cmd, dict(os.environ)), rounds=1, iterations=1)
+    runs = json.loads(out.read_text())
+    wall = benchmark.stats.stats.data[0]
+    benchmark.extra_info.update(target_s=TINY_SUITE_TARGET_S, cases=len(runs), cpus=os.cpu_count(),
+                                case_wall_s={r["case"]: round(r["run"]["wall_s"], 1) for r in runs})
+    slowest = sorted(runs, key=lambda r: -r["run"]["wall_s"])[:5]
+    _say(request, f"\ntiny suite: {len(runs)} runs in {wall:.0f} s on {os.cpu_count()} cores "
+                  f"({'within' if wall <= TINY_SUITE_TARGET_S else 'over'} the {TINY_SUITE_TARGET_S:.0f} s target); "
+                  "slowest: " + ", ".join(f"{r['case']} {r['run']['wall_s']:.0f} s" for r in slowest))
