@@ -31,8 +31,10 @@ TINY_SUITE_TARGET_S = 180.0
 
 def _say(request, line: str) -> None:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # print past pytest's output capture
+            reporter.write_line(line)
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
