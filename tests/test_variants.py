@@ -195,3 +195,51 @@ def test_a_run_is_held_to_its_baseline(tmp_path):
     assert verdicts["baseline_memory"].status == "refuted" and "10.50 GiB vs baseline 10.00 GiB" in verdicts["baseline_memory"].detail
     assert verdicts["baseline_speed"].status == "refuted" and "3 repetitions" in verdicts["baseline_speed"].detail
     assert against_baseline(FIX_7B, same, None)[0].status == "not_checkable"
+
+
+# --- the session wires it together ---------------------------------------------------------------
+
+
+def _depth_run(case, variant, per_layer_gib, base_gib=4.0, oom=False):
+    from harness.report import Offload, Weights, Zero
+
+    layers = variant.layers
+    ranks = []
+    for r in range(variant.ranks or 1):
+        ranks.append(RankReport(
+            case_id=case.id, fidelity="real", rank=r, world_size=variant.ranks, platform="cuda",
+            device_name="NVIDIA H200", emulated_card_bytes=case.target.card.memory,
+            step=Memory(allocated=int((base_gib + per_layer_gib * layers) * GIB),
+                        device=int((base_gib + 1 + per_layer_gib * layers) * GIB)),
+            weights=Weights(params_total=1000, params_trainable=10, param_bytes_local=1000),
+            zero=Zero(stage=3, zero_init=True, local_param_numel=500, total_param_numel=1000,
+                      materialised_param_bytes_before_engine=0),
+            offload=Offload(optimizer_class="DeepSpeedCPUAdam", device_state_bytes=0, host_state_bytes=10),
+            step_times_s=[5.0, 0.1 * layers, 0.1 * layers], tokens_per_step=2048, losses=[2.0, 1.9, 1.8]))
+    return CaseRun(case_id=case.id, fidelity="real", variant=variant.text, command=[], returncode=0, wall_s=1.0,
+                   ranks=ranks, error=OOM if oom else None)
+
+
+def _session_with(monkeypatch, tmp_path, per_layer_gib):
+    from harness import session as session_mod
+    from harness.platform import Platform
+
+    monkeypatch.setattr(session_mod.plat, "detect", lambda: Platform.cuda)
+    monkeypatch.setattr(session_mod.plat, "accelerator_count", lambda: 2)
+    s = session_mod.Session(case_dir=CASES_DIR, run_root=tmp_path, grad_accum_cap=2)
+    monkeypatch.setattr(s, "_execute", lambda cid, fid, v, rep: _depth_run(s.cases[cid][0], v, per_layer_gib))
+    return s
+
+
+def test_a_depth_series_on_fewer_ranks_is_judged_on_its_extrapolation(monkeypatch, tmp_path):
+    flat = _session_with(monkeypatch, tmp_path, per_layer_gib=0.01)
+    j = flat.judge(FIX_32B.id, "real")
+    assert [r.variant for r in j.runs] == ["2r4L2ga", "2r8L2ga"]
+    assert j.extrapolation is not None and j.extrapolation.from_layers == (4, 8)
+    assert j.outcome.status == "confirmed" and "extrapolated from 4, 8 layers to 64, on 2 ranks" in j.outcome.detail
+    lower = next(v for v in j.claims if v.what == "lower_peak_than")
+    assert lower.status == "not_checkable" and "measured 2 of 8 ranks, 8 of 64 layers" in lower.detail
+    growing = _session_with(monkeypatch, tmp_path / "g", per_layer_gib=0.93)
+    j = growing.judge(FIX_32B.id, "real")
+    # 66 GiB extrapolated on 2 ranks: does not fit there, which says nothing of 8 ranks
+    assert j.outcome.status == "not_checkable" and "> budget" in j.outcome.detail
