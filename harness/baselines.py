@@ -27,6 +27,13 @@ class PlatformInfo(BaseModel):
     driver: str | None = None
     versions: dict[str, str] = Field(default_factory=dict)
 
+    @classmethod
+    def of_run(cls, run: CaseRun, driver: str | None = None) -> "PlatformInfo":
+        """The platform a run measured on: its card, how many ranks it used, its software."""
+        first = run.ranks[0]
+        return cls(device_name=first.device_name, device_count=max(r.world_size for r in run.ranks),
+                   driver=driver or first.versions.get("driver"), versions=first.versions)
+
     @property
     def key(self) -> str:
         name = re.sub(r"[^a-z0-9]+", "-", self.device_name.lower()).strip("-")
@@ -108,8 +115,7 @@ def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, 
     for (case_id, variant), runs in by_case.items():
         case = load_case(CASES_DIR / f"{case_id}.yaml")
         first = runs[0].ranks[0]
-        platform = PlatformInfo(device_name=first.device_name, device_count=max(r.world_size for r in runs[0].ranks),
-                                driver=driver or first.versions.get("driver"), versions=first.versions)
+        platform = PlatformInfo.of_run(runs[0], driver)
         v = parse_variant(variant)
         baseline = Baseline(
             case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,

@@ -16,6 +16,7 @@ the residual visible.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 from harness.baselines import Baseline, Figures
 
@@ -89,20 +90,14 @@ class Extrapolation:
         m = self.measured_full_depth
         if m is None or m.outcome != "ok" or not self.step_time_s:
             return None
-        timed = sorted(m.step_times_s[1:] or m.step_times_s)
-        truth = timed[len(timed) // 2] if timed else None
+        # a run of a single step has no step past the warm-up: that step is all there is
+        truth = _median_step(m) or (m.step_times_s[0] if m.step_times_s else None)
         return None if not truth else (self.step_time_s - truth) / truth
 
 
 def _median_step(f: Figures) -> float | None:
     timed = sorted(f.step_times_s[1:])  # the first step is warm-up
     return timed[len(timed) // 2] if timed else None
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: dict[int, list[Figures]],
@@ -115,7 +110,7 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
     depth = case.layers or load_architecture(case.model).layers
     lines, values, rejected = {}, {}, []
     for metric in _METRICS:
-        pts = [(L, _median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
+        pts = [(L, median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
                for L, runs in by_depth.items() if any(getattr(r, metric) is not None for r in runs)]
         if len({x for x, _ in pts}) >= 2:
             line = fit_line(pts)
@@ -124,7 +119,7 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
                 continue
             lines[metric] = line
             values[metric] = line.at(depth)
-    steps = [(L, _median([t for r in runs if (t := _median_step(r))])) for L, runs in by_depth.items()
+    steps = [(L, median([t for r in runs if (t := _median_step(r))])) for L, runs in by_depth.items()
              if any(_median_step(r) for r in runs)]
     step = None
     if len({x for x, _ in steps}) >= 2:

@@ -203,13 +203,12 @@ class Session:
         measured_case, run = variants[-1].apply(case), runs[-1]
         lookup = _Lookup(self, fidelity)
         extrapolation = None
+        platform_key = PlatformInfo.of_run(run).key if run.ranks else ""
         if len(variants) > 1:
             figures = {v.layers: [figures_of(r, case.launch.procs_per_card)] for v, r in zip(variants, runs)}
             ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
             if len(ok) >= 2:
-                ranks_used = max((r.world_size for r in run.ranks), default=1)
-                key = PlatformInfo(device_name=run.ranks[0].device_name, device_count=ranks_used).key if run.ranks else ""
-                extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, key, ok)
+                extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
@@ -219,10 +218,8 @@ class Session:
                            c.quote) for c in dropped]
         regression: list[Verdict] = []
         if fidelity == "real" and run.ranks and len(variants) == 1:
-            plat_key = PlatformInfo(device_name=run.ranks[0].device_name,
-                                    device_count=max(r.world_size for r in run.ranks)).key
             regression = against_baseline(case, figures_of(run, case.launch.procs_per_card),
-                                          find_baseline(case_id, variants[0].text, plat_key))
+                                          find_baseline(case_id, variants[0].text, platform_key))
         return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression)
 
     def judged(self) -> list[Judgement]:
