@@ -7,7 +7,14 @@ So two or more depths measured at full width fix a line, and the full depth is r
 
 Every figure made here is labelled "extrapolated from N, M layers"; where a full-depth measurement
 of the same variant exists (same ranks and accumulation), the relative error is reported beside it,
-which is how the linearity assumption is checked per architecture.
+which is how the linearity assumption is checked per model. The worst under-prediction such a check
+found for a model (`depth_check`) is carried as a margin onto every extrapolated peak of that model
+that is judged to fit: the caching allocator's slack grows with the steps and the number of distinct
+gather sizes, which a fit over a few shallow runs does not see.
+
+A figure that falls with depth is not affine and is refused, unless the fall stays within the
+run-to-run noise of a peak (`regression.MEMORY_FLOOR`): then the figure is flat in depth (a model
+whose per-card peak is its embedding, logits and one gathered layer) and its highest point is kept.
 
 numpy's least squares would do the fit; two to four points do not need it, and the closed form keeps
 the residual visible.
@@ -31,6 +38,10 @@ class Line:
 
     def at(self, layers: int) -> float:
         return self.intercept + self.slope * layers
+
+    @property
+    def flat(self) -> bool:
+        return self.slope == 0.0
 
     @property
     def worst_residual(self) -> float:
@@ -67,6 +78,22 @@ class Extrapolation:
     lines: dict[str, Line] = field(default_factory=dict)
     measured_full_depth: Figures | None = None  # the check, where one exists
     rejected: list[str] = field(default_factory=list)  # figures that were not affine in depth
+    check: DepthCheck | None = None  # the full-depth check whose margin applies to this model
+
+    @property
+    def margin(self) -> float:
+        """How much to add to an extrapolated peak: what the model's full-depth check missed (>= 0)."""
+        return self.check.missed if self.check is not None else 0.0
+
+    def peak_with_margin(self) -> float | None:
+        peak = self.values.get("per_card_peak")
+        return None if peak is None else peak * (1 + self.margin)
+
+    def margin_text(self) -> str:
+        if self.check is None:
+            return "no full-depth check of this model yet"
+        return (f"+{self.margin:.1%}, what the depth fit missed at full depth on {self.check.case_id} "
+                f"({self.check.platform_key})")
 
     @property
     def label(self) -> str:
@@ -95,6 +122,45 @@ class Extrapolation:
         return None if not truth else (self.step_time_s - truth) / truth
 
 
+@dataclass(frozen=True)
+class DepthCheck:
+    """One extrapolation compared with a full-depth measurement of the same variant."""
+
+    case_id: str
+    model: str
+    platform_key: str
+    extrapolated: float  # per-card peak, bytes
+    measured: float
+
+    @property
+    def missed(self) -> float:
+        """The fraction the extrapolation fell short of the measurement (0 when it was above)."""
+        return max(0.0, self.measured / self.extrapolated - 1)
+
+
+def depth_checks(baselines: list[Baseline]) -> list[DepthCheck]:
+    """Every extrapolation the baselines hold a finished full-depth measurement for."""
+    from harness.cases import CASES_DIR, load_case
+
+    out = []
+    for case_id in sorted({b.case_id for b in baselines if b.variant}):
+        path = CASES_DIR / f"{case_id}.yaml"
+        if not path.exists():
+            continue
+        case = load_case(path)
+        for e in extrapolate(case, baselines):
+            m, peak = e.measured_full_depth, e.values.get("per_card_peak")
+            if m is not None and m.outcome == "ok" and m.per_card_peak and peak:
+                out.append(DepthCheck(case.id, case.model, e.platform_key, peak, m.per_card_peak))
+    return out
+
+
+def depth_check(model: str, checks: list[DepthCheck]) -> DepthCheck | None:
+    """The check of this model that the depth fit missed by most: the margin its extrapolations carry."""
+    mine = [c for c in checks if c.model == model]
+    return max(mine, key=lambda c: c.missed, default=None)
+
+
 def _median_step(f: Figures) -> float | None:
     timed = sorted(f.step_times_s[1:])  # the first step is warm-up
     return timed[len(timed) // 2] if timed else None
@@ -108,23 +174,34 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
     from harness.variants import parse_variant
 
     depth = case.layers or load_architecture(case.model).layers
+    from harness.regression import MEMORY_FLOOR
+
     lines, values, rejected = {}, {}, []
     for metric in _METRICS:
         pts = [(L, median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
                for L, runs in by_depth.items() if any(getattr(r, metric) is not None for r in runs)]
         if len({x for x, _ in pts}) >= 2:
             line = fit_line(pts)
-            if line.slope < 0:  # memory cannot shrink with depth: this figure is not affine here
-                rejected.append(f"{metric} falls with depth ({', '.join(f'{x}L: {y / 2**30:.2f} GiB' for x, y in line.points)})")
-                continue
+            if line.slope < 0:  # memory cannot shrink with depth
+                top = max(y for _, y in line.points)
+                if (top - min(y for _, y in line.points)) / top > MEMORY_FLOOR:  # not affine here
+                    rejected.append(f"{metric} falls with depth "
+                                    f"({', '.join(f'{x}L: {y / 2**30:.2f} GiB' for x, y in line.points)})")
+                    continue
+                line = Line(intercept=top, slope=0.0, points=line.points)  # flat within the noise
             lines[metric] = line
             values[metric] = line.at(depth)
     steps = [(L, median([t for r in runs if (t := _median_step(r))])) for L, runs in by_depth.items()
              if any(_median_step(r) for r in runs)]
     step = None
     if len({x for x, _ in steps}) >= 2:
-        lines["step_time_s"] = fit_line(steps)
-        step = lines["step_time_s"].at(depth)
+        line = fit_line(steps)
+        if line.slope < 0:  # a deeper model cannot step faster: these step times are noise, not a line
+            rejected.append("step time falls with depth "
+                            f"({', '.join(f'{x}L: {y:.2f} s' for x, y in line.points)})")
+        else:
+            lines["step_time_s"] = line
+            step = line.at(depth)
     measured_case = parse_variant(base_variant).apply(case)
     return Extrapolation(
         case_id=case.id, base_variant=base_variant, platform_key=platform_key, depth=depth,
@@ -134,9 +211,10 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
     )
 
 
-def extrapolate(case, baselines: list[Baseline]) -> list[Extrapolation]:
+def extrapolate(case, baselines: list[Baseline], checks: list[DepthCheck] | None = None) -> list[Extrapolation]:
     """Every depth fit the baselines of one case allow: measured variants that differ only in their
-    layer count, with at least two depths that finished, on one platform."""
+    layer count, with at least two depths that finished, on one platform. With `checks`, each fit
+    carries its model's full-depth check (`depth_check`)."""
     from harness.architectures import load_architecture
     from harness.variants import Variant, parse_variant
 
@@ -153,5 +231,8 @@ def extrapolate(case, baselines: list[Baseline]) -> list[Extrapolation]:
             full[(b.platform.key, base)] = b
         elif all(r.outcome == "ok" for r in b.runs):
             groups.setdefault((b.platform.key, base), {})[layers] = b.runs
-    return [extrapolate_figures(case, base, key, by_depth, full[(key, base)].runs[0] if (key, base) in full else None)
-            for (key, base), by_depth in sorted(groups.items()) if len(by_depth) >= 2]
+    out = [extrapolate_figures(case, base, key, by_depth, full[(key, base)].runs[0] if (key, base) in full else None)
+           for (key, base), by_depth in sorted(groups.items()) if len(by_depth) >= 2]
+    for e in out:
+        e.check = depth_check(case.model, checks) if checks is not None else None
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,10 +23,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import compile_cache
 from harness.platform import Platform, parse_oom
 from harness.report import CaseRun, ErrorInfo, Failure, RankReport
 from harness.schema import Case
 from harness.variants import Variant
+
+COLD_TRITON_CACHE = "triton-cache"  # under a run's folder, for a case with launch.triton_cache: cold
 
 DEFAULT_TIMEOUT_S = 900
 
@@ -74,6 +78,8 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(cache_dir() / "triton")),
     }
     base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
+    if case.launch.triton_cache == "cold":  # every job of this run compiles into one empty cache
+        base_env["TRITON_CACHE_DIR"] = str(compile_cache.fresh(out_dir / COLD_TRITON_CACHE))
     jobs: list[Job] = []
     launcher = case.launch.launcher
     if launcher == "deepspeed" and platform == Platform.cpu:
@@ -231,7 +237,11 @@ def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform
     shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
     jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
                      None if shared else emulate_card_bytes, variant.text)
-    run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
-                   ballast_leave_bytes=emulate_card_bytes if shared else None)
+    try:
+        run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
+                       ballast_leave_bytes=emulate_card_bytes if shared else None)
+    finally:
+        if case.launch.triton_cache == "cold":  # the compiled kernels are not a result: keep the run folder small
+            shutil.rmtree(out_dir / COLD_TRITON_CACHE, ignore_errors=True)
     run.variant = variant.text
     return run

@@ -103,6 +103,7 @@ class RankReport(BaseModel):
     losses: list[float] = Field(default_factory=list)
     model_config_used: dict = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=dict)
+    triton_cache: str | None = None  # 'cold' or 'warm' where the run used Triton kernels (harness.compile_cache)
     error: ErrorInfo | None = None
 
     @property

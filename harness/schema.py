@@ -152,6 +152,12 @@ class Launch(Strict):
         description="model_first materialises the model before DeepSpeed is configured (guide 002's mistake)",
     )
     env: dict[str, str] = Field(default_factory=dict)
+    triton_cache: Literal["shared", "cold"] = Field(
+        default="shared",
+        description="Triton kernels (flash-linear-attention): 'shared' keeps compiled kernels between runs "
+        "on a host; 'cold' gives every run an empty cache, as the first run on a fresh host has "
+        "(compiling and autotuning hold more device memory; harness.compile_cache)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self):

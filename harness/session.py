@@ -193,8 +193,8 @@ class Session:
         return self._judged[key]
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
-        from harness.baselines import PlatformInfo, figures_of
-        from harness.extrapolate import extrapolate_figures
+        from harness.baselines import PlatformInfo, figures_of, load_baselines
+        from harness.extrapolate import depth_check, depth_checks, extrapolate_figures
         from harness.regression import against_baseline, find_baseline
 
         case, _ = self.cases[case_id]
@@ -209,6 +209,7 @@ class Session:
             ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
             if len(ok) >= 2:
                 extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
+                extrapolation.check = depth_check(case.model, depth_checks(load_baselines()))
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)

@@ -137,11 +137,16 @@ def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrap
             return verdict
         if extrapolation is None or "per_card_peak" not in extrapolation.values:
             return Verdict("outcome", "not_checkable", f"measured {where} only; no depth fit")
-        peak = int(extrapolation.values["per_card_peak"])
+        # each side is judged where it is harder to pass: a fit with the margin the model's full-depth
+        # check found, an OOM without it (harness.extrapolate.depth_check)
+        plain = int(extrapolation.values["per_card_peak"])
+        peak = int(extrapolation.peak_with_margin()) if case.expect.outcome == "fits" else plain
         budget = case.budget_bytes
         fits = peak <= budget
+        margin = (f"{fmt_gib(plain)} extrapolated, {extrapolation.margin_text()}"
+                  if case.expect.outcome == "fits" else f"{extrapolation.margin_text()}, not added to confirm an OOM")
         detail = (f"per-card peak {fmt_gib(peak)} {'<=' if fits else '>'} budget {fmt_gib(budget)} "
-                  f"({extrapolation.label}{', on ' + str(variant.ranks) + ' ranks' if fewer_ranks else ''})")
+                  f"({extrapolation.label}{', on ' + str(variant.ranks) + ' ranks' if fewer_ranks else ''}; {margin})")
         if case.expect.outcome == "fits":
             return Verdict("outcome", "confirmed" if fits else ("not_checkable" if fewer_ranks else "refuted"), detail)
         if fits:

@@ -300,6 +300,7 @@ def _eval_probe(model, batch, meas, logits_to_keep: int):
 def run(args) -> int:
     import torch
 
+    from harness import compile_cache
     from harness.cases import load_case
     from harness.dsconfig import deepspeed_config
     from harness.modelbuild import build_model, prepare_checkpoint
@@ -347,6 +348,7 @@ def run(args) -> int:
 
     phase = "setup"
     code = EXIT_OK
+    cache_entries = compile_cache.entries(compile_cache.triton_cache_dir())
     meas = Measurement(device, args.emulate_card_bytes)
     try:
         with meas:
@@ -475,6 +477,8 @@ def run(args) -> int:
         except Exception:  # measuring after a CUDA error can fail too; keep what we have
             pass
     finally:
+        report.triton_cache = compile_cache.state(cache_entries,
+                                                  platform != Platform.cpu and compile_cache.uses_triton_kernels())
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_suffix(".tmp")
         tmp.write_text(report.model_dump_json(indent=1))

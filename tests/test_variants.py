@@ -7,7 +7,7 @@ import pytest
 
 from harness.baselines import Figures, bless, load_baselines
 from harness.cases import CASES_DIR, load_case
-from harness.extrapolate import extrapolate, extrapolate_figures, fit_line
+from harness.extrapolate import DepthCheck, depth_check, depth_checks, extrapolate, extrapolate_figures, fit_line
 from harness.regression import against_baseline, tolerance
 from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
 from harness.session import plan
@@ -105,6 +105,24 @@ def test_a_figure_that_falls_with_depth_is_not_extrapolated():
     assert e.rejected and "host_peak falls with depth" in e.rejected[0]
 
 
+def test_a_figure_flat_in_depth_within_the_noise_keeps_its_highest_point():
+    # guide 002's per-card peak on 2 H200s: 22.39 GiB at 6 layers, 22.18 at 12 (embedding, logits, one layer)
+    e = extrapolate_figures(FIX_32B, "2r2ga", "k", {6: [_figures(22.39, 1.0)], 12: [_figures(22.18, 1.2)]})
+    assert e.values["per_card_peak"] == pytest.approx(22.39 * GIB, rel=1e-6)
+    assert e.lines["per_card_peak"].flat and not e.rejected
+    # a fall past the 2% noise floor is still refused
+    e = extrapolate_figures(FIX_32B, "2r2ga", "k", {6: [_figures(22.39, 1.0)], 12: [_figures(21.5, 1.2)]})
+    assert "per_card_peak" not in e.values and "per_card_peak falls with depth" in e.rejected[0]
+
+
+
+def test_step_times_that_fall_with_depth_give_no_throughput():
+    # guide 002 on 2 H200s: a CPU-Adam-bound step took 13.4 s at 6 layers and 11.6 s at 12
+    e = extrapolate_figures(FIX_32B, "2r2ga", "k", {6: [_figures(22.39, 13.36)], 12: [_figures(22.18, 11.61)]})
+    assert e.step_time_s is None and e.tokens_per_s is None
+    assert any(r.startswith("step time falls with depth") for r in e.rejected)
+
+
 def _rank_report(case_id, world, peak_gib, step_s):
     return RankReport(case_id=case_id, fidelity="real", rank=0, world_size=world, platform="cuda",
                       device_name="NVIDIA H200", step=Memory(allocated=int(peak_gib * GIB), device=int(peak_gib * GIB)),
@@ -126,6 +144,34 @@ def test_blessed_variants_group_into_a_depth_fit(tmp_path):
     (e,) = extrapolate(FAILING_32B, baselines)
     assert e.base_variant == "2r2ga" and e.from_layers == (4, 8)
     assert e.values["per_card_peak"] / GIB == pytest.approx(6.24 + (9.88 - 6.24) / 4 * 60, rel=1e-6)
+
+
+def _bless_series(tmp_path, case, series):
+    entries = []
+    for variant, peak, step in series:
+        run = CaseRun(case_id=case.id, fidelity="real", variant=variant, command=[], returncode=0, wall_s=1,
+                      ranks=[_rank_report(case.id, 2, peak, step)])
+        entries.append({"case": run.case_id, "run": json.loads(run.model_dump_json())})
+    (tmp_path / f"{case.id}.json").write_text(json.dumps(entries))
+    bless(tmp_path / f"{case.id}.json", root=tmp_path / "b", recorded="2026-11-26")
+
+
+def test_a_full_depth_measurement_sets_the_margin_of_its_models_extrapolations(tmp_path):
+    # the fit says 10.49 GiB at 64 layers, the full-depth run measured 11.29 (guide 000, 2 H200s)
+    _bless_series(tmp_path, FIX_32B, [("2r4L2ga", 10.23, 1.4), ("2r8L2ga", 10.25, 2.3), ("2r2ga", 11.29, 15.0)])
+    _bless_series(tmp_path, FAILING_32B, [("2r4L2ga", 11.37, 0.9), ("2r8L2ga", 15.08, 1.7)])
+    baselines = load_baselines(tmp_path / "b")
+    (check,) = depth_checks(baselines)  # only the case with a finished full-depth run is a check
+    assert check.case_id == FIX_32B.id and check.extrapolated / GIB == pytest.approx(10.23 + 0.005 * 60, rel=1e-6)
+    assert check.missed == pytest.approx(11.29 / 10.53 - 1, rel=1e-6)
+    assert depth_check(FIX_32B.model, [check]) is check and depth_check("gemma-3-27b", [check]) is None
+    # every fit of the same model carries it, the checked case's own included
+    (other,) = extrapolate(FAILING_32B, baselines, [check])
+    assert other.check is check and other.peak_with_margin() == pytest.approx(other.values["per_card_peak"] * (1 + check.missed))
+    (own,) = extrapolate(FIX_32B, baselines, [check])
+    assert own.error("per_card_peak") == pytest.approx(10.53 / 11.29 - 1, rel=1e-6)
+    # an extrapolation that came out above the measurement adds nothing
+    assert DepthCheck("c", "m", "k", extrapolated=12.0, measured=11.0).missed == 0.0
 
 
 # --- what a variant's verdict says about the case as written ------------------------------------
@@ -159,6 +205,18 @@ def test_a_depth_series_is_judged_on_its_extrapolated_peak():
     # an OOM at a shallower depth is an OOM at full depth
     assert judge_on_variant(FAILING_32B, deep, Verdict("outcome", "confirmed", ""), _run(OOM)).status == "confirmed"
     assert judge_on_variant(FIX_32B, deep, Verdict("outcome", "refuted", ""), _run(OOM)).status == "refuted"
+
+
+def test_a_fit_is_judged_with_the_full_depth_margin_and_an_oom_without_it():
+    deep = Variant(layers=8)
+    e = extrapolate_figures(FIX_32B, "", "k", {4: [_figures(5.0, 1.0)], 8: [_figures(8.5, 1.5)]})  # 57.50 GiB
+    assert judge_on_variant(FIX_32B, deep, Verdict("outcome", "not_checkable", ""), _run(), e).status == "confirmed"
+    e.check = DepthCheck(FIX_32B.id, FIX_32B.model, "h200-x2", extrapolated=10.0 * GIB, measured=10.5 * GIB)
+    v = judge_on_variant(FIX_32B, deep, Verdict("outcome", "not_checkable", ""), _run(), e)
+    assert v.status == "refuted" and "60.38 GiB > budget 57.60 GiB" in v.detail and "+5.0%" in v.detail
+    # the guide's failing config is confirmed only where the plain extrapolation exceeds the budget
+    v = judge_on_variant(FAILING_32B, deep, Verdict("outcome", "not_checkable", ""), _run(), e)
+    assert v.status == "refuted" and "57.50 GiB <= budget 57.60 GiB" in v.detail
 
 
 # --- against the baseline -----------------------------------------------------------------------

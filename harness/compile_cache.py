@@ -1,0 +1,47 @@
+"""Whether a run's Triton kernels were compiled in the run (a cold cache) or loaded from disk (warm).
+
+flash-linear-attention's kernels are Triton kernels: the first run on a host compiles and autotunes
+them. Measured on guide 004's GLA jobs (results/README.md), a cold cache costs the first step minutes
+and holds 1.9-3.8 GiB more device memory per process outside PyTorch's allocator than a warm one;
+the guide's two-job OOM reproduced on a cold cache and not on a warm one. So every figure of a run
+that used Triton says which it had, a baseline is not compared across the two, and a case can ask
+for a cold cache (`launch.triton_cache: cold`: a fresh, empty cache directory for the run).
+
+Triton keeps its cache in TRITON_CACHE_DIR, else ~/.triton/cache (triton.runtime.cache); the launcher
+sets the variable, so the default only matters for a worker started by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def entries(path: Path) -> int:
+    """Files in a cache directory (0 when it does not exist)."""
+    return sum(1 for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def fresh(path: Path) -> Path:
+    """An empty cache directory at `path`, whatever was there before."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def uses_triton_kernels() -> bool:
+    """Whether this process ran code that compiles Triton kernels (flash-linear-attention's)."""
+    return any(name == "fla" or name.startswith("fla.") for name in sys.modules)
+
+
+def state(entries_at_start: int, used: bool) -> str | None:
+    """'cold' or 'warm' for a run that used Triton kernels on an accelerator; None otherwise."""
+    if not used:
+        return None
+    return "warm" if entries_at_start else "cold"

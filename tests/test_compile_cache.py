@@ -1,0 +1,68 @@
+"""A cold Triton cache is a measurement condition: recorded on every run that compiled Triton
+kernels, asked for by a case, and never compared against a baseline of the other kind."""
+
+import json
+import sys
+import types
+
+from harness import compile_cache
+from harness.baselines import bless, figures_of, load_baselines
+from harness.cases import CASES_DIR, load_case
+from harness.launcher import COLD_TRITON_CACHE, plan_jobs
+from harness.platform import Platform
+from harness.regression import against_baseline
+from harness.report import CaseRun, Memory, RankReport
+from harness.units import GIB
+
+FAILING_GLA = CASES_DIR / "004-gla-failing-bs4-2procs.yaml"
+PLAN_B = CASES_DIR / "004-gla-plan-b-bs2.yaml"
+
+
+def test_the_cache_state_is_read_from_the_files_the_run_started_with(tmp_path):
+    assert compile_cache.entries(tmp_path / "missing") == 0
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "abc" / "kernel.cubin").write_bytes(b"x")
+    (tmp_path / "abc" / "kernel.json").write_text("{}")
+    assert compile_cache.entries(tmp_path) == 2
+    assert compile_cache.state(0, used=True) == "cold" and compile_cache.state(2, used=True) == "warm"
+    assert compile_cache.state(0, used=False) is None  # a run without Triton kernels has no such state
+
+
+def test_triton_kernels_count_as_used_once_flash_linear_attention_is_imported(monkeypatch):
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert not compile_cache.uses_triton_kernels()
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    assert compile_cache.uses_triton_kernels()
+
+
+def test_a_cold_case_gets_an_empty_cache_shared_by_its_jobs(tmp_path):
+    case = load_case(FAILING_GLA)
+    assert case.launch.triton_cache == "cold" and case.launch.procs_per_card == 2
+    stale = tmp_path / COLD_TRITON_CACHE / "old"
+    stale.mkdir(parents=True)
+    (stale / "kernel.cubin").write_bytes(b"x")  # left by an earlier run in the same folder
+    jobs = plan_jobs(case, FAILING_GLA, "real", 1, tmp_path, Platform.cuda)
+    dirs = {job.env["TRITON_CACHE_DIR"] for job in jobs}
+    assert dirs == {str(tmp_path / COLD_TRITON_CACHE)} and compile_cache.entries(tmp_path / COLD_TRITON_CACHE) == 0
+    shared = plan_jobs(load_case(PLAN_B), PLAN_B, "real", 1, tmp_path / "b", Platform.cuda)
+    assert all(str(tmp_path) not in job.env["TRITON_CACHE_DIR"] for job in shared)
+
+
+def _run(peak_gib, cache):
+    rank = RankReport(case_id="004-gla-plan-b-bs2", fidelity="real", rank=0, world_size=1, platform="cuda",
+                      device_name="NVIDIA H100 80GB HBM3", step=Memory(allocated=int(peak_gib * GIB), device=int(peak_gib * GIB)),
+                      step_times_s=[30.0, 0.4, 0.4], tokens_per_step=1024, triton_cache=cache)
+    return CaseRun(case_id=rank.case_id, fidelity="real", command=[], returncode=0, wall_s=1, ranks=[rank])
+
+
+def test_peaks_are_compared_only_between_runs_with_the_same_cache_state(tmp_path):
+    case = load_case(PLAN_B)
+    (tmp_path / "r.json").write_text(json.dumps([{"case": case.id, "run": json.loads(_run(3.97, "warm").model_dump_json())}]))
+    bless(tmp_path / "r.json", root=tmp_path / "b", recorded="2026-11-26")
+    (baseline,) = load_baselines(tmp_path / "b")
+    assert baseline.runs[0].triton_cache == "warm"
+    cold = {v.what: v for v in against_baseline(case, figures_of(_run(6.2, "cold"), 1), baseline)}
+    assert cold["baseline_memory"].status == "not_checkable" and "cold Triton cache" in cold["baseline_memory"].detail
+    warm = {v.what: v for v in against_baseline(case, figures_of(_run(6.2, "warm"), 1), baseline)}
+    assert warm["baseline_memory"].status == "refuted"  # the same 2.2 GiB on a warm cache is a regression
