@@ -146,6 +146,10 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001
             print(f"{b.case_id}@{b.variant}: variant not applicable ({exc}); skipped")
             continue
+        cache = b.runs[0].triton_cache  # predict the Triton cache the baseline had, not the case's request
+        if cache is not None:
+            launch = measured_case.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
+            measured_case = measured_case.model_copy(update={"launch": launch})
         procs = measured_case.launch.procs_per_card
         pred = predict(measured_case, platform=b.platform.key, exclude={b.case_id})
         assert b.case_id not in pred.calibrated_on

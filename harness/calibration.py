@@ -15,16 +15,20 @@ needs no prediction and costs milliseconds):
   other vocabularies is an assumption.
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
-  OOM outcomes included (the overhead does not depend on where the run stopped).
+  OOM outcomes included (the overhead does not depend on where the run stopped), runs on a cold
+  Triton cache left out (compiling kernels holds GiBs more for a while; harness.compile_cache).
 * ``device_overhead_deepspeed``: what a DeepSpeed process adds on top (NCCL communicator and
   buffers, DeepSpeed's extensions). Median of (device - reserved - device_overhead) over
   DeepSpeed baselines.
+* ``triton_cold_overhead``: what compiling and autotuning Triton kernels adds outside the allocator
+  in a process that starts on an empty cache (harness.compile_cache). Median of (device - reserved
+  - device_overhead) over runs recorded as cold. Only added for a case that asks for a cold cache
+  (`launch.triton_cache: cold`); where no cold run was measured it is left out, and the notes say so.
 
 Per platform (the baseline folder, e.g. ``nvidia-h100-80gb-hbm3-x1``): a constant uses that
 platform's baselines; where it has none, every platform's, and the notes say so. ``exclude``
 removes case ids (leave-one-out). A baseline measured on a variant (fewer ranks / layers) counts
-as its case id. Fitted on medians, so one outlier (a cold Triton autotune cache adding GiBs
-outside the allocator, seen once) does not move the others.
+as its case id. Fitted on medians, so one outlier does not move the others.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 from harness.baselines import RESULTS_DIR, Baseline, load_baselines
 
 FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
+OPTIONAL = ("triton_cold_overhead",)  # no prior: left out where nothing was measured
 
 
 @dataclass
@@ -62,6 +67,7 @@ class _Obs:
     deepspeed: bool
     zero3: bool = False
     gather_bytes: int = 0  # ZeRO-3: bytes of the largest parameter gathered whole (largest_gather_bytes)
+    cold_triton: bool = False  # measured while compiling Triton kernels (harness.compile_cache)
 
 
 @lru_cache(maxsize=4)
@@ -81,7 +87,8 @@ def _observations(root: str) -> tuple[_Obs, ...]:
             device = None if r.per_card_peak is None else r.per_card_peak // procs
             out.append(_Obs(case_id=b.case_id, platform=b.platform.key, ok=r.outcome == "ok",
                             allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
-                            deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather))
+                            deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather,
+                            cold_triton=r.triton_cache == "cold"))
     return tuple(out)
 
 
@@ -138,10 +145,12 @@ def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RES
         ratio = 1.05  # harness.predict.PRIORS
     fit("zero3_cached_gathers", lambda o: o.ok and o.zero3 and o.allocated and o.reserved and o.gather_bytes,
         lambda o: max(0.0, o.reserved - o.allocated * ratio) / o.gather_bytes)
-    base = fit("device_overhead", lambda o: not o.deepspeed and o.device and o.reserved,
+    base = fit("device_overhead", lambda o: not o.deepspeed and not o.cold_triton and o.device and o.reserved,
                lambda o: o.device - o.reserved)
     if base is not None:
         fit("device_overhead_deepspeed", lambda o: o.deepspeed and o.device and o.reserved,
+            lambda o: max(0, o.device - o.reserved - base))
+        fit("triton_cold_overhead", lambda o: not o.deepspeed and o.cold_triton and o.device and o.reserved,
             lambda o: max(0, o.device - o.reserved - base))
     for name in FITTED:
         if name not in values:

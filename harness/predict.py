@@ -22,7 +22,7 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
 5. Calibrated (`harness.calibration`, fitted on results/baselines at call time, per platform):
    reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
    parameter's bytes under ZeRO-3); device = reserved + device_overhead (+ device_overhead_deepspeed
-   for DeepSpeed processes).
+   for DeepSpeed processes, + triton_cold_overhead for fla on a cold Triton cache).
 6. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
    dataloader worker, plus offloaded optimizer state and parameters (pinned: each partition
    rounded up to a power of two, as torch's pinned host allocator does). Not fitted.
@@ -149,12 +149,19 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     overhead = int(values["device_overhead"])
     if case.deepspeed is not None:
         overhead += int(values["device_overhead_deepspeed"])
+    terms["context_and_workspaces"] = overhead
+    if case.model.startswith("gla") and case.launch.triton_cache == "cold":
+        cold = cal.values.get("triton_cold_overhead")
+        if cold is None:
+            notes.append("fla/Triton on a cold cache: no cold run measured to fit what compiling adds; not included")
+        else:
+            overhead += int(cold)
+            terms["triton_cold_compile"] = int(cold)
+    elif case.model.startswith("gla"):
+        notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
+                     "during the first step (launch.triton_cache: cold predicts that)")
     device = reserved + overhead
     terms["allocator_fragmentation"] = reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
-    terms["context_and_workspaces"] = overhead
-    if case.model.startswith("gla"):
-        notes.append("fla/Triton: a cold autotune cache can add GiBs outside the allocator on the first "
-                     "step (seen once: ~4 GiB); not included")
 
     # --- host memory of the whole job on this node ---
     ranks = case.launch.ranks * case.launch.procs_per_card

@@ -165,7 +165,13 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
         else:
             dev["optimizer_fp32_master_adam"] = opt
             step_extra = 4 * T // shard  # fp32 gradient partition built at the step
-        if ds.stage >= 2:
+        if ds.stage == 3 and ds.offload_optimizer == Offload.cpu:
+            # ZeRO-3 puts its gradient partitions in a buffer on the optimizer's device: the host
+            # (DeepSpeed 0.19 stage3.py, grad_partitions_flat_buffer on self.device), counted above.
+            # Guide 002's full fine-tune on 2 H200s shows it: allocated 11.15 GiB at 6 and 12 layers.
+            # ZeRO-2's offload path may keep a compact partition on the device: left counted there.
+            pass
+        elif ds.stage >= 2:
             dev["grad_partition"] = tbytes * T // shard
         else:
             dev["grads"] = tbytes * T

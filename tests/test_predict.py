@@ -41,7 +41,7 @@ def test_interface_fields_and_consistency():
     assert p.host_ram > 0 and p.seconds > 0
     assert all(isinstance(v, int) for v in p.terms.values())
     assert set(p.fitted) <= {"reserved_over_allocated", "zero3_cached_gathers", "device_overhead",
-                             "device_overhead_deepspeed"}
+                             "device_overhead_deepspeed", "triton_cold_overhead"}
     assert isinstance(p.notes, list) and isinstance(p.calibrated_on, list) and p.platform
 
 
@@ -167,3 +167,13 @@ def test_leave_one_out_excludes_every_variant_of_the_case():
     b = variants[0]
     p = predict(case(b.case_id), platform=b.platform.key, exclude={b.case_id}, variant=b.variant)
     assert b.case_id not in p.calibrated_on
+
+
+def test_zero3_with_optimizer_offload_keeps_its_gradient_partition_on_the_host():
+    # guide 002's full fine-tune on 2 H200s allocated 11.15 GiB at 6 and at 12 layers: no per-layer
+    # gradient partition on the card (DeepSpeed's grad_partitions_flat_buffer lives on the host)
+    offloaded = case("002-gemma27b-full-z3-offload-len2048")
+    on_card = changed(offloaded, **{"deepspeed.offload_optimizer": "none"})
+    p_off, p_on = predict(offloaded), predict(on_card)
+    assert "grad_partition" not in p_off.terms and p_off.terms["host_fp32_grad_partition"] > 0
+    assert p_on.terms["grad_partition"] == p_off.terms["host_fp32_grad_partition"] // 2  # bf16 vs fp32
