@@ -119,7 +119,7 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
             persistent = sum(n for n in inv.sizes if n <= thr) * half
             part = base // W
             if ds.offload_param == Offload.cpu:
-                host["zero3_param_partition"] = part
+                host["zero3_param_partition"] = _host_partition(inv.sizes, W, half, ds.pin_memory) or part
                 dev["zero3_persistent_params"] = persistent
             else:
                 dev["zero3_param_partition"] = part
