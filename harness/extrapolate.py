@@ -170,12 +170,11 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
                         full_depth: Figures | None = None) -> Extrapolation:
     """Fit each figure in depth over runs at two or more layer counts (repetitions: their median)."""
     from harness.architectures import load_architecture
+    from harness.regression import MEMORY_FLOOR
     from harness.shape import run_shape
     from harness.variants import parse_variant
 
     depth = case.layers or load_architecture(case.model).layers
-    from harness.regression import MEMORY_FLOOR
-
     lines, values, rejected = {}, {}, []
     for metric in _METRICS:
         pts = [(L, median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))

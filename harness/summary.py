@@ -32,11 +32,15 @@ def _row(j: Judgement) -> tuple[str, ...]:
     if err is not None:
         outcome = f"{err.kind.value}" + (" ok" if j.outcome.status == "confirmed" else "")
     name = case.id + (run.variant and f"@{run.variant}")
-    if j.extrapolation is not None and "per_card_peak" in j.extrapolation.values:
-        name = case.id + f" (extrapolated from {','.join(map(str, j.extrapolation.from_layers))}L)"
-        peak = int(j.extrapolation.values["per_card_peak"])
-        if j.extrapolation.tokens_per_s:
-            rate = f"{j.extrapolation.tokens_per_s:,.0f}"
+    e = j.extrapolation
+    if e is not None and "per_card_peak" in e.values:
+        # the peak the outcome was judged on: with the full-depth margin for a fit (harness.extrapolate)
+        with_margin = case.expect.outcome == "fits" and e.margin > 0
+        name = case.id + f" (extrapolated from {','.join(map(str, e.from_layers))}L" + (
+            f", +{e.margin:.1%} full-depth margin)" if with_margin else ")")
+        peak = int(e.peak_with_margin() if with_margin else e.values["per_card_peak"])
+        if e.tokens_per_s:
+            rate = f"{e.tokens_per_s:,.0f}"
     return (name, run.fidelity, procs, size(load), size(peak), rate, loss, outcome, claims)
 
 

@@ -301,3 +301,16 @@ def test_a_depth_series_on_fewer_ranks_is_judged_on_its_extrapolation(monkeypatc
     j = growing.judge(FIX_32B.id, "real")
     # 66 GiB extrapolated on 2 ranks: does not fit there, which says nothing of 8 ranks
     assert j.outcome.status == "not_checkable" and "> budget" in j.outcome.detail
+
+
+def test_the_summary_shows_the_peak_a_fit_was_judged_on():
+    from harness.session import Judgement
+    from harness.summary import table
+
+    e = extrapolate_figures(FIX_32B, "2r2ga", "k", {4: [_figures(5.0, 1.0)], 8: [_figures(8.5, 1.5)]})  # 57.50 GiB
+    e.check = DepthCheck(FIX_32B.id, FIX_32B.model, "h200-x2", extrapolated=10.0 * GIB, measured=10.5 * GIB)
+    run = CaseRun(case_id=FIX_32B.id, fidelity="real", variant="2r8L2ga", command=[], returncode=0, wall_s=1.0,
+                  ranks=[_rank_report(FIX_32B.id, 2, 8.5, 1.5)])
+    verdict = Verdict("outcome", "refuted", "")
+    row = table([Judgement(FIX_32B, run, verdict, [], [run], e)]).splitlines()[2]
+    assert "(extrapolated from 4,8L, +5.0% full-depth margin)" in row and "60.38 GiB" in row
