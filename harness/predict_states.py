@@ -112,21 +112,7 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
         if case.stack == Stack.peft:
             notes.append("peft prepare_model_for_kbit_training: embeddings, head, norms, biases in fp32")
         dev["weights_other"] = inv.other * other_bytes
-    elif kind == "full":
-        base = inv.total * half
-        if ds is not None and ds.stage == 3:
-            thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
-            persistent = sum(n for n in inv.sizes if n <= thr) * half
-            part = base // W
-            if ds.offload_param == Offload.cpu:
-                host["zero3_param_partition"] = _host_partition(inv.sizes, W, half, ds.pin_memory) or part
-                dev["zero3_persistent_params"] = persistent
-            else:
-                dev["zero3_param_partition"] = part
-                dev["zero3_persistent_params"] = persistent
-        else:
-            dev["weights"] = base
-    else:  # lora
+    else:  # full or LoRA: the base weights in the half dtype, partitioned alike under ZeRO-3
         base = inv.total * half
         if ds is not None and ds.stage == 3:
             thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
