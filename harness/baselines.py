@@ -190,42 +190,38 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
     """Depth fits of the measured variants: the full-depth figures they predict, labelled as
     extrapolated, the full-depth measurement beside them where one exists, and the margin the
     model's full-depth check adds before a fit is judged."""
-    from harness.cases import CASES_DIR, load_case
-    from harness.extrapolate import depth_checks, extrapolate
+    from harness.extrapolate import every_fit
     from harness.regression import MEMORY_FLOOR
     from harness.units import fmt_gib
 
-    checks = depth_checks(baselines)
     rows = []
-    for case_id in sorted({b.case_id for b in baselines if b.variant}):
-        case = load_case(CASES_DIR / f"{case_id}.yaml")
-        for e in extrapolate(case, baselines, checks):
-            peak = e.values.get("per_card_peak")
-            budget = case.budget_bytes
-            judged = e.peak_with_margin() if case.expect.outcome == "fits" else peak
-            verdict = "-" if judged is None else ("fits" if judged <= budget else "exceeds the budget")
-            check = "-"
-            m = e.measured_full_depth
-            if m is not None and m.outcome == "ok":
-                check = f"peak {fmt_gib(m.per_card_peak)} (fit {e.error('per_card_peak'):+.1%})"
-                if e.error("host_peak") is not None:
-                    check += f"; host {fmt_gib(m.host_peak)} (fit {e.error('host_peak'):+.1%})"
-                if m.tokens_per_s_per_gpu and e.tokens_per_s:
-                    check += (f"; {m.tokens_per_s_per_gpu:,.0f} tokens/s "
-                              f"(fit {e.tokens_per_s / m.tokens_per_s_per_gpu - 1:+.0%})")
-            elif m is not None:
-                check = f"measured: {m.outcome} at {fmt_gib(m.per_card_peak)} on the {fmt_gib(case.target.card.memory)} card"
-            line = e.lines.get("per_card_peak")
-            per_layer = "-" if line is None else (
-                f"flat (within {MEMORY_FLOOR:.0%})" if line.flat else f"{line.slope / 2**30:.3f} GiB")
-            margin = "-" if peak is None else (
-                f"{fmt_gib(e.peak_with_margin())} (+{e.margin:.1%}, {e.check.case_id})" if e.check else "none (unchecked)")
-            rate = "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}"
-            if e.tokens_per_s is None and any(r.startswith("step time") for r in e.rejected):
-                rate = "- (step time falls with depth)"
-            rows.append(f"| {case_id} | {e.platform_key}, variant {e.base_variant or 'as written'} | {e.label} | "
-                        f"{fmt_gib(peak)} | {per_layer} | {margin} | {fmt_gib(e.values.get('host_peak'))} | {rate} | "
-                        f"{fmt_gib(budget)}: {verdict} | {check} |")
+    for case, e in every_fit(baselines):
+        peak = e.values.get("per_card_peak")
+        budget = case.budget_bytes
+        judged = e.peak_with_margin() if case.expect.outcome == "fits" else peak
+        verdict = "-" if judged is None else ("fits" if judged <= budget else "exceeds the budget")
+        check = "-"
+        m = e.measured_full_depth
+        if m is not None and m.outcome == "ok":
+            check = f"peak {fmt_gib(m.per_card_peak)} (fit {e.error('per_card_peak'):+.1%})"
+            if e.error("host_peak") is not None:
+                check += f"; host {fmt_gib(m.host_peak)} (fit {e.error('host_peak'):+.1%})"
+            if m.tokens_per_s_per_gpu and e.tokens_per_s:
+                check += (f"; {m.tokens_per_s_per_gpu:,.0f} tokens/s "
+                          f"(fit {e.tokens_per_s / m.tokens_per_s_per_gpu - 1:+.0%})")
+        elif m is not None:
+            check = f"measured: {m.outcome} at {fmt_gib(m.per_card_peak)} on the {fmt_gib(case.target.card.memory)} card"
+        line = e.lines.get("per_card_peak")
+        per_layer = "-" if line is None else (
+            f"flat (within {MEMORY_FLOOR:.0%})" if line.flat else f"{line.slope / 2**30:.3f} GiB")
+        margin = "-" if peak is None else (
+            f"{fmt_gib(e.peak_with_margin())} (+{e.margin:.1%}, {e.check.case_id})" if e.check else "none (unchecked)")
+        rate = "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}"
+        if e.tokens_per_s is None and any(r.startswith("step time") for r in e.rejected):
+            rate = "- (step time falls with depth)"
+        rows.append(f"| {case.id} | {e.platform_key}, variant {e.base_variant or 'as written'} | {e.label} | "
+                    f"{fmt_gib(peak)} | {per_layer} | {margin} | {fmt_gib(e.values.get('host_peak'))} | {rate} | "
+                    f"{fmt_gib(budget)}: {verdict} | {check} |")
     if not rows:
         return ""
     intro = ("Depth extrapolations (extrapolated figures, not measurements). A fit is judged with the margin "

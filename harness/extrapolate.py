@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from harness.baselines import Baseline, Figures
+from harness.schema import Case
 
 
 @dataclass(frozen=True)
@@ -138,20 +139,33 @@ class DepthCheck:
         return max(0.0, self.measured / self.extrapolated - 1)
 
 
-def depth_checks(baselines: list[Baseline]) -> list[DepthCheck]:
-    """Every extrapolation the baselines hold a finished full-depth measurement for."""
+def every_fit(baselines: list[Baseline]) -> list[tuple[Case, Extrapolation]]:
+    """Every (case, depth fit) the baselines allow, each fit carrying its model's full-depth check."""
     from harness.cases import CASES_DIR, load_case
 
-    out = []
+    pairs = []
     for case_id in sorted({b.case_id for b in baselines if b.variant}):
         path = CASES_DIR / f"{case_id}.yaml"
-        if not path.exists():
-            continue
-        case = load_case(path)
-        for e in extrapolate(case, baselines):
-            m, peak = e.measured_full_depth, e.values.get("per_card_peak")
-            if m is not None and m.outcome == "ok" and m.per_card_peak and peak:
-                out.append(DepthCheck(case.id, case.model, e.platform_key, peak, m.per_card_peak))
+        if path.exists():
+            case = load_case(path)
+            pairs += [(case, e) for e in extrapolate(case, baselines)]
+    checks = _checks(pairs)
+    for case, e in pairs:
+        e.check = depth_check(case.model, checks)
+    return pairs
+
+
+def depth_checks(baselines: list[Baseline]) -> list[DepthCheck]:
+    """Every extrapolation the baselines hold a finished full-depth measurement for."""
+    return _checks(every_fit(baselines))
+
+
+def _checks(pairs: list[tuple[Case, Extrapolation]]) -> list[DepthCheck]:
+    out = []
+    for case, e in pairs:
+        m, peak = e.measured_full_depth, e.values.get("per_card_peak")
+        if m is not None and m.outcome == "ok" and m.per_card_peak and peak:
+            out.append(DepthCheck(case.id, case.model, e.platform_key, peak, m.per_card_peak))
     return out
 
 
@@ -210,10 +224,10 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
     )
 
 
-def extrapolate(case, baselines: list[Baseline], checks: list[DepthCheck] | None = None) -> list[Extrapolation]:
+def extrapolate(case, baselines: list[Baseline]) -> list[Extrapolation]:
     """Every depth fit the baselines of one case allow: measured variants that differ only in their
-    layer count, with at least two depths that finished, on one platform. With `checks`, each fit
-    carries its model's full-depth check (`depth_check`)."""
+    layer count, with at least two depths that finished, on one platform (`every_fit` adds each
+    model's full-depth check)."""
     from harness.architectures import load_architecture
     from harness.variants import Variant, parse_variant
 
@@ -230,8 +244,5 @@ def extrapolate(case, baselines: list[Baseline], checks: list[DepthCheck] | None
             full[(b.platform.key, base)] = b
         elif all(r.outcome == "ok" for r in b.runs):
             groups.setdefault((b.platform.key, base), {})[layers] = b.runs
-    out = [extrapolate_figures(case, base, key, by_depth, full[(key, base)].runs[0] if (key, base) in full else None)
-           for (key, base), by_depth in sorted(groups.items()) if len(by_depth) >= 2]
-    for e in out:
-        e.check = depth_check(case.model, checks) if checks is not None else None
-    return out
+    return [extrapolate_figures(case, base, key, by_depth, full[(key, base)].runs[0] if (key, base) in full else None)
+            for (key, base), by_depth in sorted(groups.items()) if len(by_depth) >= 2]

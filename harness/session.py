@@ -10,6 +10,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from harness import platform as plat
@@ -127,6 +128,14 @@ class Session:
         loaded, self.errors = load_cases(self.case_dir)
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
 
+    @cached_property
+    def _depth_checks(self):
+        """The full-depth checks in results/baselines, read once a session (for depth series only)."""
+        from harness.baselines import load_baselines
+        from harness.extrapolate import depth_checks
+
+        return depth_checks(load_baselines())
+
     def plan(self, case_id: str, fidelity: str) -> list[Variant]:
         return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth, self.grad_accum_cap)
 
@@ -193,8 +202,8 @@ class Session:
         return self._judged[key]
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
-        from harness.baselines import PlatformInfo, figures_of, load_baselines
-        from harness.extrapolate import depth_check, depth_checks, extrapolate_figures
+        from harness.baselines import PlatformInfo, figures_of
+        from harness.extrapolate import depth_check, extrapolate_figures
         from harness.regression import against_baseline, find_baseline
 
         case, _ = self.cases[case_id]
@@ -209,7 +218,7 @@ class Session:
             ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
             if len(ok) >= 2:
                 extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
-                extrapolation.check = depth_check(case.model, depth_checks(load_baselines()))
+                extrapolation.check = depth_check(case.model, self._depth_checks)
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)

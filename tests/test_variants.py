@@ -7,7 +7,7 @@ import pytest
 
 from harness.baselines import Figures, bless, load_baselines
 from harness.cases import CASES_DIR, load_case
-from harness.extrapolate import DepthCheck, depth_check, depth_checks, extrapolate, extrapolate_figures, fit_line
+from harness.extrapolate import DepthCheck, depth_check, depth_checks, every_fit, extrapolate, extrapolate_figures, fit_line
 from harness.regression import against_baseline, tolerance
 from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
 from harness.session import plan
@@ -166,10 +166,10 @@ def test_a_full_depth_measurement_sets_the_margin_of_its_models_extrapolations(t
     assert check.missed == pytest.approx(11.29 / 10.53 - 1, rel=1e-6)
     assert depth_check(FIX_32B.model, [check]) is check and depth_check("gemma-3-27b", [check]) is None
     # every fit of the same model carries it, the checked case's own included
-    (other,) = extrapolate(FAILING_32B, baselines, [check])
-    assert other.check is check and other.peak_with_margin() == pytest.approx(other.values["per_card_peak"] * (1 + check.missed))
-    (own,) = extrapolate(FIX_32B, baselines, [check])
-    assert own.error("per_card_peak") == pytest.approx(10.53 / 11.29 - 1, rel=1e-6)
+    fits = {case.id: e for case, e in every_fit(baselines)}
+    other, own = fits[FAILING_32B.id], fits[FIX_32B.id]
+    assert other.check == check and other.peak_with_margin() == pytest.approx(other.values["per_card_peak"] * (1 + check.missed))
+    assert own.check == check and own.error("per_card_peak") == pytest.approx(10.53 / 11.29 - 1, rel=1e-6)
     # an extrapolation that came out above the measurement adds nothing
     assert DepthCheck("c", "m", "k", extrapolated=12.0, measured=11.0).missed == 0.0
 
