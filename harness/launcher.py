@@ -5,9 +5,10 @@
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
 
-A timeout kills the whole process group. Whatever the children did (exit, raise, run out of
-memory, get killed, hang), the result is a `CaseRun` with a classified error and the numbers the
-workers managed to write; the harness itself never crashes on a bad case.
+A timeout first asks the workers for their Python stacks (the error names the line they hung on),
+then kills every process the jobs started (`harness.process_tree`). Whatever the children did
+(exit, raise, run out of memory, get killed, hang), the result is a `CaseRun` with a classified
+error and the numbers the workers managed to write; the harness itself never crashes on a bad case.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import compile_cache
+from harness import compile_cache, jit_locks, process_tree
 from harness.platform import Platform, parse_oom
 from harness.report import CaseRun, ErrorInfo, Failure, RankReport
 from harness.schema import Case
@@ -104,8 +105,10 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a job and everything it started (torchrun's ranks live in sessions of their own)."""
+    process_tree.kill(process_tree.tree(proc.pid))
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the tree walk misses what is already reparented
     except ProcessLookupError:
         pass
 
@@ -153,6 +156,12 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
+        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
+                               for job in jobs} - {""}):
+            for lock in jit_locks.remove_stale(Path(ext_dir)):
+                log.write(f"[harness.launcher] removed {lock}: a JIT build was interrupted and no process "
+                          f"holds its lock, which would hang this run\n".encode())
+            log.flush()
         for job in jobs:
             env = dict(os.environ)
             env.update(job.env)
@@ -169,10 +178,13 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
                 timed_out = True
                 break
         if timed_out:
+            trees = [p for proc in procs if proc is not ballast for p in process_tree.tree(proc.pid)]
+            process_tree.ask_for_stacks(trees)
+            process_tree.kill(trees)
             for proc in procs:
-                _kill_group(proc)
-            for proc in procs:
-                proc.wait()
+                if proc is not ballast:
+                    _kill_group(proc)
+                    proc.wait()
         if ballast is not None:
             procs.remove(ballast)
             _kill_group(ballast)
@@ -193,7 +205,14 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
     """Turn what the processes left behind into one error (or None when all went well).
     Errors the workers wrote themselves stay in their rank reports; this covers the rest."""
     if timed_out:
-        return ErrorInfo(kind=Failure.timeout, message=f"no result after {timeout_s:.0f} s; the process group was killed")
+        message = f"no result after {timeout_s:.0f} s; every process of the run was killed"
+        progress = _last_progress(log)
+        if progress:
+            message += f"; last progress: {progress!r}"
+        stuck = process_tree.where_stuck(log)
+        if stuck:
+            message += f"; stuck at {stuck} (all stacks in log.txt)"
+        return ErrorInfo(kind=Failure.timeout, message=message)
     reported = [r for r in ranks if r.error is not None]
     if reported:
         return None  # the worker's own classification is in its report
@@ -214,6 +233,14 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
     if len(ranks) < expected_reports:
         return ErrorInfo(kind=Failure.no_report,
                          message=f"exited 0 but wrote {len(ranks)} of {expected_reports} reports")
+    return None
+
+
+def _last_progress(log: str) -> str | None:
+    """The last line a worker printed about where it is (`progress` in harness.worker)."""
+    for line in reversed(log.splitlines()):
+        if line.startswith("[harness.worker]"):
+            return line.strip()[:300]
     return None
 
 

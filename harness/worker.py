@@ -12,6 +12,7 @@ recorded with its numbers and the phase it happened in, and the exit code says w
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import sys
@@ -501,6 +502,10 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
+    # on a timeout the launcher asks for every thread's stack before it kills (harness.process_tree)
+    from harness.process_tree import DUMP_SIGNAL
+
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from harness.cases import load_case

@@ -145,3 +145,103 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path):
     finally:
         launcher.subprocess.Popen = saved
     assert pids and not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def _wait_gone(pids: list[int], within_s: float = 5) -> list[int]:
+    deadline = time.monotonic() + within_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return alive
+
+
+def test_a_timeout_kills_torchruns_ranks_too(tmp_path):
+    """torchrun starts each rank in a session of its own; killing torchrun's group used to leave
+    the ranks running (on a GPU: holding the card the next case measures)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, time\n"
+                      "open(os.path.join(os.path.dirname(__file__), 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    job = Job([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(__import__("harness.launcher").launcher.free_port()),
+               str(script)])
+    run = run_jobs([job], tmp_path / "run", 10, "x", "tiny", 2)
+    assert run.error.kind == Failure.timeout
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert _wait_gone(pids) == [], "torchrun's ranks outlived the timeout"
+
+
+def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
+    """The worker registers a stack dump; on a timeout the launcher asks for it before killing,
+    and the error says where the main thread was and what the worker last reported."""
+    case_path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
+    code = """
+        import sys, threading, time
+        import harness.worker as worker
+
+        def wait_for_a_lock_nobody_releases(args):
+            print('[harness.worker] 003 rank 0 slot 0: loaded, 3.48 GiB peak allocated (1.0 s)', flush=True)
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a sampler-like thread
+            while True:
+                time.sleep(0.1)
+
+        worker.run = wait_for_a_lock_nobody_releases
+        worker.main(sys.argv[1:5])
+    """
+    # the last argument is how the launcher recognises a worker (its module name on the command line)
+    job = Job([sys.executable, "-c", textwrap.dedent(code), "--case", str(case_path), "--out-dir", str(tmp_path),
+               "harness.worker"])
+    run = run_jobs([job], tmp_path, 8, "x", "tiny", 1)
+    assert run.error.kind == Failure.timeout
+    assert "in wait_for_a_lock_nobody_releases" in run.error.message
+    assert "last progress: '[harness.worker] 003 rank 0 slot 0: loaded" in run.error.message
+    assert "most recent call first" in Path(run.run_dir, "log.txt").read_text()
+
+
+def test_where_stuck_reads_the_main_thread_whichever_thread_took_the_signal():
+    from harness.process_tree import where_stuck
+
+    dump = textwrap.dedent('''\
+        Current thread 0x00007f26614496c0 (most recent call first):
+          File "/usr/lib/python3.12/threading.py", line 359 in wait
+          File "/work/harness/tracker.py", line 270 in _run
+          File "/usr/lib/python3.12/threading.py", line 1012 in run
+          File "/usr/lib/python3.12/threading.py", line 1045 in _bootstrap_inner
+          File "/usr/lib/python3.12/threading.py", line 1002 in _bootstrap
+
+        Thread 0x00007f266228bb80 (most recent call first):
+          File "/site/lib/python3.12/site-packages/torch/utils/file_baton.py", line 49 in wait
+          File "/site/lib/python3.12/site-packages/torch/utils/cpp_extension.py", line 2380 in _jit_compile
+          File "/work/harness/worker.py", line 383 in run
+          File "/usr/lib/python3.12/runpy.py", line 88 in _run_code
+        ''')
+    assert where_stuck(dump) == "torch/utils/file_baton.py:49 in wait (from harness/worker.py:383 in run)"
+    assert where_stuck("no dump in this log\n") is None
+
+
+def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
+    """A build killed mid-way leaves torch's FileBaton lock behind and every later build waits on
+    it forever; a lock a live builder holds open stays."""
+    ext = tmp_path / "torch_extensions"
+    (ext / "cpu_adam").mkdir(parents=True)
+    (ext / "fused_adam").mkdir()
+    stale, held = ext / "cpu_adam" / "lock", ext / "fused_adam" / "lock"
+    stale.touch()
+    holder_code = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+                   "open(sys.argv[2], 'w').close(); time.sleep(60)")
+    ready = tmp_path / "holding"
+    holder = __import__("subprocess").Popen([sys.executable, "-c", holder_code, str(held), str(ready)])
+    try:
+        while not ready.exists():
+            time.sleep(0.05)
+        job = Job([sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write('{}')", str(tmp_path / "x")],
+                  {"TORCH_EXTENSIONS_DIR": str(ext)})
+        run = run_jobs([job], tmp_path / "run", 60, "x", "tiny", 0)
+        assert not stale.exists()
+        assert held.exists()
+        assert f"removed {stale}" in run.log_tail
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1,0 +1,130 @@
+"""Stopping a case's processes, all of them, and asking the hung ones where they are first.
+
+Killing a job's process group is not enough: torchrun starts each rank in a session of its own
+(torch.distributed.elastic's subprocess handler passes `start_new_session=True`), so a timeout
+that kills torchrun's group orphans the ranks, which go on holding the GPU the next case measures.
+The tree is therefore collected through the parent links (psutil) before anything is killed.
+
+Before the kill, every worker gets SIGUSR1, on which it dumps the Python stack of each of its
+threads into the case's log (`faulthandler`, registered by `harness.worker`); `where_stuck`
+reads the innermost frames back, so a timeout names the line a run hung on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+
+DUMP_SIGNAL = signal.SIGUSR1
+WORKER_MODULE = "harness.worker"  # only processes that registered the dump get DUMP_SIGNAL
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (those still alive), parents first."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    try:
+        cmdline = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    # a rank's dataloader workers are forked from it and share its command line; only the rank
+    # itself (the oldest such process of a chain) is asked, so a dump is not repeated per worker
+    return WORKER_MODULE in cmdline and not _parent_is_worker(proc)
+
+
+def _parent_is_worker(proc: psutil.Process) -> bool:
+    try:
+        parent = proc.parent()
+        return parent is not None and WORKER_MODULE in parent.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def ask_for_stacks(procs: list[psutil.Process], settle_s: float = 3.0) -> int:
+    """Send DUMP_SIGNAL to the workers among `procs` and give them `settle_s` to write.
+    Returns how many were asked."""
+    asked = 0
+    for proc in procs:
+        if _is_worker(proc):
+            try:
+                proc.send_signal(DUMP_SIGNAL)
+                asked += 1
+            except psutil.NoSuchProcess:
+                pass
+    if asked:
+        time.sleep(settle_s)  # faulthandler writes from a signal handler; nothing to wait on
+    return asked
+
+
+def kill(procs: list[psutil.Process], wait_s: float = 10.0) -> None:
+    """SIGKILL every process given and every process group they lead, and wait until they are
+    gone (so the next case finds the GPU free). Our own children are left for their Popen to
+    reap: psutil reaping them would cost subprocess their exit codes."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    others = []
+    for proc in procs:
+        try:
+            if proc.ppid() != os.getpid():
+                others.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(others, timeout=wait_s)
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$")
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    parts = path.split("/")
+    return "/".join(parts[-2:])
+
+
+def where_stuck(log: str) -> str | None:
+    """One entry per dumped main thread: its innermost frame and, when that is in a library, the
+    innermost frame of the harness that led there. None when the log holds no dump.
+
+    The kernel may deliver the signal to any thread, so "Current thread" is not necessarily the
+    main one; a main thread is the one whose outermost frame is not threading's bootstrap."""
+    lines = log.splitlines()
+    places: list[str] = []
+    for i, line in enumerate(lines):
+        if not _THREAD.match(line):
+            continue
+        frames = []
+        for frame_line in lines[i + 1:]:
+            m = _FRAME.match(frame_line)
+            if not m:
+                break
+            frames.append(m)
+        if not frames or frames[-1]["func"] == "_bootstrap":
+            continue
+        inner = frames[0]
+        place = f"{_short(inner['file'])}:{inner['line']} in {inner['func']}"
+        ours = next((f for f in frames if "/harness/" in f["file"]), None)
+        if ours is not None and ours is not inner:
+            place += f" (from {_short(ours['file'])}:{ours['line']} in {ours['func']})"
+        if place not in places:
+            places.append(place)
+    return "; ".join(places) or None
