@@ -95,8 +95,11 @@ def pytest_generate_tests(metafunc):
 _PLANNED = pytest.StashKey[list]()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Remember which cases were selected, so their tiny runs can start together."""
+    """Remember which cases were selected, so their tiny runs can start together. Last, after
+    `-m`/`-k` have deselected: `pytest -m gpu` on a GPU host once started every tiny case in the
+    background, on the same GPU and CPUs as the full-size runs it was measuring."""
     config.stash[_PLANNED] = [
         (item.callspec.params["harness_case"].case_id, item.callspec.params["harness_case"].fidelity)
         for item in items
