@@ -88,7 +88,7 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         allocated_peak=max((r.step.allocated for r in steps), default=None),
         reserved_peak=max((r.step.reserved or 0 for r in steps), default=None) or None,
         load_footprint=max((r.load.limiting() for r in ranks if r.load), default=None),
-        host_peak=max((r.step.host_rss for r in steps if r.step.host_rss), default=None),
+        host_peak=run.host_peak(),
         tokens_per_s_per_gpu=min(rates) if rates else None,
         mfu=min(mfus) if mfus else None,
         step_times_s=ranks[0].step_times_s if ranks else [],
@@ -140,11 +140,13 @@ def report_markdown(baselines: list[Baseline]) -> str:
     """One row per baseline: target card, measured peaks, headroom, speed, and the guide's
     memory claims beside the measurement."""
     from harness.cases import CASES_DIR, load_case
+    from harness.host_ram import node_text
     from harness.units import fmt_gib
+    from harness.variants import parse_variant
 
     lines = [
-        "| case | measured on | target card (budget) | outcome | peak allocated / reserved (worst process) / device (per card) | headroom | tokens/s/GPU | MFU | guide's claims vs measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | measured on | target card (budget) | outcome | peak allocated / reserved (worst process) / device (per card) | headroom | host RAM per node (processes x worst process) | tokens/s/GPU | MFU | guide's claims vs measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in baselines:
         case = load_case(CASES_DIR / f"{b.case_id}.yaml")
@@ -178,10 +180,12 @@ def report_markdown(baselines: list[Baseline]) -> str:
         mfu = "-" if r.mfu is None else f"{r.mfu:.1%}"
         where = f"{b.platform.device_name} x{b.platform.device_count}, {b.measured}"
         card = f"{case.target.card.name} ({fmt_gib(budget)})"
+        # a shallower depth says nothing of the node: its extrapolation below does
+        host = "-" if parse_variant(b.variant).layers else node_text(case, r.host_peak)
         if b.variant:
             claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
-        lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {rate} | {mfu} | "
-                     f"{'; '.join(claims) or '-'} |")
+        lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {host} | {rate} | "
+                     f"{mfu} | {'; '.join(claims) or '-'} |")
     extra = extrapolation_markdown(baselines)
     return "\n".join(lines) + ("\n\n" + extra if extra else "")
 
@@ -191,6 +195,7 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
     extrapolated, the full-depth measurement beside them where one exists, and the margin the
     model's full-depth check adds before a fit is judged."""
     from harness.extrapolate import every_fit
+    from harness.host_ram import node_text
     from harness.regression import MEMORY_FLOOR
     from harness.units import fmt_gib
 
@@ -219,15 +224,17 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
         rate = "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}"
         if e.tokens_per_s is None and any(r.startswith("step time") for r in e.rejected):
             rate = "- (step time falls with depth)"
+        host = node_text(case, e.values.get("host_peak"))
         rows.append(f"| {case.id} | {e.platform_key}, variant {e.base_variant or 'as written'} | {e.label} | "
-                    f"{fmt_gib(peak)} | {per_layer} | {margin} | {fmt_gib(e.values.get('host_peak'))} | {rate} | "
-                    f"{fmt_gib(budget)}: {verdict} | {check} |")
+                    f"{fmt_gib(peak)} | {per_layer} | {margin} | {host} | {rate} | {fmt_gib(budget)}: {verdict} | "
+                    f"{check} |")
     if not rows:
         return ""
     intro = ("Depth extrapolations (extrapolated figures, not measurements). A fit is judged with the margin "
              "its model's full-depth check found (the worst shortfall of an extrapolation against a full-depth "
              "measurement of the same model); an expected OOM without it.")
     columns = ("case", "measured on", "extrapolation", "per-card peak at full depth", "per layer",
-               "with the full-depth margin", "host RAM per rank", "tokens/s/GPU", "budget", "full-depth check")
+               "with the full-depth margin", "host RAM per node (processes x worst rank)", "tokens/s/GPU", "budget",
+               "full-depth check")
     head = [intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(head + rows)

@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, Protocol
 
+from harness.host_ram import HOST_RAM_FRACTION
 from harness.importers import ConfigFormat, ImportedConfig
 from harness.units import fmt_gib
-
-HOST_RAM_FRACTION = 0.8  # pinned (page-locked) memory beyond this share of the host starves everything else
 
 
 class PredictionLike(Protocol):

@@ -154,3 +154,8 @@ class CaseRun(BaseModel):
         if not peaks:
             return None
         return sum(peaks) if procs_per_card > 1 else max(peaks)
+
+    def host_peak(self) -> int | None:
+        """Host RSS of the worst process, with its dataloader workers (None: nothing was measured).
+        Processes on one host add up; `harness.host_ram` multiplies this by the case's processes per node."""
+        return max((r.step.host_rss for r in self.ranks if r.step is not None and r.step.host_rss), default=None)

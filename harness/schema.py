@@ -192,7 +192,9 @@ class Target(Strict):
     headroom: float = Field(
         default=0.9, gt=0, le=1, description="the fraction of the card a run may use (guides: < 90%)"
     )
-    host_ram: int | None = Field(default=None, description="host memory of the machine, with a unit")
+    host_ram: int | None = Field(
+        default=None, description="host memory of the machine (the host of target.card), with a unit; "
+        "full-size runs judge the node's host RSS against a share of it (harness.host_ram)")
 
     @field_validator("host_ram", mode="before")
     @classmethod
@@ -432,6 +434,16 @@ class Case(Strict):
     @property
     def world_size(self) -> int:
         return self.launch.ranks
+
+    @property
+    def procs_per_node(self) -> int:
+        """Training processes the case puts on one host: every card of `target.card` busy, each with
+        `launch.procs_per_card` processes (guide 004: 7 cards x 2 = 14 jobs on one 251 GiB host; a
+        ZeRO job: one rank per card). `target.card` is one host's cards, and `launch.ranks` never
+        exceeds their count (validated above), so a job on fewer ranks than cards still counts every
+        card: the case's other cards run copies of it. A case that leaves cards idle (guide 002's
+        plain-python launch) is a mistake to detect, not a count to judge (`harness.host_ram`)."""
+        return self.target.card.count * self.launch.procs_per_card
 
     @property
     def budget_bytes(self) -> int:

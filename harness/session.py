@@ -19,6 +19,7 @@ from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
 from harness.extrapolate import Extrapolation
+from harness.host_ram import check_host_ram
 from harness.variants import Variant
 from harness.verdicts import Verdict, check_claims, check_outcome, judge_on_variant
 
@@ -32,10 +33,12 @@ class Judgement:
     runs: list[CaseRun] = field(default_factory=list)  # every variant measured
     extrapolation: Extrapolation | None = None
     against_baseline: list[Verdict] = field(default_factory=list)
+    host_ram: Verdict | None = None  # the node's host RAM against target.host_ram (full size; harness.host_ram)
 
     @property
     def verdicts(self) -> list[Verdict]:
-        return [self.outcome, *self.claims, *self.against_baseline]
+        host = [self.host_ram] if self.host_ram is not None else []
+        return [self.outcome, *host, *self.claims, *self.against_baseline]
 
     @property
     def failed(self) -> list[Verdict]:
@@ -222,6 +225,7 @@ class Session:
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
+        host_ram = check_host_ram(case, variants[-1], run, extrapolation)
         claims = check_claims(measured_case, run, lookup)
         dropped = [c for c in case.claims if c not in measured_case.claims]
         claims += [Verdict(c.kind, "not_checkable", f"stated for the case as written; measured {variants[-1].label(case)}",
@@ -230,7 +234,7 @@ class Session:
         if fidelity == "real" and run.ranks and len(variants) == 1:
             regression = against_baseline(case, figures_of(run, case.launch.procs_per_card),
                                           find_baseline(case_id, variants[0].text, platform_key))
-        return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression)
+        return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression, host_ram)
 
     def judged(self) -> list[Judgement]:
         return list(self._judged.values())

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from harness.host_ram import node_host_need
 from harness.session import Judgement
-from harness.units import fmt_gib, fmt_mib
+from harness.units import GIB, fmt_gib, fmt_mib
 
-COLUMNS = ("case", "fid", "procs", "load", "peak/card", "tok/s/rank", "loss", "outcome", "claims")
+COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/rank", "loss", "outcome", "claims")
+
+
+def _host(j: Judgement) -> str:
+    """The node's host need over what it may use, where it was judged (harness.host_ram)."""
+    if j.host_ram is None:
+        return "-"
+    need = node_host_need(j.case, j.run, j.extrapolation)
+    if need is None:
+        return "n/a"
+    cell = f"{need.total / GIB:.0f}/{need.usable / GIB:.0f} GiB"
+    return {"confirmed": cell, "refuted": cell + " FAILED", "not_checkable": f"({cell})"}[j.host_ram.status]
 
 
 def _row(j: Judgement) -> tuple[str, ...]:
@@ -41,7 +53,7 @@ def _row(j: Judgement) -> tuple[str, ...]:
         peak = int(e.peak_with_margin() if with_margin else e.values["per_card_peak"])
         if e.tokens_per_s:
             rate = f"{e.tokens_per_s:,.0f}"
-    return (name, run.fidelity, procs, size(load), size(peak), rate, loss, outcome, claims)
+    return (name, run.fidelity, procs, size(load), size(peak), _host(j), rate, loss, outcome, claims)
 
 
 def table(judgements: list[Judgement]) -> str:
