@@ -123,7 +123,7 @@ def _cmd_run(args) -> int:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)
     if found:
-        print("\nFindings (refuted claims and outcomes):\n" + found)
+        print("\nFindings (refuted claims and outcomes; recorded findings last):\n" + found)
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     failed = any(j.failed for j in judged) or bool(session.errors)
     return 1 if failed else 0

@@ -154,5 +154,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(table(judged))
     found = findings(judged)
     if found:
-        terminalreporter.section("oom-harness findings (refuted claims and outcomes)")
+        terminalreporter.section("oom-harness findings (refuted claims and outcomes; recorded findings last)")
         terminalreporter.write_line(found)

@@ -208,6 +208,11 @@ class Expect(Strict):
         "detected: a mistake the harness must flag"
     )
     detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
+    finding: str | None = Field(
+        default=None, min_length=1,
+        description="a full-size measurement refuted `outcome` (which stays the guide's): what was measured, on which card, when. "
+        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
+        "once the guide's statement holds again, so the recorded truth gets updated")
     memory_tolerance: float | None = Field(
         default=None, gt=0, lt=1,
         description="allowed rise of the per-card peak over its baseline; omitted: derived from the "
@@ -230,6 +235,11 @@ class Expect(Strict):
 
 class _Claim(Strict):
     quote: str = Field(min_length=1, description="the guide's own words")
+    finding: str | None = Field(
+        default=None, min_length=1,
+        description="a full-size measurement refuted this: what was measured, on which card, when. "
+        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
+        "once the guide's statement holds again, so the recorded truth gets updated")
 
 
 class TrainsClaim(_Claim):

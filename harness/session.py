@@ -21,7 +21,7 @@ from harness.schema import Case
 from harness.extrapolate import Extrapolation
 from harness.host_ram import check_host_ram
 from harness.variants import Variant
-from harness.verdicts import Verdict, check_claims, check_outcome, judge_on_variant
+from harness.verdicts import Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
 
 
 @dataclass
@@ -225,6 +225,7 @@ class Session:
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
+        outcome = as_recorded(outcome, case.expect.finding, fidelity)
         host_ram = check_host_ram(case, variants[-1], run, extrapolation)
         claims = check_claims(measured_case, run, lookup)
         dropped = [c for c in case.claims if c not in measured_case.claims]

@@ -31,18 +31,20 @@ def _row(j: Judgement) -> tuple[str, ...]:
     losses = ranks[0].losses if ranks else []
     loss = f"{losses[0]:.3f}->{losses[-1]:.3f}" if losses else "-"
     procs = f"{len({r.rank for r in ranks}) or case.launch.ranks}x{case.launch.procs_per_card}"
-    counts = {s: sum(v.status == s for v in j.claims) for s in ("confirmed", "refuted", "not_checkable")}
+    counts = {s: sum(v.status == s for v in j.claims) for s in ("confirmed", "refuted", "not_checkable", "finding")}
     claims = f"{counts['confirmed']} ok"
     if counts["refuted"]:
         claims += f", {counts['refuted']} REFUTED"
+    if counts["finding"]:
+        claims += f", {counts['finding']} finding{'s' if counts['finding'] > 1 else ''}"
     if counts["not_checkable"]:
         claims += f", {counts['not_checkable']} n/a"
-    outcome = {"confirmed": "ok", "refuted": "FAILED", "not_checkable": "-"}[j.outcome.status]
+    outcome = {"confirmed": "ok", "refuted": "FAILED", "not_checkable": "-", "finding": "finding"}[j.outcome.status]
     if j.outcome.status == "not_checkable":
         outcome = f"({case.expect.outcome})"
     err = run.first_error()
     if err is not None:
-        outcome = f"{err.kind.value}" + (" ok" if j.outcome.status == "confirmed" else "")
+        outcome = f"{err.kind.value}" + {"confirmed": " ok", "finding": " (finding)"}.get(j.outcome.status, "")
     name = case.id + (run.variant and f"@{run.variant}")
     e = j.extrapolation
     if e is not None and "per_card_peak" in e.values:
@@ -65,9 +67,14 @@ def table(judgements: list[Judgement]) -> str:
 
 
 def findings(judgements: list[Judgement]) -> str:
-    """Every refuted claim or outcome, with its numbers."""
-    out = []
+    """Every refuted claim or outcome, with its numbers, then the guides' statements that
+    measurement refutes as the cases record (`finding`), which fail nothing."""
+    failed, recorded = [], []
     for j in judgements:
-        for v in j.failed:
-            out.append(f"{j.case.id} [{j.run.fidelity}] {v.line()}")
-    return "\n".join(out)
+        for v in j.verdicts:
+            line = f"{j.case.id} [{j.run.fidelity}] {v.line()}"
+            if v.failed:
+                failed.append(line)
+            elif v.status == "finding":
+                recorded.append(line)
+    return "\n".join(failed + recorded)

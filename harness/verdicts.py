@@ -14,7 +14,9 @@ from harness.report import CaseRun, Failure
 from harness.schema import TINY_CLAIMS, Case
 from harness.units import fmt_gib, fmt_mib
 
-Status = Literal["confirmed", "refuted", "not_checkable"]
+# "finding": refuted, as the case records (`finding` of a claim or of `expect`): the guide is wrong
+# and the measurement still says so; shown beside the failures, never failing a test.
+Status = Literal["confirmed", "refuted", "not_checkable", "finding"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class Verdict:
         return self.status == "refuted"
 
     def line(self) -> str:
-        mark = {"confirmed": "ok", "refuted": "REFUTED", "not_checkable": "n/a"}[self.status]
+        mark = {"confirmed": "ok", "refuted": "REFUTED", "not_checkable": "n/a", "finding": "finding"}[self.status]
         quote = f' ("{self.quote}")' if self.quote else ""
         return f"[{mark}] {self.what}: {self.detail}{quote}"
 
@@ -177,8 +179,23 @@ def _first_line(text: str) -> str:
 # --- claims --------------------------------------------------------------------------------------
 
 
+def as_recorded(verdict: Verdict, finding: str | None, fidelity: str) -> Verdict:
+    """A verdict against what the case records. Where a full-size measurement refuted the guide
+    (`finding`), a refutation is the expected result (status "finding") and a confirmation means
+    the truth changed (a library, a driver, the harness): refuted, asking for the record to be
+    updated. Findings are full-size truths; tiny runs are judged as if none were recorded."""
+    if finding is None or fidelity == "tiny" or verdict.status == "not_checkable":
+        return verdict
+    if verdict.status in ("refuted", "finding"):
+        return Verdict(verdict.what, "finding", f"{verdict.detail}; as recorded: {finding}", verdict.quote)
+    return Verdict(verdict.what, "refuted",
+                   f"the case records that measurement refuted this ({finding}), but now it holds: "
+                   f"{verdict.detail}. The truth changed: update or remove `finding` in the case file",
+                   verdict.quote)
+
+
 def check_claims(case: Case, run: CaseRun, lookup: Callable[[str], tuple[Case, CaseRun]]) -> list[Verdict]:
-    return [check_claim(claim, case, run, lookup) for claim in case.claims]
+    return [as_recorded(check_claim(claim, case, run, lookup), claim.finding, run.fidelity) for claim in case.claims]
 
 
 def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:

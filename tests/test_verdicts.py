@@ -138,3 +138,77 @@ def test_the_claimed_speed_order_is_checked_against_the_family():
     inverted = _Family([(rung1, _timed(2000)), (rung2, _timed(3000))])
     v = check_claim(claim2, rung2, inverted(rung2.id)[1], inverted)
     assert v.status == "refuted" and "001-ladder-rung1-zero2 (rank 1) runs 2,000 tokens/s" in v.detail
+
+
+# --- findings: the guide refuted, as the case records ---------------------------------------------
+
+def _with_findings(case_id, tmp_path, outcome_finding=None, claim_finding=None, claim_high="12 GiB"):
+    """The case file as written, with findings recorded (as a user would add them)."""
+    import yaml
+
+    data = yaml.safe_load((CASES_DIR / f"{case_id}.yaml").read_text())
+    if outcome_finding:
+        data["expect"]["finding"] = outcome_finding
+    if claim_finding:
+        for c in data["claims"]:
+            if c["kind"] == "memory_range" and c["metric"] == "device_peak" and c["high"] == claim_high:
+                c["finding"] = claim_finding
+    path = tmp_path / f"{case_id}.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True))
+    return load_case(path)
+
+
+def _device_claims(case, run):
+    from harness.verdicts import as_recorded
+
+    return [as_recorded(check_claim(c, case, run, None), c.finding, run.fidelity) for c in case.claims
+            if c.kind == "memory_range" and c.metric == "device_peak"]
+
+
+def test_a_recorded_finding_that_reproduces_is_shown_not_failed(tmp_path):
+    case = _with_findings(FIX.id, tmp_path, claim_finding="13.57 GiB on one H100 80GB, 2026-11-25")
+    low, high = _device_claims(case, run_of(rank(step_device=int(13.57 * GIB), step_alloc=int(11 * GIB))))
+    assert low.status == "finding" and not low.failed
+    assert "as recorded: 13.57 GiB on one H100 80GB" in low.detail and low.line().startswith("[finding]")
+    assert high.status == "confirmed"  # "peak ~12-14 GB" holds and records no finding
+
+
+def test_a_recorded_finding_that_no_longer_reproduces_fails_asking_for_an_update(tmp_path):
+    case = _with_findings(FIX.id, tmp_path, claim_finding="13.57 GiB on one H100 80GB, 2026-11-25")
+    low, _ = _device_claims(case, run_of(rank(step_device=int(11 * GIB), step_alloc=int(10 * GIB))))
+    assert low.status == "refuted" and low.failed
+    assert "now it holds" in low.detail and "update or remove `finding`" in low.detail
+
+
+def test_findings_are_full_size_truths_and_leave_tiny_verdicts_alone():
+    from harness.verdicts import Verdict, as_recorded
+
+    confirmed = Verdict("lower_peak_than", "confirmed", "1.0 MiB < 2.0 MiB")
+    assert as_recorded(confirmed, "refuted on an H100", "tiny") is confirmed
+    assert as_recorded(confirmed, "refuted on an H100", "real").status == "refuted"
+    unknown = Verdict("trains", "not_checkable", "the run did not finish")
+    assert as_recorded(unknown, "refuted on an H100", "real") is unknown
+    assert as_recorded(confirmed, None, "real") is confirmed
+
+
+def test_an_outcome_finding_turns_the_refuted_fit_into_a_finding_in_the_session(tmp_path, monkeypatch):
+    """A rung of guide 001 that runs out of memory on its card: the case records it, so the run is
+    a finding; the summary says so and pytest would not fail it."""
+    from harness.session import Session
+    from harness.summary import findings, table
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    rung = _with_findings("001-ladder-rung3-zero3", cases,
+                          outcome_finding="out of memory at 4.25 GiB on its 4 GiB card (H100, 2026-11-26)")
+    session = Session(cases, tmp_path / "runs")
+    session.accelerators = 1  # judged as on a one-GPU host
+    oom = ErrorInfo(kind=Failure.oom, message="CUDA out of memory. Tried to allocate 594.00 MiB", phase="load")
+    measured = run_of(rank(error=oom))
+    measured.case_id = rung.id
+    monkeypatch.setattr(session, "run", lambda *a, **k: measured)
+    j = session.judge(rung.id, "real")
+    assert j.outcome.status == "finding" and not j.failed
+    assert "as recorded: out of memory at 4.25 GiB" in j.outcome.detail
+    assert "oom (finding)" in table([j])
+    assert "[finding] outcome:" in findings([j])
