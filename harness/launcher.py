@@ -5,8 +5,8 @@
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
 
-A timeout first asks the workers for their Python stacks (the error names the line they hung on),
-then kills every process the jobs started (`harness.process_tree`). Whatever the children did
+A timeout kills every process the jobs started; the workers have dumped their Python stacks just
+before, and the error names the line they hung on (`harness.process_tree`). Whatever the children did
 (exit, raise, run out of memory, get killed, hang), the result is a `CaseRun` with a classified
 error and the numbers the workers managed to write; the harness itself never crashes on a bad case.
 """
@@ -166,6 +166,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             env = dict(os.environ)
             env.update(job.env)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
             procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = started + timeout_s
@@ -179,7 +180,6 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
                 break
         if timed_out:
             trees = [p for proc in procs if proc is not ballast for p in process_tree.tree(proc.pid)]
-            process_tree.ask_for_stacks(trees)
             process_tree.kill(trees)
             for proc in procs:
                 if proc is not ballast:

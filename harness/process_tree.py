@@ -1,13 +1,16 @@
-"""Stopping a case's processes, all of them, and asking the hung ones where they are first.
+"""Stopping a case's processes, all of them, and reading back where the hung ones were.
 
 Killing a job's process group is not enough: torchrun starts each rank in a session of its own
 (torch.distributed.elastic's subprocess handler passes `start_new_session=True`), so a timeout
 that kills torchrun's group orphans the ranks, which go on holding the GPU the next case measures.
 The tree is therefore collected through the parent links (psutil) before anything is killed.
 
-Before the kill, every worker gets SIGUSR1, on which it dumps the Python stack of each of its
-threads into the case's log (`faulthandler`, registered by `harness.worker`); `where_stuck`
-reads the innermost frames back, so a timeout names the line a run hung on.
+Shortly before the launcher's deadline every worker dumps the Python stack of each of its threads
+into the case's log: `faulthandler.dump_traceback_later`, armed by `harness.worker` from
+`STACK_DUMP_ENV`. Its watchdog is a C thread of the worker, so the dump needs neither the GIL nor
+a signal. (Asking the workers with SIGUSR1 at the deadline printed nothing on an H100 host for
+ranks compiling Triton kernels; the cause was not found.) `where_stuck` reads the
+innermost frames back, so a timeout names the line a run hung on.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import psutil
 
-DUMP_SIGNAL = signal.SIGUSR1
-WORKER_MODULE = "harness.worker"  # only processes that registered the dump get DUMP_SIGNAL
+STACK_DUMP_ENV = "HARNESS_STACK_DUMP_AFTER_S"  # seconds after a worker's start
+
+
+def stack_dump_after(timeout_s: float) -> float:
+    """When a worker should dump its stacks: before the launcher kills it at `timeout_s`, with room
+    for the later start of ranks behind torchrun or DeepSpeed's launcher (a few seconds)."""
+    return max(1.0, timeout_s - min(15.0, timeout_s / 4))
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -30,40 +37,6 @@ def tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-def _is_worker(proc: psutil.Process) -> bool:
-    try:
-        cmdline = proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-    # a rank's dataloader workers are forked from it and share its command line; only the rank
-    # itself (the oldest such process of a chain) is asked, so a dump is not repeated per worker
-    return WORKER_MODULE in cmdline and not _parent_is_worker(proc)
-
-
-def _parent_is_worker(proc: psutil.Process) -> bool:
-    try:
-        parent = proc.parent()
-        return parent is not None and WORKER_MODULE in parent.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
-def ask_for_stacks(procs: list[psutil.Process], settle_s: float = 3.0) -> int:
-    """Send DUMP_SIGNAL to the workers among `procs` and give them `settle_s` to write.
-    Returns how many were asked."""
-    asked = 0
-    for proc in procs:
-        if _is_worker(proc):
-            try:
-                proc.send_signal(DUMP_SIGNAL)
-                asked += 1
-            except psutil.NoSuchProcess:
-                pass
-    if asked:
-        time.sleep(settle_s)  # faulthandler writes from a signal handler; nothing to wait on
-    return asked
 
 
 def kill(procs: list[psutil.Process], wait_s: float = 10.0) -> None:
@@ -105,8 +78,8 @@ def where_stuck(log: str) -> str | None:
     """One entry per dumped main thread: its innermost frame and, when that is in a library, the
     innermost frame of the harness that led there. None when the log holds no dump.
 
-    The kernel may deliver the signal to any thread, so "Current thread" is not necessarily the
-    main one; a main thread is the one whose outermost frame is not threading's bootstrap."""
+    A dump need not say which thread is the main one (the watchdog's dump names none "Current"); a
+    main thread is the one whose outermost frame is not threading's bootstrap."""
     lines = log.splitlines()
     places: list[str] = []
     for i, line in enumerate(lines):

@@ -502,10 +502,11 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
-    # on a timeout the launcher asks for every thread's stack before it kills (harness.process_tree)
-    from harness.process_tree import DUMP_SIGNAL
+    # every thread's stack into the log shortly before the launcher's deadline (harness.process_tree)
+    from harness.process_tree import STACK_DUMP_ENV
 
-    faulthandler.register(DUMP_SIGNAL, all_threads=True)
+    if os.environ.get(STACK_DUMP_ENV):
+        faulthandler.dump_traceback_later(float(os.environ[STACK_DUMP_ENV]), exit=False)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from harness.cases import load_case

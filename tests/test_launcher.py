@@ -174,8 +174,8 @@ def test_a_timeout_kills_torchruns_ranks_too(tmp_path):
 
 
 def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
-    """The worker registers a stack dump; on a timeout the launcher asks for it before killing,
-    and the error says where the main thread was and what the worker last reported."""
+    """The worker arms a stack dump for shortly before the launcher's deadline; on a timeout the
+    error says where the main thread was and what the worker last reported."""
     case_path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
     code = """
         import sys, threading, time
@@ -190,9 +190,7 @@ def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
         worker.run = wait_for_a_lock_nobody_releases
         worker.main(sys.argv[1:5])
     """
-    # the last argument is how the launcher recognises a worker (its module name on the command line)
-    job = Job([sys.executable, "-c", textwrap.dedent(code), "--case", str(case_path), "--out-dir", str(tmp_path),
-               "harness.worker"])
+    job = Job([sys.executable, "-c", textwrap.dedent(code), "--case", str(case_path), "--out-dir", str(tmp_path)])
     run = run_jobs([job], tmp_path, 8, "x", "tiny", 1)
     assert run.error.kind == Failure.timeout
     assert "in wait_for_a_lock_nobody_releases" in run.error.message
@@ -200,7 +198,7 @@ def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
     assert "most recent call first" in Path(run.run_dir, "log.txt").read_text()
 
 
-def test_where_stuck_reads_the_main_thread_whichever_thread_took_the_signal():
+def test_where_stuck_reads_the_main_thread_among_the_dumped_threads():
     from harness.process_tree import where_stuck
 
     dump = textwrap.dedent('''\
