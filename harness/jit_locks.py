@@ -33,8 +33,8 @@ def _held(paths: set[str]) -> set[str]:
 
 
 def _unheld(locks: list[Path]) -> list[Path]:
-    paths = {str(p) for p in locks}
-    return [p for p in locks if str(p) not in _held(paths)]
+    held = _held({str(p) for p in locks})  # one pass over the processes for all the locks
+    return [p for p in locks if str(p) not in held]
 
 
 def remove_stale(extensions_dir: Path, recheck_after_s: float = 0.5) -> list[Path]:

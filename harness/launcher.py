@@ -179,8 +179,6 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
                 timed_out = True
                 break
         if timed_out:
-            trees = [p for proc in procs if proc is not ballast for p in process_tree.tree(proc.pid)]
-            process_tree.kill(trees)
             for proc in procs:
                 if proc is not ballast:
                     _kill_group(proc)

@@ -202,17 +202,22 @@ class Target(Strict):
         return None if value is None else parse_size(value)
 
 
+def _finding_field(subject: str):
+    """`finding` of a claim or of `expect`: measurement refuted the guide there (harness.verdicts.as_recorded)."""
+    return Field(
+        default=None, min_length=1,
+        description=f"a full-size measurement refuted {subject}: what was measured, on which card, when. "
+        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
+        "once the guide's statement holds again, so the recorded truth gets updated")
+
+
 class Expect(Strict):
     outcome: Literal["fits", "oom", "detected"] = Field(
         description="fits: within the headroom; oom: exceeds the card (the guide's failure); "
         "detected: a mistake the harness must flag"
     )
     detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
-    finding: str | None = Field(
-        default=None, min_length=1,
-        description="a full-size measurement refuted `outcome` (which stays the guide's): what was measured, on which card, when. "
-        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
-        "once the guide's statement holds again, so the recorded truth gets updated")
+    finding: str | None = _finding_field("`outcome` (which stays the guide's)")
     memory_tolerance: float | None = Field(
         default=None, gt=0, lt=1,
         description="allowed rise of the per-card peak over its baseline; omitted: derived from the "
@@ -235,11 +240,7 @@ class Expect(Strict):
 
 class _Claim(Strict):
     quote: str = Field(min_length=1, description="the guide's own words")
-    finding: str | None = Field(
-        default=None, min_length=1,
-        description="a full-size measurement refuted this: what was measured, on which card, when. "
-        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
-        "once the guide's statement holds again, so the recorded truth gets updated")
+    finding: str | None = _finding_field("this claim")
 
 
 class TrainsClaim(_Claim):
