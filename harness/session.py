@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 from harness import platform as plat
+from harness.baselines import RESULTS_DIR
 from harness.cases import CaseError, load_cases
 from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
@@ -119,6 +120,7 @@ class Session:
     steps: int | None = None
     full_depth: bool = False  # ignore the cases' depth points (a host that holds the full depth)
     grad_accum_cap: int | None = None  # full-size runs accumulate at most this many micro steps
+    baseline_root: Path = RESULTS_DIR  # the baselines full-size runs are held to
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
     _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
@@ -137,7 +139,7 @@ class Session:
         from harness.baselines import load_baselines
         from harness.extrapolate import depth_checks
 
-        return depth_checks(load_baselines())
+        return depth_checks(load_baselines(self.baseline_root))
 
     def plan(self, case_id: str, fidelity: str) -> list[Variant]:
         return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth, self.grad_accum_cap)
@@ -205,7 +207,7 @@ class Session:
         return self._judged[key]
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
-        from harness.baselines import PlatformInfo, figures_of
+        from harness.baselines import PlatformInfo, figures_of, load_baselines
         from harness.extrapolate import depth_check, extrapolate_figures
         from harness.regression import against_baseline, find_baseline
 
@@ -232,9 +234,16 @@ class Session:
         claims += [Verdict(c.kind, "not_checkable", f"stated for the case as written; measured {variants[-1].label(case)}",
                            c.quote) for c in dropped]
         regression: list[Verdict] = []
-        if fidelity == "real" and run.ranks and len(variants) == 1:
-            regression = against_baseline(case, figures_of(run, case.launch.procs_per_card),
-                                          find_baseline(case_id, variants[0].text, platform_key))
+        if fidelity == "real":
+            # every measured variant against its own baseline: a depth series regresses at one depth
+            baselines = load_baselines(self.baseline_root)
+            for variant, measured in zip(variants, runs):
+                if not measured.ranks:
+                    continue
+                found = find_baseline(case_id, variant.text, PlatformInfo.of_run(measured).key, baselines)
+                verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found)
+                regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
+                               for v in verdicts]
         return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression, host_ram)
 
     def judged(self) -> list[Judgement]:

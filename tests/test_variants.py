@@ -278,13 +278,14 @@ def _depth_run(case, variant, per_layer_gib, base_gib=4.0, oom=False):
                    ranks=ranks, error=OOM if oom else None)
 
 
-def _session_with(monkeypatch, tmp_path, per_layer_gib):
+def _session_with(monkeypatch, tmp_path, per_layer_gib, baseline_root=None):
     from harness import session as session_mod
     from harness.platform import Platform
 
     monkeypatch.setattr(session_mod.plat, "detect", lambda: Platform.cuda)
     monkeypatch.setattr(session_mod.plat, "accelerator_count", lambda: 2)
-    s = session_mod.Session(case_dir=CASES_DIR, run_root=tmp_path, grad_accum_cap=2)
+    s = session_mod.Session(case_dir=CASES_DIR, run_root=tmp_path, grad_accum_cap=2,
+                            baseline_root=baseline_root or tmp_path / "no-baselines")
     monkeypatch.setattr(s, "_execute", lambda cid, fid, v, rep: _depth_run(s.cases[cid][0], v, per_layer_gib))
     return s
 
@@ -301,6 +302,21 @@ def test_a_depth_series_on_fewer_ranks_is_judged_on_its_extrapolation(monkeypatc
     j = growing.judge(FIX_32B.id, "real")
     # 66 GiB extrapolated on 2 ranks: does not fit there, which says nothing of 8 ranks
     assert j.outcome.status == "not_checkable" and "> budget" in j.outcome.detail
+
+
+def test_each_depth_of_a_series_is_held_to_its_own_baseline(monkeypatch, tmp_path):
+    entries = [{"case": FIX_32B.id, "run": json.loads(_depth_run(FIX_32B, v, 0.01).model_dump_json())}
+               for v in (Variant(ranks=2, layers=4, grad_accum=2), Variant(ranks=2, layers=8, grad_accum=2))]
+    (tmp_path / "runs.json").write_text(json.dumps(entries))
+    bless(tmp_path / "runs.json", root=tmp_path / "b", recorded="2026-11-26")
+    # 0.03 GiB per layer instead of 0.01: +1.6% at 4 layers (within the 2% floor), +3.1% at 8
+    j = _session_with(monkeypatch, tmp_path / "s", per_layer_gib=0.03, baseline_root=tmp_path / "b").judge(FIX_32B.id, "real")
+    memory = [v for v in j.against_baseline if v.what == "baseline_memory"]
+    assert [v.status for v in memory] == ["confirmed", "refuted"]
+    assert memory[1].detail.startswith("2 of 8 ranks, 8 of 64 layers, grad accum 2 of 16: per-card peak 5.24 GiB")
+    assert j.failed
+    unblessed = _session_with(monkeypatch, tmp_path / "u", per_layer_gib=0.03).judge(FIX_32B.id, "real")
+    assert [v.status for v in unblessed.against_baseline] == ["not_checkable", "not_checkable"]
 
 
 def test_the_summary_shows_the_peak_a_fit_was_judged_on():
