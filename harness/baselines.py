@@ -14,7 +14,7 @@ import re
 import statistics
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from harness.report import CaseRun
 
@@ -55,6 +55,7 @@ class Figures(BaseModel):
     outcome: str  # ok, or the failure kind (oom, crash, timeout)
     failure: str | None = None
     triton_cache: str | None = None  # 'cold' or 'warm' for runs that compiled Triton kernels (harness.compile_cache)
+    recorded: str | None = None  # the day of this repetition, where it differs from the baseline's (bless --append)
 
 
 class Baseline(BaseModel):
@@ -98,38 +99,69 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
     )
 
 
+class BlessError(ValueError):
+    """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline."""
+
+
 def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
-          recorded: str | None = None) -> list[Path]:
+          recorded: str | None = None, append: bool = False) -> list[Path]:
     """Write or refresh the baselines of every full-size run in an `oom-harness run --json` file.
-    Repeated runs of a case in one file become repetitions of one baseline."""
+    Repeated runs of a case in one file become repetitions of one baseline. With `append`, they are
+    added to the repetitions a baseline already has (runs of another day or another host of the same
+    platform), so the spread the tolerances derive from covers them all."""
     from harness.cases import CASES_DIR, load_case
 
     from harness.variants import parse_variant
 
+    day = recorded or dt.date.today().isoformat()
     entries = json.loads(Path(runs_json).read_text())
     by_case: dict[tuple[str, str], list[CaseRun]] = {}
-    for entry in entries:
-        run = CaseRun.model_validate(entry["run"])
+    for i, entry in enumerate(entries):
+        try:
+            run = CaseRun.model_validate(entry["run"])
+        except (KeyError, TypeError, ValidationError) as exc:
+            raise BlessError(f"{runs_json}: entry {i} is not a run of `oom-harness run --json` "
+                             f"({str(exc).splitlines()[0]}); write the file with that command") from exc
         if run.fidelity != "real" or not run.ranks:
             continue
         by_case.setdefault((run.case_id, run.variant), []).append(run)
-    written = []
+    baselines: dict[Path, Baseline] = {}
     for (case_id, variant), runs in by_case.items():
         case = load_case(CASES_DIR / f"{case_id}.yaml")
         first = runs[0].ranks[0]
         platform = PlatformInfo.of_run(runs[0], driver)
         v = parse_variant(variant)
-        baseline = Baseline(
-            case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
-            measured=v.label(case), steps=len(first.step_times_s) or 0,
-            runs=[figures_of(r, case.launch.procs_per_card) for r in runs],
-            recorded=recorded or dt.date.today().isoformat(), note=note,
-        )
+        figures = [figures_of(r, case.launch.procs_per_card) for r in runs]
         path = root / platform.key / f"{case_id}{v.suffix}.json"
+        if append and path.exists():
+            baselines[path] = _appended(Baseline.model_validate_json(path.read_text()), platform, figures, day, note, path)
+            continue
+        baselines[path] = Baseline(
+            case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
+            measured=v.label(case), steps=len(first.step_times_s) or 0, runs=figures, recorded=day, note=note,
+        )
+    for path, baseline in baselines.items():  # written only once every run was accepted
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(baseline.model_dump_json(indent=1) + "\n")
-        written.append(path)
-    return written
+    return list(baselines)
+
+
+def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day: str, note: str, path: Path) -> Baseline:
+    """`old` with `figures` as further repetitions, each dated; refused across software stacks."""
+    before = {**old.platform.versions, "driver": old.platform.driver}
+    after = {**platform.versions, "driver": platform.driver}
+    differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if differ:
+        pairs = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in differ)
+        raise BlessError(f"{path}: these runs differ from the baseline's software ({pairs}); a spread across "
+                         f"stacks is not noise. Bless without --append to replace the baseline.")
+    for f in old.runs:
+        f.recorded = f.recorded or old.recorded
+    for f in figures:
+        f.recorded = day
+    added = f"{day}: {note}" if note else f"{day}: {len(figures)} more repetition(s)"
+    return old.model_copy(update={"runs": [*old.runs, *figures], "recorded": day,
+                                  "note": f"{old.note}\n{added}" if old.note else added})
 
 
 def load_baselines(root: Path = RESULTS_DIR) -> list[Baseline]:

@@ -177,7 +177,14 @@ def _stop_on_sigterm() -> None:
 def _cmd_bless(args) -> int:
     from harness.baselines import bless
 
-    for path in bless(Path(args.runs), driver=args.driver, note=args.note or ""):
+    from harness.baselines import BlessError
+
+    try:
+        paths = bless(Path(args.runs), driver=args.driver, note=args.note or "", append=args.append)
+    except BlessError as exc:
+        print(f"bless: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(f"wrote {path}")
     return 0
 
@@ -221,6 +228,8 @@ def main(argv=None) -> int:
     bl.add_argument("runs")
     bl.add_argument("--driver", help="the GPU driver version, where the reports lack it")
     bl.add_argument("--note", help="a line of provenance kept with the baselines")
+    bl.add_argument("--append", action="store_true",
+                    help="add the runs as further repetitions of existing baselines (same platform and software)")
     bl.set_defaults(func=_cmd_bless)
     rep = sub.add_parser("report", help="print the baselines as a markdown table")
     rep.set_defaults(func=_cmd_report)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.baselines import bless, load_baselines, report_markdown
+from harness.baselines import BlessError, bless, load_baselines, report_markdown
 from harness.report import CaseRun, Memory, RankReport
 from harness.units import GIB
 
@@ -75,3 +75,23 @@ def test_the_report_says_which_triton_cache_a_run_had(tmp_path):
     runs.write_text(json.dumps([entry]))
     bless(runs, root=tmp_path / "baselines")
     assert "10.50 GiB (cold Triton cache)" in report_markdown(load_baselines(tmp_path / "baselines"))
+
+
+def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_path):
+    first, second, upgraded = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps([_run(10.5, 7.0)]))
+    second.write_text(json.dumps([_run(10.5, 8.4)]))
+    bless(first, root=tmp_path / "baselines", recorded="2026-11-25", note="host 1")
+    bless(second, root=tmp_path / "baselines", recorded="2026-11-26", note="host 2", append=True)
+    (baseline,) = load_baselines(tmp_path / "baselines")
+    assert [r.recorded for r in baseline.runs] == ["2026-11-25", "2026-11-26"]
+    assert baseline.note == "host 1\n2026-11-26: host 2" and baseline.recorded == "2026-11-26"
+    assert baseline.spread("tokens_per_s_per_gpu")[1] == pytest.approx(1.4 / 15.4)  # (8.4 - 7) / (8.4 + 7)
+    entry = _run(10.5, 7.0)
+    entry["run"]["ranks"][0]["versions"]["torch"] = "2.12.0"
+    upgraded.write_text(json.dumps([entry]))
+    with pytest.raises(BlessError, match=r"torch 2.11.0 -> 2.12.0.*without --append"):
+        bless(upgraded, root=tmp_path / "baselines", append=True)
+    assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2  # nothing written
+    bless(second, root=tmp_path / "baselines")  # without append: refreshed, one repetition
+    assert len(load_baselines(tmp_path / "baselines")[0].runs) == 1
