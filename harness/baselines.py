@@ -205,12 +205,8 @@ def report_markdown(baselines: list[Baseline]) -> str:
             ok = value is not None and c.low <= value <= c.high and r.outcome == "ok"
             mark = "(holds)" if ok else ("(refuted, as recorded)" if c.finding else "(refuted)")
             claims.append(f"{c.metric} {want}: {got} {mark}")
-        expected = case.expect.outcome
         verdict = r.outcome if r.outcome != "ok" else "fits"
-        agree = {("fits", "fits"), ("oom", "oom")}
-        mark = "as expected" if (verdict, expected) in agree else f"expected {expected}"
-        if (verdict, expected) not in agree and case.expect.finding:
-            mark = f"the guide says {expected}: refuted, as recorded"
+        mark = _against_guide(case, verdict)
         rate = "-" if r.tokens_per_s_per_gpu is None else f"{r.tokens_per_s_per_gpu:,.0f}"
         mfu = "-" if r.mfu is None else f"{r.mfu:.1%}"
         where = f"{b.platform.device_name} x{b.platform.device_count}, {b.measured}"
@@ -225,6 +221,19 @@ def report_markdown(baselines: list[Baseline]) -> str:
     return "\n".join(lines) + ("\n\n" + extra if extra else "")
 
 
+def _against_guide(case, outcome: str, carries: bool = True) -> str:
+    """A measured (or extrapolated) outcome beside the case's expectation, and its recorded finding.
+    `carries` is False for an excess measured on fewer ranks, which says nothing of the case."""
+    expected = case.expect.outcome
+    if not carries:
+        return "inconclusive on fewer ranks"
+    if outcome == expected:
+        return "as expected"
+    if case.expect.finding:
+        return f"the guide says {expected}: refuted, as recorded"
+    return f"expected {expected}"
+
+
 def extrapolation_markdown(baselines: list[Baseline]) -> str:
     """Depth fits of the measured variants: the full-depth figures they predict, labelled as
     extrapolated, the full-depth measurement beside them where one exists, and the margin the
@@ -233,13 +242,19 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
     from harness.host_ram import node_text
     from harness.regression import MEMORY_FLOOR
     from harness.units import fmt_gib
+    from harness.variants import parse_variant
 
     rows = []
     for case, e in every_fit(baselines):
         peak = e.values.get("per_card_peak")
         budget = case.budget_bytes
         judged = e.peak_with_margin() if case.expect.outcome == "fits" else peak
-        verdict = "-" if judged is None else ("fits" if judged <= budget else "exceeds the budget")
+        verdict = "-"
+        if judged is not None:
+            fits = judged <= budget
+            fewer_ranks = parse_variant(e.base_variant).ranks not in (None, case.launch.ranks)
+            mark = _against_guide(case, "fits" if fits else "oom", carries=fits or not fewer_ranks)
+            verdict = f"{'fits' if fits else 'exceeds the budget'} ({mark})"
         check = "-"
         m = e.measured_full_depth
         if m is not None and m.outcome == "ok":

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.baselines import BlessError, bless, load_baselines, report_markdown
+from harness.baselines import BlessError, bless, extrapolation_markdown, load_baselines, report_markdown
 from harness.report import CaseRun, Memory, RankReport
 from harness.units import GIB
 
@@ -95,3 +95,18 @@ def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_pa
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2  # nothing written
     bless(second, root=tmp_path / "baselines")  # without append: refreshed, one repetition
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 1
+
+
+def test_the_extrapolation_table_sets_the_guides_expectation_beside_the_fit(tmp_path):
+    refuted, steep = "002-gemma27b-full-z3-offload-len4096", "000-lora-z3-offload-aggressive-cutoff512-ga32"
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([
+        _series_entry(refuted, "2r6L2ga", 28.75, 46.6, 14.0), _series_entry(refuted, "2r12L2ga", 28.96, 75.8, 10.6),
+        _series_entry(steep, "2r4L2ga", 10.0, 7.0, 2.3), _series_entry(steep, "2r8L2ga", 14.0, 9.0, 3.5)]))
+    bless(runs, root=tmp_path / "baselines")
+    rows = {line.split(" | ")[0][2:]: line for line in
+            extrapolation_markdown(load_baselines(tmp_path / "baselines")).splitlines() if line.startswith("| 00")}
+    # the guide's failing 4096-token config fits: a refutation its case records as a finding
+    assert "71.68 GiB: fits (the guide says oom: refuted, as recorded)" in rows[refuted]
+    # 1 GiB a layer exceeds 57.60 GiB at 64 layers on 2 of 8 ranks, which says nothing of 8 ranks
+    assert "57.60 GiB: exceeds the budget (inconclusive on fewer ranks)" in rows[steep]
