@@ -69,13 +69,19 @@ class Baseline(BaseModel):
     recorded: str
     note: str = ""
 
+    def values(self, attr: str) -> list[float]:
+        """One figure over the repetitions that have it."""
+        return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
+
     def spread(self, attr: str) -> tuple[float, float] | None:
-        """(median, max relative deviation from it) over the repetitions."""
-        values = [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
-        if not values:
-            return None
-        mid = statistics.median(values)
-        return mid, (max(abs(v - mid) for v in values) / mid if mid else 0.0)
+        values = self.values(attr)
+        return spread(values) if values else None
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """(median, largest relative deviation from it) of repeated measurements of one figure."""
+    mid = statistics.median(values)
+    return mid, (max(abs(v - mid) for v in values) / mid if mid else 0.0)
 
 
 def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
@@ -103,10 +109,10 @@ class BlessError(ValueError):
     """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline."""
 
 
-def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
+def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
           recorded: str | None = None, append: bool = False) -> list[Path]:
-    """Write or refresh the baselines of every full-size run in an `oom-harness run --json` file.
-    Repeated runs of a case in one file become repetitions of one baseline. With `append`, they are
+    """Write or refresh the baselines of every full-size run in `oom-harness run --json` files.
+    Repeated runs of a case in them become repetitions of one baseline. With `append`, they are
     added to the repetitions a baseline already has (runs of another day or another host of the same
     platform), so the spread the tolerances derive from covers them all."""
     from harness.cases import CASES_DIR, load_case
@@ -114,13 +120,14 @@ def bless(runs_json: Path, driver: str | None = None, root: Path = RESULTS_DIR, 
     from harness.variants import parse_variant
 
     day = recorded or dt.date.today().isoformat()
-    entries = json.loads(Path(runs_json).read_text())
+    files = [runs_json] if isinstance(runs_json, (str, Path)) else runs_json
+    entries = [(f, i, entry) for f in files for i, entry in enumerate(json.loads(Path(f).read_text()))]
     by_case: dict[tuple[str, str], list[CaseRun]] = {}
-    for i, entry in enumerate(entries):
+    for f, i, entry in entries:
         try:
             run = CaseRun.model_validate(entry["run"])
         except (KeyError, TypeError, ValidationError) as exc:
-            raise BlessError(f"{runs_json}: entry {i} is not a run of `oom-harness run --json` "
+            raise BlessError(f"{f}: entry {i} is not a run of `oom-harness run --json` "
                              f"({str(exc).splitlines()[0]}); write the file with that command") from exc
         if run.fidelity != "real" or not run.ranks:
             continue

@@ -180,7 +180,7 @@ def _cmd_bless(args) -> int:
     from harness.baselines import BlessError
 
     try:
-        paths = bless(Path(args.runs), driver=args.driver, note=args.note or "", append=args.append)
+        paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append)
     except BlessError as exc:
         print(f"bless: {exc}", file=sys.stderr)
         return 2
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
                      help="training processes at once for tiny runs (default: one per CPU core)")
     run.set_defaults(func=_cmd_run)
     bl = sub.add_parser("bless", help="write or refresh baselines from a `run --fidelity real --json` file")
-    bl.add_argument("runs")
+    bl.add_argument("runs", nargs="+", help="`run --fidelity real --json` files (one baseline per case and variant)")
     bl.add_argument("--driver", help="the GPU driver version, where the reports lack it")
     bl.add_argument("--note", help="a line of provenance kept with the baselines")
     bl.add_argument("--append", action="store_true",

@@ -110,3 +110,14 @@ def test_the_extrapolation_table_sets_the_guides_expectation_beside_the_fit(tmp_
     assert "71.68 GiB: fits (the guide says oom: refuted, as recorded)" in rows[refuted]
     # 1 GiB a layer exceeds 57.60 GiB at 64 layers on 2 of 8 ranks, which says nothing of 8 ranks
     assert "57.60 GiB: exceeds the budget (inconclusive on fewer ranks)" in rows[steep]
+
+
+def test_several_runs_files_bless_at_once(tmp_path):
+    first, second = tmp_path / "single-0.json", tmp_path / "single-1.json"  # the nightly job writes one per GPU
+    first.write_text(json.dumps([_run(10.5, 7.0)]))
+    second.write_text(json.dumps([_run(10.5, 7.2)]))
+    bless([first, second], root=tmp_path / "baselines")
+    assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2
+    first.write_text(json.dumps([{"case": "x"}]))
+    with pytest.raises(BlessError, match=r"single-0.json: entry 0 is not a run of `oom-harness run --json`"):
+        bless([first, second], root=tmp_path / "baselines")

@@ -8,7 +8,7 @@ import pytest
 from harness.baselines import Figures, bless, load_baselines
 from harness.cases import CASES_DIR, load_case
 from harness.extrapolate import DepthCheck, depth_check, depth_checks, every_fit, extrapolate, extrapolate_figures, fit_line
-from harness.regression import against_baseline, tolerance
+from harness.regression import against_baseline, limit, tolerance
 from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
 from harness.session import plan
 from harness.units import GIB
@@ -330,3 +330,17 @@ def test_the_summary_shows_the_peak_a_fit_was_judged_on():
     verdict = Verdict("outcome", "refuted", "")
     row = table([Judgement(FIX_32B, run, verdict, [], [run], e)]).splitlines()[2]
     assert "(extrapolated from 4,8L, +5.0% full-depth margin)" in row and "60.38 GiB" in row
+
+
+def test_a_wide_spread_is_bounded_by_the_slowest_repetition(tmp_path):
+    # two hosts: 2,048 and 1,024 tokens/s. 3 x the spread (33%) would allow -100%: a floor of zero
+    base = _baseline(tmp_path, [(10.0, 1.0), (10.0, 2.0)])
+    slow = _figures(10.0, 2.3)
+    slow.tokens_per_s_per_gpu = 2048 / 2.3  # 890 tokens/s, under the slowest repetition less 5% (973)
+    speed = {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"]
+    assert speed.status == "refuted"
+    assert "floor 973, the slowest of 2 repetitions less 5%; 3 x the spread over 2 repetitions (33.3%) would allow -100%" in speed.detail
+    ok = _figures(10.0, 2.1)
+    ok.tokens_per_s_per_gpu = 2048 / 2.1
+    assert {v.what: v for v in against_baseline(FIX_7B, ok, base)}["baseline_speed"].status == "confirmed"
+    assert limit([100.0, 101.0, 99.0], None, 0.05, upper=False).why.startswith("-5.0%: floor 5%")  # a narrow spread: the floor
