@@ -126,7 +126,8 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path):
 
     def spy(*a, **k):
         p = real_popen(*a, **k)
-        pids.append(p.pid)
+        if a and a[0] == job.argv:  # not a process some other test's background thread starts
+            pids.append(p.pid)
         return p
 
     def interrupt():
@@ -144,14 +145,21 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path):
             run_jobs([job], tmp_path / "run", 120, "x", "tiny", 1)
     finally:
         launcher.subprocess.Popen = saved
-    assert pids and not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+    assert len(pids) == 1 and _wait_gone(pids) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _wait_gone(pids: list[int], within_s: float = 5) -> list[int]:
     deadline = time.monotonic() + within_s
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.1)
     return alive
 
