@@ -55,6 +55,7 @@ class Figures(BaseModel):
     outcome: str  # ok, or the failure kind (oom, crash, timeout)
     failure: str | None = None
     triton_cache: str | None = None  # 'cold' or 'warm' for runs that compiled Triton kernels (harness.compile_cache)
+    cpu_threads: int | None = None  # OMP threads per process (harness.launcher.cpu_threads); speed depends on it
     recorded: str | None = None  # the day of this repetition, where it differs from the baseline's (bless --append)
 
 
@@ -102,6 +103,7 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         outcome="ok" if err is None else err.kind.value,
         failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,
         triton_cache=next((c for c in ("cold", "warm") if any(r.triton_cache == c for r in ranks)), None),
+        cpu_threads=max((r.cpu_threads for r in ranks if r.cpu_threads), default=None),
     )
 
 

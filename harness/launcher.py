@@ -65,13 +65,26 @@ def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None
     return args
 
 
+def cpu_threads(fidelity: str, processes: int) -> str:
+    """OMP_NUM_THREADS for each training process of a run, where neither the environment nor the
+    case sets it. Tiny runs: one (many run at once on the CI's cores, and their figures are bytes).
+    Full size: an equal share of the cores this harness may use, as DeepSpeed's `--bind_cores_to_rank`
+    gives each rank. A step that is CPU-bound (DeepSpeed's CPU Adam under optimizer offload is an
+    OpenMP loop) runs as many times slower on one thread, torchrun's default for several processes,
+    which it asks users to tune; OpenMP's default, every core in every process, oversubscribes a
+    host whose processes share it."""
+    if fidelity == "tiny":
+        return "1"
+    return str(max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
+
+
 def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: Path, platform: Platform,
               steps: int | None = None, emulate_card_bytes: int | None = None, variant: str = "") -> list[Job]:
     """`case` is the case as measured (a variant applied); `case_path` and `variant` tell the
     worker how to rebuild it."""
     py = sys.executable
     base_env = {
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or cpu_threads(fidelity, ranks * case.launch.procs_per_card),
         # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
         # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a

@@ -99,6 +99,13 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
                            f"{fmt_gib(statistics.median(peaks))} (limit {fmt_gib(most.value)}, {most.why}; "
                            f"recorded {baseline.recorded})"))
     rates = baseline.values("tokens_per_s_per_gpu")
+    threads = {r.cpu_threads for r in baseline.runs} - {None}
+    if figures.cpu_threads and threads and threads != {figures.cpu_threads}:
+        # a CPU-bound step (CPU Adam under offload) scales with the threads: not a regression
+        out.append(Verdict("baseline_speed", "not_checkable",
+                           f"this run had {figures.cpu_threads} CPU threads per process, the baseline "
+                           f"{' and '.join(str(t) for t in sorted(threads))}; speeds are compared at one thread count"))
+        rates = []
     if rates and figures.tokens_per_s_per_gpu is not None:
         least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
         ok = figures.tokens_per_s_per_gpu >= least.value

@@ -104,6 +104,7 @@ class RankReport(BaseModel):
     model_config_used: dict = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=dict)
     triton_cache: str | None = None  # 'cold' or 'warm' where the run used Triton kernels (harness.compile_cache)
+    cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.launcher.cpu_threads)
     error: ErrorInfo | None = None
 
     @property

@@ -339,6 +339,7 @@ def run(args) -> int:
         grad_accum=shape.grad_accum,
         tokens_per_step=shape.tokens_per_step,
         versions=_versions(),
+        cpu_threads=torch.get_num_threads(),
     )
     out_path = Path(args.out_dir) / (f"rank{rank}" + (f"-slot{args.slot}" if args.slot else "") + ".json")
     t_start = time.perf_counter()

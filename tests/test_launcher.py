@@ -88,6 +88,26 @@ def test_several_ranks_go_through_torchrun_on_a_cpu(tmp_path):
     assert job.argv[job.argv.index("--nproc-per-node") + 1] == "2"
 
 
+def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, monkeypatch):
+    import harness.launcher as launcher
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(16)))
+    gemma = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
+    (job,) = plan_jobs(load_case(gemma), gemma, "real", 2, tmp_path, Platform.cuda)
+    assert job.env["OMP_NUM_THREADS"] == "8"  # 2 ranks on 16 cores, not torchrun's 1
+    qlora = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
+    (job,) = plan_jobs(load_case(qlora), qlora, "real", 1, tmp_path, Platform.cuda)
+    assert job.env["OMP_NUM_THREADS"] == "16"
+    gla = CASES_DIR / "004-gla-plan-b-bs2.yaml"  # guide 004 sets OMP_NUM_THREADS=1 itself: the case's word holds
+    assert {j.env["OMP_NUM_THREADS"] for j in plan_jobs(load_case(gla), gla, "real", 1, tmp_path, Platform.cuda)} == {"1"}
+    (job,) = plan_jobs(load_case(gemma), gemma, "tiny", 2, tmp_path, Platform.cpu)
+    assert job.env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+    (job,) = plan_jobs(load_case(gemma), gemma, "real", 2, tmp_path, Platform.cuda)
+    assert job.env["OMP_NUM_THREADS"] == "3"
+
+
 def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path):
     """End to end: the worker runs a case on an emulated card far too small and reports an OOM
     with the phase and the bytes, and the launcher keeps going."""

@@ -344,3 +344,17 @@ def test_a_wide_spread_is_bounded_by_the_slowest_repetition(tmp_path):
     ok.tokens_per_s_per_gpu = 2048 / 2.1
     assert {v.what: v for v in against_baseline(FIX_7B, ok, base)}["baseline_speed"].status == "confirmed"
     assert limit([100.0, 101.0, 99.0], None, 0.05, upper=False).why.startswith("-5.0%: floor 5%")  # a narrow spread: the floor
+
+
+def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
+    base = _baseline(tmp_path, [(10.0, 1.0)])
+    base.runs[0].cpu_threads = 1
+    faster = _figures(10.0, 0.2)
+    faster.tokens_per_s_per_gpu, faster.cpu_threads = 2048 / 0.2, 8
+    verdicts = {v.what: v for v in against_baseline(FIX_7B, faster, base)}
+    assert verdicts["baseline_speed"].status == "not_checkable"
+    assert "8 CPU threads per process, the baseline 1" in verdicts["baseline_speed"].detail
+    assert verdicts["baseline_memory"].status == "confirmed"  # memory does not depend on threads
+    faster.cpu_threads = 1
+    assert {v.what: v for v in against_baseline(FIX_7B, faster, base)}["baseline_speed"].status == "confirmed"
+
