@@ -109,7 +109,8 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
     if rates and figures.tokens_per_s_per_gpu is not None:
         least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
         ok = figures.tokens_per_s_per_gpu >= least.value
+        unrecorded = "; the baseline's CPU threads were not recorded" if not threads and figures.cpu_threads else ""
         out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
                            f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
-                           f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why})"))
+                           f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"))
     return out or [Verdict("baseline", "not_checkable", "the baseline holds no peak or speed to compare")]

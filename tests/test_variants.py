@@ -357,4 +357,8 @@ def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
     assert verdicts["baseline_memory"].status == "confirmed"  # memory does not depend on threads
     faster.cpu_threads = 1
     assert {v.what: v for v in against_baseline(FIX_7B, faster, base)}["baseline_speed"].status == "confirmed"
+    base.runs[0].cpu_threads = None  # blessed before runs recorded their threads: compared, and said so
+    faster.cpu_threads = 8
+    speed = {v.what: v for v in against_baseline(FIX_7B, faster, base)}["baseline_speed"]
+    assert speed.status == "confirmed" and speed.detail.endswith("the baseline's CPU threads were not recorded")
 
