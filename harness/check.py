@@ -42,6 +42,11 @@ class CheckResult:
         return None if self.prediction is None else self.prediction.device * self.config.procs_per_gpu
 
     @property
+    def node_host_ram(self) -> int | None:
+        """The predicted host RAM of the node with every card busy."""
+        return None if self.prediction is None else self.config.node_host_ram(self.prediction.host_ram)
+
+    @property
     def fits(self) -> bool | None:
         return None if self.card_peak is None else self.card_peak <= self.budget
 
@@ -115,6 +120,8 @@ def as_json(result: CheckResult) -> dict[str, Any]:
         "device_peak_gib": _gib(p.device if p else None),
         "card_peak_gib": _gib(result.card_peak),
         "host_ram_gib": _gib(p.host_ram if p else None),
+        "host_ram_node_gib": _gib(result.node_host_ram),
+        "node_processes": result.config.node_processes,
         "host_ram_available_gib": _gib(c.host_ram),
         "gpu_memory_gib": _gib(c.gpu_memory),
         "budget_gib": _gib(result.budget),
@@ -157,8 +164,13 @@ def table(result: CheckResult) -> str:
         rows += [
             (f"  budget ({c.headroom:g} of the card)", fmt_gib(result.budget)),
             ("  headroom", fmt_gib(result.budget - result.card_peak)),
-            ("host RAM (per node)", fmt_gib(p.host_ram) + (f" of {fmt_gib(c.host_ram)}" if c.host_ram else "")),
         ]
+        of_host = f" of {fmt_gib(c.host_ram)}" if c.host_ram else ""
+        if c.node_processes > c.job_processes:
+            rows += [(f"host RAM (this job, {c.job_processes} processes)", fmt_gib(p.host_ram)),
+                     (f"host RAM (every card busy, {c.node_processes} processes)", fmt_gib(result.node_host_ram) + of_host)]
+        else:
+            rows.append((f"host RAM (the node, {c.job_processes} processes)", fmt_gib(p.host_ram) + of_host))
     else:
         rows.append(("  prediction", "-"))
     width = max(len(label) for label, _ in rows)

@@ -188,11 +188,13 @@ def offload_pinned_host_ram(c: ImportedConfig, p) -> list[Lint]:
     if ds is None or not ds.offload_pin_memory or c.host_ram is None or p is None:
         return []
     limit = c.host_ram * HOST_RAM_FRACTION
-    if p.host_ram <= limit:
+    need = c.node_host_ram(p.host_ram)
+    if need <= limit:
         return []
     return [Lint(
         "offload-pinned-host-ram", "error",
-        f"offload with pin_memory needs about {fmt_gib(p.host_ram)} of host RAM (predicted, all ranks of the node); "
+        f"offload with pin_memory needs about {fmt_gib(need)} of host RAM (predicted, {c.node_processes} processes "
+        f"on the node); "
         f"the host has {fmt_gib(c.host_ram)} ({int(HOST_RAM_FRACTION * 100)}% = {fmt_gib(limit)} usable)",
         "pinned (page-locked) offload buffers cannot be swapped or reclaimed: past the host's free memory the "
         "allocation fails or the kernel's OOM killer ends a rank, and what is left starves the dataloader "

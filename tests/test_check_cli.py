@@ -278,3 +278,17 @@ def test_premerge_judge(tmp_path, predicted):
     with pytest.raises(pytest.fail.Exception) as failed:
         pm.check_entry(a)
     assert "DOES NOT FIT" in str(failed.value) and "device peak" in str(failed.value)
+
+
+def test_host_ram_of_a_node_whose_cards_each_run_their_own_jobs(capsys, predicted):
+    # guide 004: seven 23.52 GiB cards, two single-process jobs on each; the prediction is one job's
+    predicted(4)
+    gla = str(ROOT / "cases" / "004-gla-plan-b-bs2.yaml")
+    code, out, _ = run(capsys, gla)
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "host RAM (this job, 2 processes) 150.00 GiB" in lines
+    assert "host RAM (every card busy, 14 processes) 1050.00 GiB of 251.00 GiB" in lines
+    result = json.loads(run(capsys, gla, "--json")[1])
+    assert (result["host_ram_gib"], result["host_ram_node_gib"], result["node_processes"]) == (150, 1050, 14)
+    _, out, _ = run(capsys, GUIDE000, *DCU_ARGS)  # one job on all eight cards: the job is the node
+    assert "host RAM (the node, 8 processes) 150.00 GiB" in [" ".join(line.split()) for line in out.splitlines()]

@@ -108,6 +108,21 @@ class ImportedConfig:
     notes: tuple[str, ...] = ()
 
     @property
+    def job_processes(self) -> int:
+        """The training processes of the job this config describes (what a prediction's host_ram counts)."""
+        return self.world_size * self.procs_per_gpu
+
+    @property
+    def node_processes(self) -> int:
+        """The training processes on the node with every card busy: independent jobs on the other
+        cards (guide 004's seven cards of two jobs each) share its host RAM."""
+        return max(self.job_processes, self.gpus * self.procs_per_gpu)
+
+    def node_host_ram(self, job_host_ram: int) -> int:
+        """A job's host RAM scaled to the node with every card busy (predicted host RAM is per process)."""
+        return job_host_ram * self.node_processes // self.job_processes
+
+    @property
     def sources(self) -> tuple[Path, ...]:
         ds = self.deepspeed
         return (self.training.path,) + ((ds.path,) if ds and ds.path != self.training.path else ())
