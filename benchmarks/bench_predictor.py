@@ -88,7 +88,8 @@ def issue6() -> None:
 
     baselines = load_baselines()
     print()
-    print("Issue #6, guide 000 at full depth (64 layers), per-rank device peak, GiB (budget: 64 GiB card x 0.9 = 57.60):")
+    print("Issue #6, guide 000 at full depth (64 layers), per-rank device peak, GiB "
+          "(budget: 64 GiB card x 0.9 = 57.60):")
     print(f"  {'case':50s} {'8 ranks pred':>12s} {'2 ranks pred':>12s} {'2 ranks measured / extrapolated':>34s}")
     for path in sorted(CASES_DIR.glob("000-*.yaml")):
         case = load_case(path)
@@ -98,7 +99,8 @@ def issue6() -> None:
         for b in baselines:
             if b.case_id == case.id and b.variant == "2r2ga":
                 r = b.runs[0]
-                seen.append(f"{r.per_card_peak / GiB:.2f} {'measured' if r.outcome == 'ok' else r.outcome.upper() + ' at'}")
+                seen.append(f"{r.per_card_peak / GiB:.2f} "
+                            f"{'measured' if r.outcome == 'ok' else r.outcome.upper() + ' at'}")
         for e in extrapolate(case, baselines):
             if e.base_variant == "2r2ga" and "per_card_peak" in e.values:
                 seen.append(f"{e.values['per_card_peak'] / GiB:.2f} extrap.")
@@ -138,12 +140,12 @@ def main(argv=None) -> int:
     for b in load_baselines():
         try:
             case = load_case(CASES_DIR / f"{b.case_id}.yaml")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"{b.case_id}: case file unreadable ({exc}); skipped")
             continue
         try:
             measured_case = parse_variant(b.variant).apply(case) if b.variant else case
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"{b.case_id}@{b.variant}: variant not applicable ({exc}); skipped")
             continue
         cache = b.runs[0].triton_cache  # predict the Triton cache the baseline had, not the case's request
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
         oom = not runs_ok
         runs = runs_ok or b.runs
 
-        def med(attr):
+        def med(attr, runs=runs):
             vals = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
             return statistics.median(vals) if vals else None
 
@@ -201,14 +203,14 @@ def main(argv=None) -> int:
         print(f"worst {name:9s} error (finished runs): {e:+.1%}  {where}")
     for key, errs in ref_worst.items():
         if errs:
-            a, e, cid = max(errs)
+            _, e, cid = max(errs)
             print(f"worst {key} reference error (device peak, finished runs): {e:+.1%}  {cid} "
                   f"({len(errs)} cases apply)")
         else:
             print(f"{key} reference: applies to no finished run")
     print()
-    print("Host RAM of the job on one node, GiB: predicted Prediction.host_ram vs measured host_peak (worst rank's RSS) "
-          "x ranks x processes per card (every rank of these runs shared one node).")
+    print("Host RAM of the job on one node, GiB: predicted Prediction.host_ram vs measured host_peak "
+          "(worst rank's RSS) x ranks x processes per card (every rank of these runs shared one node).")
     herrs = []
     for name, p, m, oom in host_rows:
         e = rel(p, m)
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
             herrs.append((abs(e), e, name))
         print(f"  {name:60s} {p / GiB:7.2f} / {m / GiB:7.2f}  {e:+7.1%}{'  (OOM run)' if oom else ''}")
     if herrs:
-        a, e, name = max(herrs)
+        _, e, name = max(herrs)
         print(f"worst host RAM error (finished runs): {e:+.1%}  {name}")
     print()
     print("OOM rows: the measured figure is where the run failed on its emulated card, a lower bound; "

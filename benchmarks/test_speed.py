@@ -57,8 +57,10 @@ def test_check_32b(benchmark, request, trace_cache, tmp_path):
     benchmark.extra_info.update(target_s=CHECK_TARGET_S if trace_cache == "off" else None,
                                 device_peak_gib=result["device_peak_gib"], fits=result["fits"], cpus=os.cpu_count())
     worst = max(benchmark.stats.stats.data)
-    target = f"; target {CHECK_TARGET_S:.0f} s: {'met' if worst <= CHECK_TARGET_S else 'NOT met'}" if trace_cache == "off" else ""
-    _say(request, f"\noom-harness check 32B, trace cache {trace_cache}: worst of 3 cold processes {worst:.2f} s{target}")
+    target = (f"; target {CHECK_TARGET_S:.0f} s: {'met' if worst <= CHECK_TARGET_S else 'NOT met'}"
+              if trace_cache == "off" else "")
+    _say(request, f"\noom-harness check 32B, trace cache {trace_cache}: "
+                  f"worst of 3 cold processes {worst:.2f} s{target}")
 
 
 def test_tiny_suite(benchmark, request, tmp_path):

@@ -71,7 +71,7 @@ def _tiny_heads(heads: int, kv_heads: int) -> tuple[int, int]:
 
 
 def _round8(x: float) -> int:
-    return max(8, int(round(x / 8)) * 8)
+    return max(8, round(x / 8) * 8)
 
 
 def tiny_config(arch: Architecture, max_seq_len: int) -> dict[str, Any]:
@@ -106,7 +106,8 @@ def tiny_config(arch: Architecture, max_seq_len: int) -> dict[str, Any]:
             cfg["head_dim"] = TINY_HEAD_DIM
         if "query_pre_attn_scalar" in cfg:
             # Gemma scales queries by this instead of head_dim; keep its ratio to the head size.
-            cfg["query_pre_attn_scalar"] = round(TINY_HEAD_DIM * arch.config["query_pre_attn_scalar"] / arch.config["head_dim"])
+            cfg["query_pre_attn_scalar"] = round(TINY_HEAD_DIM * arch.config["query_pre_attn_scalar"]
+                                                 / arch.config["head_dim"])
         layer_types = cfg.get("layer_types")
         if layer_types:
             kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in first-seen order

@@ -28,7 +28,7 @@ class PlatformInfo(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
-    def of_run(cls, run: CaseRun, driver: str | None = None) -> "PlatformInfo":
+    def of_run(cls, run: CaseRun, driver: str | None = None) -> PlatformInfo:
         """The platform a run measured on: its card, how many ranks it used, its software."""
         first = run.ranks[0]
         return cls(device_name=first.device_name, device_count=max(r.world_size for r in run.ranks),
@@ -118,7 +118,6 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
     added to the repetitions a baseline already has (runs of another day or another host of the same
     platform), so the spread the tolerances derive from covers them all."""
     from harness.cases import CASES_DIR, load_case
-
     from harness.variants import parse_variant
 
     day = recorded or dt.date.today().isoformat()
@@ -143,7 +142,8 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
         figures = [figures_of(r, case.launch.procs_per_card) for r in runs]
         path = root / platform.key / f"{case_id}{v.suffix}.json"
         if append and path.exists():
-            baselines[path] = _appended(Baseline.model_validate_json(path.read_text()), platform, figures, day, note, path)
+            baselines[path] = _appended(Baseline.model_validate_json(path.read_text()),
+                                        platform, figures, day, note, path)
             continue
         baselines[path] = Baseline(
             case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
@@ -155,7 +155,8 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
     return list(baselines)
 
 
-def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day: str, note: str, path: Path) -> Baseline:
+def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day: str, note: str,
+              path: Path) -> Baseline:
     """`old` with `figures` as further repetitions, each dated; refused across software stacks."""
     before = {**old.platform.versions, "driver": old.platform.driver}
     after = {**platform.versions, "driver": platform.driver}
@@ -186,7 +187,9 @@ def report_markdown(baselines: list[Baseline]) -> str:
     from harness.variants import parse_variant
 
     lines = [
-        "| case | measured on | target card (budget) | outcome | peak allocated / reserved (worst process) / device (per card) | headroom | host RAM per node (processes x worst process) | tokens/s/GPU | MFU | guide's claims vs measured |",
+        ("| case | measured on | target card (budget) | outcome "
+         "| peak allocated / reserved (worst process) / device (per card) | headroom "
+         "| host RAM per node (processes x worst process) | tokens/s/GPU | MFU | guide's claims vs measured |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in baselines:
@@ -274,7 +277,8 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
                 check += (f"; {m.tokens_per_s_per_gpu:,.0f} tokens/s "
                           f"(fit {e.tokens_per_s / m.tokens_per_s_per_gpu - 1:+.0%})")
         elif m is not None:
-            check = f"measured: {m.outcome} at {fmt_gib(m.per_card_peak)} on the {fmt_gib(case.target.card.memory)} card"
+            check = (f"measured: {m.outcome} at {fmt_gib(m.per_card_peak)} "
+                     f"on the {fmt_gib(case.target.card.memory)} card")
         line = e.lines.get("per_card_peak")
         per_layer = "-" if line is None else (
             f"flat (within {MEMORY_FLOOR:.0%})" if line.flat else f"{line.slope / 2**30:.3f} GiB")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from harness.baselines import RESULTS_DIR, Baseline, load_baselines
+from harness.baselines import RESULTS_DIR, load_baselines
 
 FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
 OPTIONAL = ("triton_cold_overhead",)  # no prior: left out where nothing was measured

@@ -14,9 +14,10 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from harness.importers import LAUNCHERS, ConfigError, ImportedConfig, JobSpec, import_config, parse_size_arg
 from harness.lints import Lint, lint
@@ -94,7 +95,7 @@ def run_check(path: Path | str, spec: JobSpec, *, platform: str | None = None,
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 prediction = predict(imported.case, imported.arch, platform=platform)
-        except Exception as exc:  # noqa: BLE001 - one message, not a traceback, unless asked for
+        except Exception as exc:  # one message, not a traceback, unless asked for
             if os.environ.get("OOM_HARNESS_DEBUG"):
                 raise
             raise ConfigError(path, None, f"the predictor could not size this config: {type(exc).__name__}: {exc}",
@@ -168,7 +169,8 @@ def table(result: CheckResult) -> str:
         of_host = f" of {fmt_gib(c.host_ram)}" if c.host_ram else ""
         if c.node_processes > c.job_processes:
             rows += [(f"host RAM (this job, {c.job_processes} processes)", fmt_gib(p.host_ram)),
-                     (f"host RAM (every card busy, {c.node_processes} processes)", fmt_gib(result.node_host_ram) + of_host)]
+                     (f"host RAM (every card busy, {c.node_processes} processes)",
+                      fmt_gib(result.node_host_ram) + of_host)]
         else:
             rows.append((f"host RAM (the node, {c.job_processes} processes)", fmt_gib(p.host_ram) + of_host))
     else:

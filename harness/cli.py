@@ -160,7 +160,8 @@ def _measure_variants(args, session, selected: list[str], run_root: Path) -> int
 def _write_benchmark(path: Path, session) -> None:
     from harness.benchjson import write_benchmark_json
 
-    n = write_benchmark_json(path, session.all_runs(), {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
+    n = write_benchmark_json(path, session.all_runs(),
+                             {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
     print(f"wrote {n} benchmarks in pytest-benchmark's format to {path}")
 
 
@@ -175,9 +176,7 @@ def _stop_on_sigterm() -> None:
 
 
 def _cmd_bless(args) -> int:
-    from harness.baselines import bless
-
-    from harness.baselines import BlessError
+    from harness.baselines import BlessError, bless
 
     try:
         paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append)

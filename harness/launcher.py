@@ -84,7 +84,8 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
     worker how to rebuild it."""
     py = sys.executable
     base_env = {
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or cpu_threads(fidelity, ranks * case.launch.procs_per_card),
+        "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
+                            or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
         # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
         # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
@@ -142,7 +143,8 @@ def _reaped(procs: list[subprocess.Popen]):
 def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> subprocess.Popen:
     ready = out_dir / "ballast.ready"
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "harness.ballast", "--leave", str(leave_bytes), "--ready", str(ready)],
+    proc = subprocess.Popen([sys.executable, "-m", "harness.ballast", "--leave", str(leave_bytes),
+                             "--ready", str(ready)],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
@@ -234,7 +236,8 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
             return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         kind = Failure.host_oom if sig == signal.SIGKILL else Failure.crash
-        why = " (the kernel's OOM killer is the usual sender of SIGKILL: check host RAM)" if kind == Failure.host_oom else ""
+        why = (" (the kernel's OOM killer is the usual sender of SIGKILL: check host RAM)"
+               if kind == Failure.host_oom else "")
         return ErrorInfo(kind=kind, message=f"a process was killed by {name}{why}")
     if any(c != 0 for c in codes):
         oom = parse_oom(log)

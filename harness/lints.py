@@ -11,9 +11,10 @@ pre-merge check fails on errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 from harness.host_ram import HOST_RAM_FRACTION
 from harness.importers import ConfigFormat, ImportedConfig
@@ -86,7 +87,7 @@ def _transformers_major() -> int:
         from importlib.metadata import version
 
         return int(version("transformers").split(".")[0])
-    except Exception:  # noqa: BLE001 - not installed: the project pins transformers 5
+    except Exception:  # not installed: the project pins transformers 5
         return 5
 
 

@@ -150,7 +150,8 @@ def prepare_checkpoint(case: Case, fidelity: str, device: torch.device, seq_len:
     it is the harness's stand-in for a downloaded model, not part of the scenario)."""
     if case.method.kind != "qlora":
         return None
-    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers), train_dtype(case, device.type == "cpu"),
+    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers),
+                              train_dtype(case, device.type == "cpu"),
                               device)
 
 

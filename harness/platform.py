@@ -51,7 +51,8 @@ _OOM_PATTERNS = [
     # cuBLAS/hipBLAS could not allocate its handle or workspace: the device is out of memory
     (re.compile(r"CUBLAS_STATUS_ALLOC_FAILED"), "cuda"),
     (re.compile(r"HIPBLAS_STATUS_ALLOC_FAILED|rocblas_status_memory_error"), "hip"),
-    (re.compile(r"DefaultCPUAllocator: (?:not enough memory|can't allocate memory)(?:: you tried to allocate (?P<bytes>\d+) bytes)?"), "cpu"),
+    (re.compile(r"DefaultCPUAllocator: (?:not enough memory|can't allocate memory)"
+                r"(?:: you tried to allocate (?P<bytes>\d+) bytes)?"), "cpu"),
 ]
 
 

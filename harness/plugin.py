@@ -129,7 +129,8 @@ def check_case(param: CaseParam, session: Session) -> None:
         lines += ["  " + v.line() for v in judgement.verdicts]
         err = judgement.run.first_error()
         if err is not None:
-            lines.append(f"  run: {err.kind.value} in {err.phase or 'launch'}; reports and log in {judgement.run.run_dir}")
+            lines.append(f"  run: {err.kind.value} in {err.phase or 'launch'}; "
+                         f"reports and log in {judgement.run.run_dir}")
         pytest.fail("\n".join(lines), pytrace=False)
     if param.fidelity == "real" and judgement.outcome.status == "not_checkable":
         # measured on fewer ranks or layers, where the result does not carry over to the case

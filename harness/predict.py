@@ -77,7 +77,7 @@ def _inventory(r1, r2, layers: int):
     per_layer = c2 - c1
     fixed = c1 - per_layer
     sizes = list((fixed + Counter({k: v * layers for k, v in per_layer.items()})).elements())
-    ex = lambda a, b: int(round(extrapolate(a, b, layers)))  # noqa: E731
+    ex = lambda a, b: round(extrapolate(a, b, layers))  # noqa: E731
     return Inventory(quantizable=ex(p1.quantizable, p2.quantizable), other=ex(p1.other, p2.other),
                      trainable=ex(p1.trainable, p2.trainable), head=p1.head,
                      largest_layer_module=p1.largest_layer_module, sizes=sizes,

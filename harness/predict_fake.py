@@ -160,9 +160,6 @@ def _build(spec: TraceSpec, layers: int):
 def trace(spec: TraceSpec, layers: int) -> TraceResult:
     import time
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from harness.tracker import LiveTensorTracker
 
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
@@ -225,7 +222,7 @@ def _fla_fake_kernels(active: bool):
     class ChunkGLA(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, g):
-            B, T, H, K = q.shape
+            B, T, H, _ = q.shape
             g_cumsum = torch.empty(g.shape, dtype=torch.float32, device=q.device)
             A = torch.empty((B, T, H, 64), dtype=torch.float32, device=q.device)
             ctx.save_for_backward(q, k, v, g, g_cumsum, A)
@@ -242,7 +239,7 @@ def _fla_fake_kernels(active: bool):
         o = ChunkGLA.apply(q, k, v, gate)
         state = None
         if output_final_state:
-            B, T, H, K = q.shape
+            B, _, H, K = q.shape
             state = torch.empty((B, H, K, v.shape[-1]), dtype=torch.float32, device=q.device)
         return o, state
 

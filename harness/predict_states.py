@@ -180,7 +180,8 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
             if retained:
                 step_only["zero3_reentrant_retained_weights"] = retained
                 notes.append("ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered frozen "
-                             f"weights held at once ({retained / GiB:.2f} GiB at {inv.layers} layers); non-reentrant checkpointing (use_reentrant_gc: false) avoids it")
+                             f"weights held at once ({retained / GiB:.2f} GiB at {inv.layers} layers); "
+                             "non-reentrant checkpointing (use_reentrant_gc: false) avoids it")
         if ds.offload_param == Offload.cpu or ds.offload_optimizer == Offload.cpu:
             notes.append("offloaded state is counted in host_ram, pinned or not")
     dev["cublas_workspaces"] = CUBLAS_WORKSPACE

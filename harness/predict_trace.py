@@ -69,7 +69,7 @@ class TraceSpec:
     engine_casts: bool = False  # the DeepSpeed engine casts the module to the half dtype (not a ZeRO-Init model)
 
     @classmethod
-    def of(cls, case: Case, arch: Architecture) -> "TraceSpec":
+    def of(cls, case: Case, arch: Architecture) -> TraceSpec:
         lora = case.method.lora
         targets = None
         if lora is not None:
@@ -176,7 +176,8 @@ def _code_key() -> str:
 
 
 def _key(spec: TraceSpec) -> str:
-    return hashlib.sha256((_code_key() + json.dumps(dataclasses.asdict(spec), sort_keys=True)).encode()).hexdigest()[:32]
+    return hashlib.sha256((_code_key()
+                           + json.dumps(dataclasses.asdict(spec), sort_keys=True)).encode()).hexdigest()[:32]
 
 
 def _from_dict(d: dict) -> TraceResult:

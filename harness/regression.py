@@ -45,7 +45,8 @@ def tolerance(explicit: float | None, spread: tuple[float, float] | None, repeti
     return Tolerance(derived, f"{SPREAD_FACTOR:g} x the spread over {repetitions} repetitions ({spread[1]:.1%})")
 
 
-def find_baseline(case_id: str, variant: str, platform_key: str, baselines: list[Baseline] | None = None) -> Baseline | None:
+def find_baseline(case_id: str, variant: str, platform_key: str,
+                  baselines: list[Baseline] | None = None) -> Baseline | None:
     for b in baselines if baselines is not None else load_baselines():
         if b.case_id == case_id and b.variant == variant and b.platform.key == platform_key:
             return b

@@ -7,7 +7,7 @@ the field and the allowed values (see `harness.cases`), never a silently ignored
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -332,18 +332,8 @@ class SpeedRankClaim(_Claim):
 
 
 Claim = Annotated[
-    Union[
-        TrainsClaim,
-        CheckpointingClaim,
-        QuantizedWeightsClaim,
-        Zero3PartitionClaim,
-        OffloadClaim,
-        LogitsToKeepClaim,
-        LowerPeakThanClaim,
-        MemoryRangeClaim,
-        OomAllocationClaim,
-        SpeedRankClaim,
-    ],
+    TrainsClaim | CheckpointingClaim | QuantizedWeightsClaim | Zero3PartitionClaim | OffloadClaim | LogitsToKeepClaim
+    | LowerPeakThanClaim | MemoryRangeClaim | OomAllocationClaim | SpeedRankClaim,
     Field(discriminator="kind"),
 ]
 
@@ -409,7 +399,8 @@ class Case(Strict):
             from harness.architectures import load_architecture
 
             depth = self.layers or load_architecture(self.model).layers
-            if len(set(self.depth_points)) != len(self.depth_points) or any(not 0 < d < depth for d in self.depth_points):
+            if (len(set(self.depth_points)) != len(self.depth_points)
+                    or any(not 0 < d < depth for d in self.depth_points)):
                 raise ValueError(f"depth_points must be distinct layer counts between 1 and {depth - 1}")
         if not self.id.startswith(self.guide + "-"):
             raise ValueError(f"id '{self.id}' must start with its guide number '{self.guide}-'")

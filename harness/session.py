@@ -16,11 +16,11 @@ from pathlib import Path
 from harness import platform as plat
 from harness.baselines import RESULTS_DIR
 from harness.cases import CaseError, load_cases
+from harness.extrapolate import Extrapolation
+from harness.host_ram import check_host_ram
 from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
-from harness.extrapolate import Extrapolation
-from harness.host_ram import check_host_ram
 from harness.variants import Variant
 from harness.verdicts import Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
 
@@ -98,7 +98,7 @@ class _ProcessBudget:
 class _Lookup:
     """What a claim may consult: another case's run, or every run of a family (same fidelity)."""
 
-    def __init__(self, session: "Session", fidelity: str):
+    def __init__(self, session: Session, fidelity: str):
         self._session, self._fidelity = session, fidelity
 
     def __call__(self, case_id: str):
@@ -219,7 +219,8 @@ class Session:
         extrapolation = None
         platform_key = PlatformInfo.of_run(run).key if run.ranks else ""
         if len(variants) > 1:
-            figures = {v.layers: [figures_of(r, case.launch.procs_per_card)] for v, r in zip(variants, runs)}
+            figures = {v.layers: [figures_of(r, case.launch.procs_per_card)]
+                       for v, r in zip(variants, runs, strict=True)}
             ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
             if len(ok) >= 2:
                 extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
@@ -231,13 +232,14 @@ class Session:
         host_ram = check_host_ram(case, variants[-1], run, extrapolation)
         claims = check_claims(measured_case, run, lookup)
         dropped = [c for c in case.claims if c not in measured_case.claims]
-        claims += [Verdict(c.kind, "not_checkable", f"stated for the case as written; measured {variants[-1].label(case)}",
+        claims += [Verdict(c.kind, "not_checkable",
+                           f"stated for the case as written; measured {variants[-1].label(case)}",
                            c.quote) for c in dropped]
         regression: list[Verdict] = []
         if fidelity == "real":
             # every measured variant against its own baseline: a depth series regresses at one depth
             baselines = load_baselines(self.baseline_root)
-            for variant, measured in zip(variants, runs):
+            for variant, measured in zip(variants, runs, strict=True):
                 if not measured.ranks:
                     continue
                 found = find_baseline(case_id, variant.text, PlatformInfo.of_run(measured).key, baselines)

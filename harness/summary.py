@@ -61,7 +61,7 @@ def _row(j: Judgement) -> tuple[str, ...]:
 def table(judgements: list[Judgement]) -> str:
     rows = [COLUMNS] + [_row(j) for j in judgements]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

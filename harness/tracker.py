@@ -171,7 +171,8 @@ class _AmdSmiProcessMemory:
 
     def read(self) -> int | None:
         entries = self._amdsmi.amdsmi_get_gpu_process_list(self._handle)
-        infos = [e if isinstance(e, dict) else self._amdsmi.amdsmi_get_gpu_process_info(self._handle, e) for e in entries]
+        infos = [e if isinstance(e, dict) else self._amdsmi.amdsmi_get_gpu_process_info(self._handle, e)
+                 for e in entries]
         return amdsmi_process_vram(infos, self._pid)
 
 

@@ -7,8 +7,9 @@ Every check returns a `Verdict` carrying the measured numbers, so a failure read
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from harness.report import CaseRun, Failure
 from harness.schema import TINY_CLAIMS, Case
@@ -54,7 +55,8 @@ def detections(case: Case, run: CaseRun) -> dict[str, str]:
         z = r.zero
         if z is None or z.stage != 3:
             continue
-        full_bytes = z.total_param_numel * (r.weights.param_bytes_local / max(1, z.local_param_numel)) if r.weights else 0
+        full_bytes = (z.total_param_numel * (r.weights.param_bytes_local / max(1, z.local_param_numel))
+                      if r.weights else 0)
         if not z.zero_init and r.world_size > 1 and z.materialised_param_bytes_before_engine >= 0.9 * full_bytes:
             found["materialised_before_zero_init"] = (
                 f"rank {r.rank} held {_size(z.materialised_param_bytes_before_engine, run.fidelity)} of parameters "
@@ -79,8 +81,11 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
         if expect.detect in found:
             return Verdict("detect", "confirmed", found[expect.detect])
         if err is not None:
-            return Verdict("detect", "refuted", f"the run failed before the mistake could be seen: {err.kind.value}: {_first_line(err.message)}")
-        return Verdict("detect", "refuted", f"'{expect.detect}' was not visible in the run (found: {sorted(found) or 'nothing'})")
+            return Verdict("detect", "refuted",
+                           f"the run failed before the mistake could be seen: {err.kind.value}: "
+                           f"{_first_line(err.message)}")
+        return Verdict("detect", "refuted",
+                       f"'{expect.detect}' was not visible in the run (found: {sorted(found) or 'nothing'})")
 
     if err is not None and err.kind != Failure.oom:
         return Verdict("outcome", "refuted", f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}")
@@ -93,14 +98,16 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
         # Tiny sizes say nothing about a real card; an OOM here can only be an emulated limit.
         if err is not None:
             return Verdict("outcome", "refuted", f"out of memory at tiny size: {_first_line(err.message)}")
-        return Verdict("outcome", "not_checkable", f"'{expect.outcome}' on {case.target.card.name} is checked at full size")
+        return Verdict("outcome", "not_checkable",
+                       f"'{expect.outcome}' on {case.target.card.name} is checked at full size")
 
     budget = case.budget_bytes
     card = case.target.card.memory
     peak = per_card_peak(case, run)
     if expect.outcome == "fits":
         if err is not None:
-            return Verdict("outcome", "refuted", f"out of memory on the {fmt_gib(card)} card: {_first_line(err.message)}")
+            return Verdict("outcome", "refuted",
+                           f"out of memory on the {fmt_gib(card)} card: {_first_line(err.message)}")
         if peak is None:
             return Verdict("outcome", "refuted", "no peak was measured")
         ok = peak <= budget
@@ -114,7 +121,8 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
         return Verdict("outcome", "confirmed",
                        f"per-card peak {fmt_gib(peak)} exceeds the {case.target.headroom:.0%} line {fmt_gib(budget)}")
     return Verdict("outcome", "refuted",
-                   f"the guide's failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} on {fmt_gib(card)}")
+                   f"the guide's failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} "
+                   f"on {fmt_gib(card)}")
 
 
 def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrapolation=None) -> Verdict:
@@ -133,7 +141,8 @@ def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrap
         if err is not None and err.kind == Failure.oom:
             if case.expect.outcome == "oom" and not fewer_ranks:
                 return Verdict("outcome", "confirmed", f"out of memory already at {where}: {_first_line(err.message)}")
-            return Verdict("outcome", "refuted" if case.expect.outcome == "fits" and not fewer_ranks else "not_checkable",
+            return Verdict("outcome",
+                           "refuted" if case.expect.outcome == "fits" and not fewer_ranks else "not_checkable",
                            f"out of memory at {where}: {_first_line(err.message)}")
         if err is not None:
             return verdict
@@ -156,7 +165,8 @@ def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrap
         return Verdict("outcome", "not_checkable" if fewer_ranks else "confirmed", detail)
     if not fewer_ranks:
         return verdict
-    note = f" (measured on {variant.ranks} of {case.launch.ranks} ranks, which bounds the {case.launch.ranks}-rank peak from above)"
+    note = (f" (measured on {variant.ranks} of {case.launch.ranks} ranks, "
+            f"which bounds the {case.launch.ranks}-rank peak from above)")
     if case.expect.outcome == "fits":
         if verdict.status == "confirmed":
             return Verdict("outcome", "confirmed", verdict.detail + note)
@@ -247,7 +257,8 @@ def _quantized(claim, case, run, lookup):
     ok = ratio <= claim.max_ratio
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
                    f"4-bit linear weights {_size(w.quantized_linear_bytes, run.fidelity)} vs "
-                   f"{_size(w.quantized_linear_bf16_bytes, run.fidelity)} in bf16: {ratio:.2f}x (needs <= {claim.max_ratio})",
+                   f"{_size(w.quantized_linear_bf16_bytes, run.fidelity)} in bf16: {ratio:.2f}x "
+                   f"(needs <= {claim.max_ratio})",
                    claim.quote)
 
 
@@ -328,7 +339,8 @@ def _oom_size(claim, run, *_):
         return Verdict(claim.kind, "not_checkable", "no OOM with a requested size to compare", claim.quote)
     ok = abs(err.tried_to_allocate - claim.size) <= 0.02 * claim.size
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
-                   f"tried to allocate {fmt_gib(err.tried_to_allocate)}, the guide saw {fmt_gib(claim.size)}", claim.quote)
+                   f"tried to allocate {fmt_gib(err.tried_to_allocate)}, the guide saw {fmt_gib(claim.size)}",
+                   claim.quote)
 
 
 def _speed_rank(claim, case, run, lookup):

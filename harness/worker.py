@@ -308,7 +308,6 @@ def run(args) -> int:
     from harness.platform import Platform, detect, dist_backend, parse_oom
     from harness.report import ErrorInfo, Failure, RankReport, Zero
     from harness.shape import run_shape
-
     from harness.variants import parse_variant
 
     case = parse_variant(args.variant).apply(load_case(args.case))
@@ -381,7 +380,8 @@ def run(args) -> int:
                 import deepspeed
 
                 trainable = [p for p in model.parameters() if p.requires_grad]
-                engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+                engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                                               config=ds_config)
                 runner = engine
             else:
                 optimizer = torch.optim.AdamW(
@@ -461,7 +461,7 @@ def run(args) -> int:
                 report.probes.eval_peak_bytes_all_logits, report.probes.eval_logits_bytes_all = _eval_probe(
                     runner, probe_batch, meas, 0
                 )
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report, then an exit code
+    except BaseException as exc:  # every failure becomes a report, then an exit code
         text = f"{type(exc).__name__}: {exc}"
         oom = parse_oom(text)
         if isinstance(exc, torch.OutOfMemoryError) or oom is not None:

@@ -48,7 +48,8 @@ def test_the_report_puts_the_guides_figures_beside_the_measurement(tmp_path):
 
 
 def _series_entry(case_id: str, variant: str, peak: float, host: float, step_s: float) -> dict:
-    rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=2, platform="cuda", device_name="NVIDIA H200",
+    rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=2, platform="cuda",
+                      device_name="NVIDIA H200",
                       step=Memory(allocated=int(5.4 * GIB), device=int(peak * GIB), host_rss=int(host * GIB)),
                       step_times_s=[9.0, step_s, step_s], tokens_per_step=2048)
     run = CaseRun(case_id=case_id, fidelity="real", variant=variant, command=[], returncode=0, wall_s=1.0, ranks=[rank])
@@ -58,7 +59,8 @@ def _series_entry(case_id: str, variant: str, peak: float, host: float, step_s: 
 def test_the_report_sets_each_extrapolation_beside_its_full_depth_check(tmp_path):
     case = "000-lora-z3-offload-cutoff1024-ga16-nonreentrant"
     runs = tmp_path / "runs.json"
-    runs.write_text(json.dumps([_series_entry(case, "2r4L2ga", 10.0, 7.0, 1.0), _series_entry(case, "2r8L2ga", 10.0, 11.0, 2.0),
+    runs.write_text(json.dumps([_series_entry(case, "2r4L2ga", 10.0, 7.0, 1.0),
+                                _series_entry(case, "2r8L2ga", 10.0, 11.0, 2.0),
                                 _series_entry(case, "2r2ga", 11.0, 67.0, 20.0)]))
     bless(runs, root=tmp_path / "baselines")
     table = report_markdown(load_baselines(tmp_path / "baselines"))

@@ -15,7 +15,8 @@ def _run(case_id, steps, variant="", fidelity="real", ok=True):
     rank = RankReport(case_id=case_id, fidelity=fidelity, rank=0, world_size=1, platform="cuda",
                       device_name="NVIDIA H100 80GB HBM3", step=Memory(allocated=int(9 * GIB), device=int(10 * GIB)),
                       step_times_s=steps, tokens_per_step=4096, flops_per_token=4e10)
-    return CaseRun(case_id=case_id, fidelity=fidelity, variant=variant, command=[], returncode=0, wall_s=1, ranks=[rank],
+    return CaseRun(case_id=case_id, fidelity=fidelity, variant=variant, command=[], returncode=0, wall_s=1,
+                   ranks=[rank],
                    error=None if ok else {"kind": "oom", "message": "out of memory"})
 
 

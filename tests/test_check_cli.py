@@ -284,7 +284,7 @@ def test_host_ram_of_a_node_whose_cards_each_run_their_own_jobs(capsys, predicte
     # guide 004: seven 23.52 GiB cards, two single-process jobs on each; the prediction is one job's
     predicted(4)
     gla = str(ROOT / "cases" / "004-gla-plan-b-bs2.yaml")
-    code, out, _ = run(capsys, gla)
+    _, out, _ = run(capsys, gla)
     lines = [" ".join(line.split()) for line in out.splitlines()]
     assert "host RAM (this job, 2 processes) 150.00 GiB" in lines
     assert "host RAM (every card busy, 14 processes) 1050.00 GiB of 251.00 GiB" in lines

@@ -53,14 +53,16 @@ def test_a_cold_case_gets_an_empty_cache_shared_by_its_jobs(tmp_path):
 
 def _run(peak_gib, cache):
     rank = RankReport(case_id="004-gla-plan-b-bs2", fidelity="real", rank=0, world_size=1, platform="cuda",
-                      device_name="NVIDIA H100 80GB HBM3", step=Memory(allocated=int(peak_gib * GIB), device=int(peak_gib * GIB)),
+                      device_name="NVIDIA H100 80GB HBM3",
+                      step=Memory(allocated=int(peak_gib * GIB), device=int(peak_gib * GIB)),
                       step_times_s=[30.0, 0.4, 0.4], tokens_per_step=1024, triton_cache=cache)
     return CaseRun(case_id=rank.case_id, fidelity="real", command=[], returncode=0, wall_s=1, ranks=[rank])
 
 
 def test_peaks_are_compared_only_between_runs_with_the_same_cache_state(tmp_path):
     case = load_case(PLAN_B)
-    (tmp_path / "r.json").write_text(json.dumps([{"case": case.id, "run": json.loads(_run(3.97, "warm").model_dump_json())}]))
+    (tmp_path / "r.json").write_text(json.dumps([{"case": case.id,
+                                                  "run": json.loads(_run(3.97, "warm").model_dump_json())}]))
     bless(tmp_path / "r.json", root=tmp_path / "b", recorded="2026-11-26")
     (baseline,) = load_baselines(tmp_path / "b")
     assert baseline.runs[0].triton_cache == "warm"
@@ -76,7 +78,8 @@ def test_the_predictors_device_overhead_is_fitted_on_warm_runs_only(tmp_path):
     def entry(case_id, reserved_gib, device_gib, cache):
         rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=1, platform="cuda",
                           device_name="NVIDIA H100 80GB HBM3", triton_cache=cache, step_times_s=[1.0, 0.4, 0.4],
-                          step=Memory(allocated=int(3 * GIB), reserved=int(reserved_gib * GIB), device=int(device_gib * GIB)))
+                          step=Memory(allocated=int(3 * GIB), reserved=int(reserved_gib * GIB),
+                                      device=int(device_gib * GIB)))
         run = CaseRun(case_id=case_id, fidelity="real", command=[], returncode=0, wall_s=1, ranks=[rank])
         return {"case": case_id, "run": json.loads(run.model_dump_json())}
 

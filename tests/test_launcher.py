@@ -100,7 +100,8 @@ def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, mo
     (job,) = plan_jobs(load_case(qlora), qlora, "real", 1, tmp_path, Platform.cuda)
     assert job.env["OMP_NUM_THREADS"] == "16"
     gla = CASES_DIR / "004-gla-plan-b-bs2.yaml"  # guide 004 sets OMP_NUM_THREADS=1 itself: the case's word holds
-    assert {j.env["OMP_NUM_THREADS"] for j in plan_jobs(load_case(gla), gla, "real", 1, tmp_path, Platform.cuda)} == {"1"}
+    assert {j.env["OMP_NUM_THREADS"]
+            for j in plan_jobs(load_case(gla), gla, "real", 1, tmp_path, Platform.cuda)} == {"1"}
     (job,) = plan_jobs(load_case(gemma), gemma, "tiny", 2, tmp_path, Platform.cpu)
     assert job.env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins

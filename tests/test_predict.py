@@ -182,5 +182,6 @@ def test_zero3_with_optimizer_offload_keeps_its_gradient_partition_on_the_host()
 def test_pinned_parameter_offload_rounds_each_partition_for_full_fine_tunes_too():
     full = case("002-gemma27b-full-z3-offload-len2048")
     unpinned = changed(full, **{"deepspeed.pin_memory": False})
-    pinned_host, plain_host = predict(full).terms["host_zero3_param_partition"], predict(unpinned).terms["host_zero3_param_partition"]
+    pinned_host, plain_host = (predict(full).terms["host_zero3_param_partition"],
+                               predict(unpinned).terms["host_zero3_param_partition"])
     assert plain_host < pinned_host < 2 * plain_host  # torch's pinned allocator rounds each block to a power of two

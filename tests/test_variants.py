@@ -7,7 +7,15 @@ import pytest
 
 from harness.baselines import Figures, bless, load_baselines
 from harness.cases import CASES_DIR, load_case
-from harness.extrapolate import DepthCheck, depth_check, depth_checks, every_fit, extrapolate, extrapolate_figures, fit_line
+from harness.extrapolate import (
+    DepthCheck,
+    depth_check,
+    depth_checks,
+    every_fit,
+    extrapolate,
+    extrapolate_figures,
+    fit_line,
+)
 from harness.regression import against_baseline, limit, tolerance
 from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
 from harness.session import plan
@@ -168,7 +176,8 @@ def test_a_full_depth_measurement_sets_the_margin_of_its_models_extrapolations(t
     # every fit of the same model carries it, the checked case's own included
     fits = {case.id: e for case, e in every_fit(baselines)}
     other, own = fits[FAILING_32B.id], fits[FIX_32B.id]
-    assert other.check == check and other.peak_with_margin() == pytest.approx(other.values["per_card_peak"] * (1 + check.missed))
+    assert (other.check == check
+            and other.peak_with_margin() == pytest.approx(other.values["per_card_peak"] * (1 + check.missed)))
     assert own.check == check and own.error("per_card_peak") == pytest.approx(10.53 / 11.29 - 1, rel=1e-6)
     # an extrapolation that came out above the measurement adds nothing
     assert DepthCheck("c", "m", "k", extrapolated=12.0, measured=11.0).missed == 0.0
@@ -191,7 +200,8 @@ def test_a_fit_on_fewer_ranks_carries_over_and_an_oom_does_not():
     oom = judge_on_variant(FIX_32B, fewer, Verdict("outcome", "refuted", "out of memory"), _run(OOM))
     assert oom.status == "not_checkable"
     # the guide's failing config: an OOM on 2 ranks says nothing of 8, a fit on 2 ranks refutes it
-    assert judge_on_variant(FAILING_32B, fewer, Verdict("outcome", "confirmed", "oom"), _run(OOM)).status == "not_checkable"
+    assert judge_on_variant(FAILING_32B, fewer, Verdict("outcome", "confirmed", "oom"),
+                            _run(OOM)).status == "not_checkable"
     assert judge_on_variant(FAILING_32B, fewer, Verdict("outcome", "refuted", "fits"), _run()).status == "refuted"
 
 
@@ -250,7 +260,8 @@ def test_a_run_is_held_to_its_baseline(tmp_path):
     worse = _figures(10.5, 2.0)  # +5% memory (floor 2%), half the speed (tolerance ~27%)
     worse.tokens_per_s_per_gpu = 2048 / 2.0
     verdicts = {v.what: v for v in against_baseline(FIX_7B, worse, base)}
-    assert verdicts["baseline_memory"].status == "refuted" and "10.50 GiB vs baseline 10.00 GiB" in verdicts["baseline_memory"].detail
+    assert (verdicts["baseline_memory"].status == "refuted"
+            and "10.50 GiB vs baseline 10.00 GiB" in verdicts["baseline_memory"].detail)
     assert verdicts["baseline_speed"].status == "refuted" and "3 repetitions" in verdicts["baseline_speed"].detail
     assert against_baseline(FIX_7B, same, None)[0].status == "not_checkable"
 
@@ -310,7 +321,8 @@ def test_each_depth_of_a_series_is_held_to_its_own_baseline(monkeypatch, tmp_pat
     (tmp_path / "runs.json").write_text(json.dumps(entries))
     bless(tmp_path / "runs.json", root=tmp_path / "b", recorded="2026-11-26")
     # 0.03 GiB per layer instead of 0.01: +1.6% at 4 layers (within the 2% floor), +3.1% at 8
-    j = _session_with(monkeypatch, tmp_path / "s", per_layer_gib=0.03, baseline_root=tmp_path / "b").judge(FIX_32B.id, "real")
+    j = _session_with(monkeypatch, tmp_path / "s", per_layer_gib=0.03,
+                      baseline_root=tmp_path / "b").judge(FIX_32B.id, "real")
     memory = [v for v in j.against_baseline if v.what == "baseline_memory"]
     assert [v.status for v in memory] == ["confirmed", "refuted"]
     assert memory[1].detail.startswith("2 of 8 ranks, 8 of 64 layers, grad accum 2 of 16: per-card peak 5.24 GiB")
@@ -339,11 +351,13 @@ def test_a_wide_spread_is_bounded_by_the_slowest_repetition(tmp_path):
     slow.tokens_per_s_per_gpu = 2048 / 2.3  # 890 tokens/s, under the slowest repetition less 5% (973)
     speed = {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"]
     assert speed.status == "refuted"
-    assert "floor 973, the slowest of 2 repetitions less 5%; 3 x the spread over 2 repetitions (33.3%) would allow -100%" in speed.detail
+    assert ("floor 973, the slowest of 2 repetitions less 5%; "
+            "3 x the spread over 2 repetitions (33.3%) would allow -100%" in speed.detail)
     ok = _figures(10.0, 2.1)
     ok.tokens_per_s_per_gpu = 2048 / 2.1
     assert {v.what: v for v in against_baseline(FIX_7B, ok, base)}["baseline_speed"].status == "confirmed"
-    assert limit([100.0, 101.0, 99.0], None, 0.05, upper=False).why.startswith("-5.0%: floor 5%")  # a narrow spread: the floor
+    # a narrow spread: the floor
+    assert limit([100.0, 101.0, 99.0], None, 0.05, upper=False).why.startswith("-5.0%: floor 5%")
 
 
 def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):

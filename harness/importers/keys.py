@@ -176,7 +176,7 @@ def installed_training_fields() -> frozenset[str]:
         from transformers import Seq2SeqTrainingArguments
 
         return frozenset(f.name for f in dataclasses.fields(Seq2SeqTrainingArguments))
-    except Exception:  # noqa: BLE001 - no transformers, or one that fails to import: the list alone decides
+    except Exception:  # no transformers, or one that fails to import: the list alone decides
         return frozenset()
     finally:
         logging.disable(previous)
