@@ -134,12 +134,18 @@ class Session:
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
 
     @cached_property
-    def _depth_checks(self):
-        """The full-depth checks in results/baselines, read once a session (for depth series only)."""
+    def _baselines(self):
+        """The baselines full-size runs are held to, read once a session."""
         from harness.baselines import load_baselines
+
+        return load_baselines(self.baseline_root)
+
+    @cached_property
+    def _depth_checks(self):
+        """The full-depth checks among the baselines (for depth series only)."""
         from harness.extrapolate import depth_checks
 
-        return depth_checks(load_baselines(self.baseline_root))
+        return depth_checks(self._baselines)
 
     def plan(self, case_id: str, fidelity: str) -> list[Variant]:
         return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth, self.grad_accum_cap)
@@ -207,7 +213,7 @@ class Session:
         return self._judged[key]
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
-        from harness.baselines import PlatformInfo, figures_of, load_baselines
+        from harness.baselines import PlatformInfo, figures_of
         from harness.extrapolate import depth_check, extrapolate_figures
         from harness.regression import against_baseline, find_baseline
 
@@ -238,11 +244,10 @@ class Session:
         regression: list[Verdict] = []
         if fidelity == "real":
             # every measured variant against its own baseline: a depth series regresses at one depth
-            baselines = load_baselines(self.baseline_root)
             for variant, measured in zip(variants, runs, strict=True):
                 if not measured.ranks:
                     continue
-                found = find_baseline(case_id, variant.text, PlatformInfo.of_run(measured).key, baselines)
+                found = find_baseline(case_id, variant.text, PlatformInfo.of_run(measured).key, self._baselines)
                 verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found)
                 regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
                                for v in verdicts]
