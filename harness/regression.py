@@ -77,6 +77,15 @@ def limit(values: list[float], explicit: float | None, floor: float, upper: bool
     return by_spread
 
 
+def _other_condition(baseline: Baseline, attr: str, value, what: str, say) -> Verdict | None:
+    """Not comparable: the run was measured under another condition (`attr`: the Triton cache, the
+    CPU threads) than every repetition of its baseline. `say(run's, baseline's)` words it."""
+    seen = set(baseline.values(attr))
+    if not value or not seen or seen == {value}:
+        return None
+    return Verdict(what, "not_checkable", say(value, " and ".join(str(v) for v in sorted(seen))))
+
+
 def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) -> list[Verdict]:
     if baseline is None:
         return [Verdict("baseline", "not_checkable", "no baseline for this case on this platform (oom-harness bless)")]
@@ -85,12 +94,12 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
                         f"{baseline.runs[0].outcome}: only finished runs are compared")]
     out = []
     peaks = baseline.values("per_card_peak")
-    caches = {r.triton_cache for r in baseline.runs} - {None}
-    if figures.triton_cache and caches and caches != {figures.triton_cache}:
-        # compiling Triton kernels holds GiBs outside the allocator (harness.compile_cache): not a regression
-        out.append(Verdict("baseline_memory", "not_checkable",
-                           f"this run had a {figures.triton_cache} Triton cache, the baseline "
-                           f"{' and '.join(sorted(caches))}; peaks are compared between runs of one kind"))
+    # compiling Triton kernels holds GiBs outside the allocator (harness.compile_cache): not a regression
+    other = _other_condition(baseline, "triton_cache", figures.triton_cache, "baseline_memory",
+                             lambda run, base: f"this run had a {run} Triton cache, the baseline {base}; "
+                                               "peaks are compared between runs of one kind")
+    if other:
+        out.append(other)
         peaks = []
     if peaks and figures.per_card_peak is not None:
         most = limit(peaks, case.expect.memory_tolerance, MEMORY_FLOOR, upper=True)
@@ -100,17 +109,18 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
                            f"{fmt_gib(statistics.median(peaks))} (limit {fmt_gib(most.value)}, {most.why}; "
                            f"recorded {baseline.recorded})"))
     rates = baseline.values("tokens_per_s_per_gpu")
-    threads = {r.cpu_threads for r in baseline.runs} - {None}
-    if figures.cpu_threads and threads and threads != {figures.cpu_threads}:
-        # a CPU-bound step (CPU Adam under offload) scales with the threads: not a regression
-        out.append(Verdict("baseline_speed", "not_checkable",
-                           f"this run had {figures.cpu_threads} CPU threads per process, the baseline "
-                           f"{' and '.join(str(t) for t in sorted(threads))}; speeds are compared at one thread count"))
+    # a CPU-bound step (CPU Adam under offload) scales with the threads: not a regression
+    other = _other_condition(baseline, "cpu_threads", figures.cpu_threads, "baseline_speed",
+                             lambda run, base: f"this run had {run} CPU threads per process, the baseline "
+                                               f"{base}; speeds are compared at one thread count")
+    if other:
+        out.append(other)
         rates = []
     if rates and figures.tokens_per_s_per_gpu is not None:
         least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
         ok = figures.tokens_per_s_per_gpu >= least.value
-        unrecorded = "; the baseline's CPU threads were not recorded" if not threads and figures.cpu_threads else ""
+        unrecorded = ("; the baseline's CPU threads were not recorded"
+                      if figures.cpu_threads and not baseline.values("cpu_threads") else "")
         out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
                            f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
                            f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"))
