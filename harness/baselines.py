@@ -111,9 +111,30 @@ class BlessError(ValueError):
     """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline."""
 
 
+def read_runs(paths: list[Path]) -> list[CaseRun]:
+    """The runs in `oom-harness run --json` files, in `run.json` files (one run each), and in every
+    `run.json` below a folder (`pytest --harness-run-dir`, `oom-harness run --out`), in that order."""
+    runs = []
+    for path in map(Path, paths):
+        files = sorted(path.rglob("run.json")) if path.is_dir() else [path]
+        if path.is_dir() and not files:
+            raise BlessError(f"{path}: no run.json below this folder; name a run folder or a `run --json` file")
+        for f in files:
+            data = json.loads(f.read_text())
+            entries = data if isinstance(data, list) else [{"run": data}]
+            for i, entry in enumerate(entries):
+                try:
+                    runs.append(CaseRun.model_validate(entry["run"]))
+                except (KeyError, TypeError, ValidationError) as exc:
+                    where = f"entry {i}" if isinstance(data, list) else "its content"
+                    raise BlessError(f"{f}: {where} is not a run of `oom-harness run --json` or a run.json "
+                                     f"({str(exc).splitlines()[0]})") from exc
+    return runs
+
+
 def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
           recorded: str | None = None, append: bool = False) -> list[Path]:
-    """Write or refresh the baselines of every full-size run in `oom-harness run --json` files.
+    """Write or refresh the baselines of every full-size run in `runs_json` (see `read_runs`).
     Repeated runs of a case in them become repetitions of one baseline. With `append`, they are
     added to the repetitions a baseline already has (runs of another day or another host of the same
     platform), so the spread the tolerances derive from covers them all."""
@@ -121,15 +142,8 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
     from harness.variants import parse_variant
 
     day = recorded or dt.date.today().isoformat()
-    files = [runs_json] if isinstance(runs_json, (str, Path)) else runs_json
-    entries = [(f, i, entry) for f in files for i, entry in enumerate(json.loads(Path(f).read_text()))]
     by_case: dict[tuple[str, str], list[CaseRun]] = {}
-    for f, i, entry in entries:
-        try:
-            run = CaseRun.model_validate(entry["run"])
-        except (KeyError, TypeError, ValidationError) as exc:
-            raise BlessError(f"{f}: entry {i} is not a run of `oom-harness run --json` "
-                             f"({str(exc).splitlines()[0]}); write the file with that command") from exc
+    for run in read_runs([runs_json] if isinstance(runs_json, (str, Path)) else runs_json):
         if run.fidelity != "real" or not run.ranks:
             continue
         by_case.setdefault((run.case_id, run.variant), []).append(run)

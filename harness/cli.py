@@ -224,7 +224,8 @@ def main(argv=None) -> int:
                      help="training processes at once for tiny runs (default: one per CPU core)")
     run.set_defaults(func=_cmd_run)
     bl = sub.add_parser("bless", help="write or refresh baselines from a `run --fidelity real --json` file")
-    bl.add_argument("runs", nargs="+", help="`run --fidelity real --json` files (one baseline per case and variant)")
+    bl.add_argument("runs", nargs="+", help="`run --fidelity real --json` files, run.json files, or run folders "
+                                           "(pytest --harness-run-dir): one baseline per case and variant")
     bl.add_argument("--driver", help="the GPU driver version, where the reports lack it")
     bl.add_argument("--note", help="a line of provenance kept with the baselines")
     bl.add_argument("--append", action="store_true",

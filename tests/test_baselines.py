@@ -123,3 +123,18 @@ def test_several_runs_files_bless_at_once(tmp_path):
     first.write_text(json.dumps([{"case": "x"}]))
     with pytest.raises(BlessError, match=r"single-0.json: entry 0 is not a run of `oom-harness run --json`"):
         bless([first, second], root=tmp_path / "baselines")
+
+
+def test_a_pytest_run_folder_blesses_directly(tmp_path):
+    # pytest --harness-run-dir DIR writes DIR/real/<case>/run.json, repetitions in rep1/, rep2/...
+    case_dir = tmp_path / "runs" / "real" / "003-qlora-fix-r32-seq1024-gc"
+    (case_dir / "rep1").mkdir(parents=True)
+    (case_dir / "run.json").write_text(json.dumps(_run(10.5, 7.0)["run"]))
+    (case_dir / "rep1" / "run.json").write_text(json.dumps(_run(10.5, 7.2)["run"]))
+    bless([tmp_path / "runs"], root=tmp_path / "baselines")
+    assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2
+    with pytest.raises(BlessError, match="no run.json below this folder"):
+        bless([tmp_path / "baselines"], root=tmp_path / "b2")
+    (case_dir / "run.json").write_text("{}")
+    with pytest.raises(BlessError, match=r"run.json: its content is not a run"):
+        bless([tmp_path / "runs"], root=tmp_path / "b2")
