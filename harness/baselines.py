@@ -120,7 +120,10 @@ def read_runs(paths: list[Path]) -> list[CaseRun]:
         if path.is_dir() and not files:
             raise BlessError(f"{path}: no run.json below this folder; name a run folder or a `run --json` file")
         for f in files:
-            data = json.loads(f.read_text())
+            try:
+                data = json.loads(f.read_text())
+            except (OSError, ValueError) as exc:
+                raise BlessError(f"{f}: cannot be read as JSON ({exc})") from exc
             entries = data if isinstance(data, list) else [{"run": data}]
             for i, entry in enumerate(entries):
                 try:

@@ -133,8 +133,10 @@ def test_a_pytest_run_folder_blesses_directly(tmp_path):
     (case_dir / "rep1" / "run.json").write_text(json.dumps(_run(10.5, 7.2)["run"]))
     bless([tmp_path / "runs"], root=tmp_path / "baselines")
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2
-    with pytest.raises(BlessError, match="no run.json below this folder"):
+    with pytest.raises(BlessError, match=r"no run\.json below this folder"):
         bless([tmp_path / "baselines"], root=tmp_path / "b2")
+    with pytest.raises(BlessError, match=r"missing\.json: cannot be read as JSON"):
+        bless([tmp_path / "missing.json"], root=tmp_path / "b2")
     (case_dir / "run.json").write_text("{}")
     with pytest.raises(BlessError, match=r"run.json: its content is not a run"):
         bless([tmp_path / "runs"], root=tmp_path / "b2")
