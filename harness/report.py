@@ -11,12 +11,14 @@ from pydantic import BaseModel, Field
 class Memory(BaseModel):
     """Peak (or footprint) of one phase, bytes. allocated: live tensors; reserved: the caching
     allocator's segments; device: what the device reports for the process (NVML / amdsmi);
-    host_rss: host memory of the process and its dataloader workers."""
+    host_rss: host memory of the process and its dataloader workers (resident set); host_anon: its
+    anonymous and shared-memory part, without the file pages the kernel can reclaim (Linux)."""
 
     allocated: int
     reserved: int | None = None
     device: int | None = None
     host_rss: int | None = None
+    host_anon: int | None = None
     resident: int | None = None  # allocated bytes still live at the end of the phase
 
     def limiting(self) -> int:

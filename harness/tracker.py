@@ -9,7 +9,8 @@
 * `AcceleratorTracker` (CUDA and ROCm/HIP, both through `torch.cuda`): the caching allocator's own
   `max_memory_allocated` / `max_memory_reserved`.
 * `Sampler`: a background thread that samples what the device reports for this process (NVML on
-  NVIDIA) and the host RSS of this process and its children (dataloader workers), keeping maxima.
+  NVIDIA) and the host memory of this process and its children (dataloader workers), keeping maxima:
+  the resident set, and its anonymous and shared-memory part (`host_pages`).
 """
 
 from __future__ import annotations
@@ -17,21 +18,11 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-
-@dataclass
-class Peak:
-    """Peak memory of one phase, in bytes. `None` where the platform has no such figure."""
-
-    allocated: int
-    reserved: int | None = None
-    device: int | None = None
-    host_rss: int | None = None
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -242,8 +233,27 @@ def device_memory_reader(device: torch.device):
         return None
 
 
+def host_pages(pid: int) -> tuple[int, int | None]:
+    """(resident, anonymous + shared) bytes of one process. The resident set also holds file pages
+    (libraries, memory-mapped checkpoints) that the kernel can drop under pressure; anonymous pages
+    (heap, optimizer state, pinned buffers) and shared memory (batches passed between processes) it
+    cannot. Linux reports the split in /proc/<pid>/status (RssAnon, RssShmem), which psutil does not
+    read; elsewhere only the resident set is known (None)."""
+    import psutil
+
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return psutil.Process(pid).memory_info().rss, None
+    kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)
+           if k in ("VmRSS", "RssAnon", "RssShmem")}
+    if "VmRSS" not in kib:  # a zombie: nothing resident any more
+        return 0, 0
+    return kib["VmRSS"] * 1024, (kib["RssAnon"] + kib["RssShmem"]) * 1024 if "RssAnon" in kib else None
+
+
 class Sampler:
-    """Samples the device figure and host RSS (self + children) every `interval` seconds."""
+    """Samples the device figure and host memory (self + children) every `interval` seconds."""
 
     def __init__(self, device_reader=None, interval: float = 0.02) -> None:
         import psutil
@@ -254,19 +264,25 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="harness-sampler", daemon=True)
         self.device_peak: int | None = None
-        self.host_peak = 0
+        self.host_peak = 0  # resident set
+        self.host_anon_peak: int | None = None  # its anonymous and shared-memory part (host_pages)
 
-    def _host_rss(self) -> int:
-        total = self._proc.memory_info().rss
+    def _host(self) -> tuple[int, int | None]:
+        rss, anon = host_pages(self._proc.pid)
         for child in self._proc.children(recursive=True):
             try:
-                total += child.memory_info().rss
+                child_rss, child_anon = host_pages(child.pid)
             except Exception:  # a worker that exited between listing and reading
-                pass
-        return total
+                continue
+            rss += child_rss
+            anon = None if anon is None or child_anon is None else anon + child_anon
+        return rss, anon
 
     def sample(self) -> None:
-        self.host_peak = max(self.host_peak, self._host_rss())
+        rss, anon = self._host()
+        self.host_peak = max(self.host_peak, rss)
+        if anon is not None:
+            self.host_anon_peak = max(self.host_anon_peak or 0, anon)
         if self._device_reader is not None:
             value = self._device_reader.read()
             if value is not None:
@@ -279,6 +295,7 @@ class Sampler:
     def reset(self) -> None:
         self.device_peak = None
         self.host_peak = 0
+        self.host_anon_peak = None
         self.sample()
 
     def __enter__(self):

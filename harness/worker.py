@@ -122,6 +122,7 @@ class Measurement:
             reserved=reserved,
             device=device,
             host_rss=self.sampler.host_peak,
+            host_anon=self.sampler.host_anon_peak,
             resident=self.alloc.current(),
         )
 

@@ -1,6 +1,9 @@
 """The CPU tracker counts live tensor storage exactly: a known allocation is measured within
 0 bytes for plain tensors, and within 1% where an operator may allocate scratch space."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from harness.tracker import LiveTensorTracker
@@ -84,3 +87,28 @@ def test_rocm_smi_and_hy_smi_json_give_the_cards_used_vram():
     assert smi_card_used_vram(text, 1) == 42
     assert smi_card_used_vram(text, 2) is None
     assert smi_card_used_vram("ERROR: no GPU", 0) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="the split is read from Linux's /proc")
+def test_host_memory_tells_reclaimable_file_pages_from_anonymous_memory(tmp_path):
+    """A memory-mapped file read through counts in the resident set, not in the anonymous part;
+    heap memory counts in both."""
+    import mmap
+
+    from harness.tracker import Sampler
+
+    size = 256 * 2**20
+    path = tmp_path / "checkpoint.bin"
+    path.write_bytes(b"\1" * size)
+    sampler = Sampler()
+    sampler.sample()
+    rss0, anon0 = sampler.host_peak, sampler.host_anon_peak
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, size, 4096)) == size // 4096  # every page touched
+        sampler.sample()
+    assert sampler.host_peak - rss0 > 0.9 * size
+    assert sampler.host_anon_peak - anon0 < 0.1 * size
+    heap = bytearray(b"\2" * size)
+    sampler.sample()
+    assert sampler.host_anon_peak - anon0 > 0.9 * size
+    del heap
