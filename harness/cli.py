@@ -78,7 +78,7 @@ def _measure_line(run) -> str:
 
 def _cmd_run(args) -> int:
     from harness.session import Session, skip_reason
-    from harness.summary import findings, table
+    from harness.summary import FINDINGS_TITLE, findings, table
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
@@ -123,7 +123,7 @@ def _cmd_run(args) -> int:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)
     if found:
-        print("\nFindings (refuted claims and outcomes; recorded findings last):\n" + found)
+        print(f"\n{FINDINGS_TITLE.capitalize()}:\n" + found)
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     failed = any(j.failed for j in judged) or bool(session.errors)
     return 1 if failed else 0

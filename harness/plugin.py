@@ -21,7 +21,7 @@ import pytest
 from harness.cases import CASES_DIR, CaseError
 from harness.launcher import DEFAULT_TIMEOUT_S
 from harness.session import Session, skip_reason
-from harness.summary import findings, table
+from harness.summary import FINDINGS_TITLE, findings, table
 
 _SESSION = pytest.StashKey[Session]()
 
@@ -155,5 +155,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(table(judged))
     found = findings(judged)
     if found:
-        terminalreporter.section("oom-harness findings (refuted claims and outcomes; recorded findings last)")
+        terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")
         terminalreporter.write_line(found)

@@ -66,6 +66,9 @@ def table(judgements: list[Judgement]) -> str:
     return "\n".join(lines)
 
 
+FINDINGS_TITLE = "findings (refuted claims and outcomes; recorded findings last)"
+
+
 def findings(judgements: list[Judgement]) -> str:
     """Every refuted claim or outcome, with its numbers, then the guides' statements that
     measurement refutes as the cases record (`finding`), which fail nothing."""
