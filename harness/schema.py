@@ -312,6 +312,38 @@ class MemoryRangeClaim(_Claim):
         return self
 
 
+class CheckpointingSavingClaim(_Claim):
+    """The guide's own figure for what checkpointing saves, checked on real cards: the activations it
+    no longer holds for backward, as a size (`activation_bytes`: guide 004's '3-5GB'), or as a share
+    of the step's device peak without it, taken as the peak plus what it saves (`peak_fraction`:
+    guide 003's 'saves about 30-50% of the memory')."""
+
+    kind: Literal["checkpointing_saving"]
+    metric: Literal["activation_bytes", "peak_fraction"]
+    low: float
+    high: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _units(cls, data):
+        if isinstance(data, dict) and data.get("metric") == "activation_bytes":
+            data = dict(data)
+            for key in ("low", "high"):
+                if key in data:
+                    if isinstance(data[key], (int, float)) and not isinstance(data[key], bool):
+                        raise ValueError(f"{key}: write a size with a unit, e.g. '{data[key]} GiB'")
+                    data[key] = parse_size(data[key])
+        return data
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.low > self.high:
+            raise ValueError(f"checkpointing_saving low {self.low} is above high {self.high}")
+        if self.metric == "peak_fraction" and not (0 <= self.low <= self.high <= 1):
+            raise ValueError("peak_fraction bounds are fractions of the peak between 0 and 1, e.g. 0.3 and 0.5")
+        return self
+
+
 class OomAllocationClaim(_Claim):
     """The size the failing run asked for when it ran out of memory (checked where it reproduces)."""
 
@@ -332,8 +364,8 @@ class SpeedRankClaim(_Claim):
 
 
 Claim = Annotated[
-    TrainsClaim | CheckpointingClaim | QuantizedWeightsClaim | Zero3PartitionClaim | OffloadClaim | LogitsToKeepClaim
-    | LowerPeakThanClaim | MemoryRangeClaim | OomAllocationClaim | SpeedRankClaim,
+    TrainsClaim | CheckpointingClaim | CheckpointingSavingClaim | QuantizedWeightsClaim | Zero3PartitionClaim
+    | OffloadClaim | LogitsToKeepClaim | LowerPeakThanClaim | MemoryRangeClaim | OomAllocationClaim | SpeedRankClaim,
     Field(discriminator="kind"),
 ]
 

@@ -73,7 +73,8 @@ class Variant:
             data["train"]["grad_accum"] = self.grad_accum
         # memory claims are about the case as written; a variant checks only the relative ones
         data["claims"] = [c for c in data["claims"] if c["kind"] not in ("memory_range", "oom_tried_to_allocate",
-                                                                          "speed_rank", "lower_peak_than")]
+                                                                          "speed_rank", "lower_peak_than",
+                                                                          "checkpointing_saving")]
         # sizes were normalised to bytes on load; a variant keeps them as byte counts
         data["target"]["card"]["memory"] = f"{case.target.card.memory} B"
         if case.target.host_ram is not None:

@@ -249,6 +249,28 @@ def _checkpointing(claim, case, run, lookup):
                    f"without checkpointing: {saving:.0%} saved (needs >= {claim.min_saving:.0%})", claim.quote)
 
 
+def _checkpointing_saving(claim, case, run, lookup):
+    """What checkpointing saved in the worst process (its activations with and without, measured by
+    the probe) against the guide's figure for it."""
+    r = max(run.ranks, key=lambda r: r.step.limiting())
+    on, off = r.probes.activation_bytes, r.probes.activation_bytes_without_checkpointing
+    if on is None or off is None:
+        return Verdict(claim.kind, "not_checkable", "the checkpointing probe did not run", claim.quote)
+    saved = off - on
+    if claim.metric == "activation_bytes":
+        value = saved
+        detail = (f"checkpointing saves {fmt_gib(saved)} of activations ({fmt_gib(off)} -> {fmt_gib(on)}), "
+                  f"claimed {fmt_gib(claim.low, 1)} to {fmt_gib(claim.high, 1)}")
+    else:
+        peak = r.step.limiting()
+        value = saved / (peak + saved)
+        detail = (f"checkpointing saves {fmt_gib(saved)}, {value:.0%} of the {fmt_gib(peak + saved)} peak it "
+                  f"would be without ({fmt_gib(peak)} measured + the saving), claimed "
+                  f"{claim.low:.0%}-{claim.high:.0%}")
+    ok = claim.low <= value <= claim.high
+    return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
+
+
 def _quantized(claim, case, run, lookup):
     w = run.ranks[0].weights
     if not w or not w.quantized_linear_bytes:
@@ -368,6 +390,7 @@ def _speed_rank(claim, case, run, lookup):
 _CHECKS = {
     "trains": _trains,
     "checkpointing_saves_activations": _checkpointing,
+    "checkpointing_saving": _checkpointing_saving,
     "quantized_weights_shrink": _quantized,
     "zero3_partitions_parameters": _zero3,
     "optimizer_state_offloaded": _offloaded,

@@ -96,6 +96,35 @@ def test_checkpointing_that_does_not_recompute_is_refuted():
     assert v.status == "confirmed" and "70% saved" in v.detail
 
 
+def test_the_guides_figure_for_the_checkpointing_saving_is_checked_at_full_size():
+    import pytest
+    from pydantic import ValidationError
+
+    from harness.schema import CheckpointingSavingClaim
+
+    share = next(c for c in FIX.claims if c.kind == "checkpointing_saving")  # guide 003: 30-50% of the memory
+    probes = Probes(activation_bytes=int(1.5 * GIB), activation_bytes_without_checkpointing=int(13.5 * GIB))
+    run = run_of(rank(step_device=int(13 * GIB), probes=probes))  # 12 GiB saved of 25 GiB: 48%
+    v = check_claim(share, FIX, run, None)
+    assert v.status == "confirmed" and "48% of the 25.00 GiB peak it would be without" in v.detail
+    small = Probes(activation_bytes=int(1.5 * GIB), activation_bytes_without_checkpointing=int(4.5 * GIB))
+    assert check_claim(share, FIX, run_of(rank(step_device=int(13 * GIB), probes=small)), None).status == "refuted"
+    assert check_claim(share, FIX, run_of(rank(probes=probes), fidelity="tiny"), None).status == "not_checkable"
+    size = CheckpointingSavingClaim(kind="checkpointing_saving", metric="activation_bytes", low="3 GiB",
+                                    high="5 GiB", quote="q")  # guide 004: 3-5GB
+    v = check_claim(size, SHARED, run, None)
+    assert v.status == "refuted" and "saves 12.00 GiB of activations" in v.detail
+    with pytest.raises(ValidationError, match="write a size with a unit"):
+        CheckpointingSavingClaim(kind="checkpointing_saving", metric="activation_bytes", low=3, high="5 GiB", quote="q")
+    with pytest.raises(ValidationError, match="fractions of the peak"):
+        CheckpointingSavingClaim(kind="checkpointing_saving", metric="peak_fraction", low=30, high=50, quote="q")
+    # a figure about the case as written: measured on fewer layers it is not judged
+    from harness.variants import Variant
+
+    deep = Variant(layers=8).apply(SHARED)
+    assert not [c for c in deep.claims if c.kind == "checkpointing_saving"]
+
+
 def test_training_must_lower_a_finite_loss():
     claim = TrainsClaim(kind="trains", quote="q")
     assert check_claim(claim, FIX, run_of(rank(losses=(2.0, 2.1)), fidelity="tiny"), None).status == "refuted"
