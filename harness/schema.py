@@ -7,7 +7,7 @@ the field and the allowed values (see `harness.cases`), never a silently ignored
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -281,52 +281,20 @@ class LowerPeakThanClaim(_Claim):
     case: str
 
 
-class MemoryRangeClaim(_Claim):
-    """A stated figure, e.g. guide 003's 'training ~10-12 GB'; checked on real cards.
-    device_peak / load_footprint take sizes with units ('10 GB'); usage_fraction takes fractions of
-    the card (0.76)."""
+class _RangeClaim(_Claim):
+    """A figure the guide states as a range: sizes with units for the metrics in `SIZES`, fractions
+    between 0 and 1 (of `FRACTION_OF`) for the others."""
 
-    kind: Literal["memory_range"]
-    metric: Literal["device_peak", "load_footprint", "usage_fraction"]
+    SIZES: ClassVar[tuple[str, ...]] = ()
+    FRACTION_OF: ClassVar[str] = ""
+    metric: str
     low: float
     high: float
 
     @model_validator(mode="before")
     @classmethod
     def _units(cls, data):
-        if isinstance(data, dict) and data.get("metric") in ("device_peak", "load_footprint"):
-            data = dict(data)
-            for key in ("low", "high"):
-                if key in data:
-                    if isinstance(data[key], (int, float)) and not isinstance(data[key], bool):
-                        raise ValueError(f"{key}: write a size with a unit, e.g. '{data[key]} GB'")
-                    data[key] = parse_size(data[key])
-        return data
-
-    @model_validator(mode="after")
-    def _ordered(self):
-        if self.low > self.high:
-            raise ValueError(f"memory_range low {self.low} is above high {self.high}")
-        if self.metric == "usage_fraction" and not (0 <= self.low <= self.high <= 1):
-            raise ValueError("usage_fraction bounds are fractions of the card between 0 and 1")
-        return self
-
-
-class CheckpointingSavingClaim(_Claim):
-    """The guide's own figure for what checkpointing saves, checked on real cards: the activations it
-    no longer holds for backward, as a size (`activation_bytes`: guide 004's '3-5GB'), or as a share
-    of the step's device peak without it, taken as the peak plus what it saves (`peak_fraction`:
-    guide 003's 'saves about 30-50% of the memory')."""
-
-    kind: Literal["checkpointing_saving"]
-    metric: Literal["activation_bytes", "peak_fraction"]
-    low: float
-    high: float
-
-    @model_validator(mode="before")
-    @classmethod
-    def _units(cls, data):
-        if isinstance(data, dict) and data.get("metric") == "activation_bytes":
+        if isinstance(data, dict) and data.get("metric") in cls.SIZES:
             data = dict(data)
             for key in ("low", "high"):
                 if key in data:
@@ -338,10 +306,33 @@ class CheckpointingSavingClaim(_Claim):
     @model_validator(mode="after")
     def _ordered(self):
         if self.low > self.high:
-            raise ValueError(f"checkpointing_saving low {self.low} is above high {self.high}")
-        if self.metric == "peak_fraction" and not (0 <= self.low <= self.high <= 1):
-            raise ValueError("peak_fraction bounds are fractions of the peak between 0 and 1, e.g. 0.3 and 0.5")
+            raise ValueError(f"{self.kind} low {self.low} is above high {self.high}")
+        if self.metric not in self.SIZES and not (0 <= self.low <= self.high <= 1):
+            raise ValueError(f"{self.metric} bounds are fractions of {self.FRACTION_OF} between 0 and 1, e.g. 0.3")
         return self
+
+
+class MemoryRangeClaim(_RangeClaim):
+    """A stated figure, e.g. guide 003's 'training ~10-12 GB'; checked on real cards.
+    device_peak / load_footprint take sizes with units ('10 GB'); usage_fraction takes fractions of
+    the card (0.76)."""
+
+    SIZES = ("device_peak", "load_footprint")
+    FRACTION_OF = "the card"
+    kind: Literal["memory_range"]
+    metric: Literal["device_peak", "load_footprint", "usage_fraction"]
+
+
+class CheckpointingSavingClaim(_RangeClaim):
+    """The guide's own figure for what checkpointing saves, checked on real cards: the activations it
+    no longer holds for backward, as a size (`activation_bytes`: guide 004's '3-5GB'), or as a share
+    of the step's device peak without it, taken as the peak plus what it saves (`peak_fraction`:
+    guide 003's 'saves about 30-50% of the memory')."""
+
+    SIZES = ("activation_bytes",)
+    FRACTION_OF = "the peak"
+    kind: Literal["checkpointing_saving"]
+    metric: Literal["activation_bytes", "peak_fraction"]
 
 
 class OomAllocationClaim(_Claim):
