@@ -62,6 +62,10 @@ class Probes(BaseModel):
     eval_logits_bytes: int | None = None
     eval_logits_bytes_all: int | None = None
     train_logits_bytes: int | None = None
+    # seconds of timed training forwards and backwards with checkpointing as configured and without it
+    # (cases that claim its speed cost; harness.worker._timed_passes)
+    pass_s_with_checkpointing: list[float] | None = None
+    pass_s_without_checkpointing: list[float] | None = None
 
 
 class Failure(str, Enum):

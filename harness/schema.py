@@ -335,6 +335,15 @@ class CheckpointingSavingClaim(_RangeClaim):
     metric: Literal["activation_bytes", "peak_fraction"]
 
 
+class CheckpointingSpeedClaim(_Claim):
+    """The guide's figure for what checkpointing costs in speed (guide 004: '-8%'), checked on real
+    cards against timed training forwards and backwards with it and without it (single-process jobs;
+    the optimizer step, the same either way, is left out). `cost`: the share of tokens per second lost."""
+
+    kind: Literal["checkpointing_speed_cost"]
+    cost: float = Field(gt=0, lt=1)
+
+
 class OomAllocationClaim(_Claim):
     """The size the failing run asked for when it ran out of memory (checked where it reproduces)."""
 
@@ -355,8 +364,9 @@ class SpeedRankClaim(_Claim):
 
 
 Claim = Annotated[
-    TrainsClaim | CheckpointingClaim | CheckpointingSavingClaim | QuantizedWeightsClaim | Zero3PartitionClaim
-    | OffloadClaim | LogitsToKeepClaim | LowerPeakThanClaim | MemoryRangeClaim | OomAllocationClaim | SpeedRankClaim,
+    TrainsClaim | CheckpointingClaim | CheckpointingSavingClaim | CheckpointingSpeedClaim | QuantizedWeightsClaim
+    | Zero3PartitionClaim | OffloadClaim | LogitsToKeepClaim | LowerPeakThanClaim | MemoryRangeClaim
+    | OomAllocationClaim | SpeedRankClaim,
     Field(discriminator="kind"),
 ]
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from harness.baselines import spread
 from harness.report import CaseRun, Failure
 from harness.schema import TINY_CLAIMS, Case
 from harness.units import fmt_gib, fmt_mib
@@ -271,6 +272,27 @@ def _checkpointing_saving(claim, case, run, lookup):
     return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
 
 
+CHECKPOINTING_COST_FLOOR = 0.02  # two points of slowdown: what timings of a few passes cannot tell apart
+
+
+def _checkpointing_speed(claim, case, run, lookup):
+    """The measured share of tokens/s checkpointing costs against the guide's figure, within what the
+    timings' own spread allows (three times the two spreads, at least CHECKPOINTING_COST_FLOOR)."""
+    p = run.ranks[0].probes
+    on, off = p.pass_s_with_checkpointing, p.pass_s_without_checkpointing
+    if not on or not off:
+        return Verdict(claim.kind, "not_checkable", "the timed passes did not run (or did not fit the card without "
+                       "checkpointing)", claim.quote)
+    (t_on, dev_on), (t_off, dev_off) = spread(on), spread(off)
+    cost = 1 - t_off / t_on
+    allowed = max(CHECKPOINTING_COST_FLOOR, 3 * (dev_on + dev_off))
+    ok = abs(cost - claim.cost) <= allowed
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"checkpointing costs {cost:.1%} of tokens/s (a forward and backward in {t_on:.3f} s with it, "
+                   f"{t_off:.3f} s without; medians of {len(on)}), claimed {claim.cost:.0%} (+/- {allowed:.1%} "
+                   f"from the timings' spread)", claim.quote)
+
+
 def _quantized(claim, case, run, lookup):
     w = run.ranks[0].weights
     if not w or not w.quantized_linear_bytes:
@@ -391,6 +413,7 @@ _CHECKS = {
     "trains": _trains,
     "checkpointing_saves_activations": _checkpointing,
     "checkpointing_saving": _checkpointing_saving,
+    "checkpointing_speed_cost": _checkpointing_speed,
     "quantized_weights_shrink": _quantized,
     "zero3_partitions_parameters": _zero3,
     "optimizer_state_offloaded": _offloaded,

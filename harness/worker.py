@@ -289,6 +289,36 @@ def _forward_probe(model, batch, meas, checkpointing: bool | None):
     return held, logits
 
 
+def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> list[float] | None:
+    """Seconds of `repeats` training forwards and backwards with checkpointing on or off, after one
+    untimed warm-up; gradients are dropped after each. What checkpointing costs in speed: the
+    optimizer step, the same either way, is left out. None where the passes do not fit the card (a
+    probe, not the run: it must not fail a run that trained)."""
+    import torch
+
+    from harness.modelbuild import checkpointing_active, set_checkpointing
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    was = checkpointing_active(hf)
+    set_checkpointing(hf, checkpointing)
+    times = []
+    try:
+        for i in range(repeats + 1):
+            meas.sync()
+            start = time.perf_counter()
+            model(input_ids=batch, labels=batch).loss.backward()
+            meas.sync()
+            if i:
+                times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        return None
+    finally:
+        set_checkpointing(hf, was)
+    return times
+
+
 def _eval_probe(model, batch, meas, logits_to_keep: int):
     """Peak above the start and logits bytes of an evaluation forward with `logits_to_keep`."""
     model.eval()
@@ -455,6 +485,9 @@ def run(args) -> int:
                 off, _ = _forward_probe(runner, probe_batch, meas, False)
                 report.probes.activation_bytes_without_checkpointing = off
                 report.probes.checkpointing_effective = held < off
+                if engine is None and any(c.kind == "checkpointing_speed_cost" for c in case.claims):
+                    report.probes.pass_s_with_checkpointing = _timed_passes(runner, probe_batch, meas, True)
+                    report.probes.pass_s_without_checkpointing = _timed_passes(runner, probe_batch, meas, False)
             if case.train.logits_to_keep:
                 report.probes.eval_peak_bytes, report.probes.eval_logits_bytes = _eval_probe(
                     runner, probe_batch, meas, case.train.logits_to_keep

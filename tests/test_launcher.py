@@ -272,3 +272,15 @@ def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without_it(tmp_path):
+    """Guide 004's plan A claims checkpointing costs 8% of the speed: its worker times three
+    forwards and backwards each way (end to end, tiny, on the CPU)."""
+    path = CASES_DIR / "004-gla-plan-a-minimal.yaml"
+    run = run_case(load_case(path), path, "tiny", tmp_path, Platform.cpu)
+    assert run.ok, run.log_tail
+    for r in run.ranks:
+        assert len(r.probes.pass_s_with_checkpointing) == 3 and len(r.probes.pass_s_without_checkpointing) == 3
+        assert all(t > 0 for t in r.probes.pass_s_with_checkpointing + r.probes.pass_s_without_checkpointing)
+

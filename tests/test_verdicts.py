@@ -125,6 +125,23 @@ def test_the_guides_figure_for_the_checkpointing_saving_is_checked_at_full_size(
     assert not [c for c in deep.claims if c.kind == "checkpointing_saving"]
 
 
+def test_the_guides_speed_cost_of_checkpointing_is_held_to_the_timings_spread():
+    cost = next(c for c in SHARED.claims if c.kind == "checkpointing_speed_cost")  # guide 004: -8%
+    assert cost.cost == 0.08
+
+    def timed(on, off):
+        return run_of(rank(probes=Probes(pass_s_with_checkpointing=on, pass_s_without_checkpointing=off)))
+
+    v = check_claim(cost, SHARED, timed([1.00, 1.01, 0.99], [0.92, 0.92, 0.93]), None)  # 8% cost
+    assert v.status == "confirmed" and "costs 8.0% of tokens/s" in v.detail
+    v = check_claim(cost, SHARED, timed([1.00, 1.00, 1.00], [0.70, 0.70, 0.70]), None)  # 30%, no spread
+    assert v.status == "refuted" and "claimed 8% (+/- 2.0% from the timings' spread)" in v.detail
+    noisy = check_claim(cost, SHARED, timed([1.0, 1.2, 0.8], [0.7, 0.7, 0.7]), None)  # 20% spread: can't tell
+    assert noisy.status == "confirmed"
+    assert check_claim(cost, SHARED, timed(None, None), None).status == "not_checkable"
+    assert check_claim(cost, SHARED, run_of(rank(), fidelity="tiny"), None).status == "not_checkable"
+
+
 def test_training_must_lower_a_finite_loss():
     claim = TrainsClaim(kind="trains", quote="q")
     assert check_claim(claim, FIX, run_of(rank(losses=(2.0, 2.1)), fidelity="tiny"), None).status == "refuted"
