@@ -101,15 +101,16 @@ class _Lookup:
     def __init__(self, session: Session, fidelity: str):
         self._session, self._fidelity = session, fidelity
 
-    def __call__(self, case_id: str):
-        """The other case as measured here (the same kind of variant as this one) and its run."""
+    def __call__(self, case_id: str, uncapped: bool = False):
+        """The other case as measured here (the same kind of variant as this one) and its run;
+        `uncapped`: on the whole card instead of its emulated one."""
         case = self._session.cases[case_id][0]
-        variant = self._session.plan(case_id, self._fidelity)[-1]
+        variant = replace(self._session.plan(case_id, self._fidelity)[-1], uncapped=uncapped)
         return variant.apply(case), self._session.run(case_id, self._fidelity, variant)
 
-    def family(self, name: str):
+    def family(self, name: str, uncapped: bool = False):
         ids = sorted(cid for cid, (c, _) in self._session.cases.items() if c.family == name)
-        return [self(cid) for cid in ids]
+        return [self(cid, uncapped) for cid in ids]
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Session:
     def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
         out = self.run_root / fidelity / (case_id + variant.suffix) / (f"rep{repetition}" if repetition else "")
-        emulate = case.target.card.memory if fidelity == "real" else None
+        emulate = case.target.card.memory if fidelity == "real" and not variant.uncapped else None
         run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate, variant)
         (out / "run.json").write_text(run.model_dump_json(indent=1))
         return run

@@ -26,10 +26,16 @@ class Variant:
     grad_accum: int | None = None  # None: as written. Memory does not grow with accumulation past 2
     # micro steps (the gradient buffer exists from the second on), so a run that only needs the peak
     # may cap it; tokens/s then amortises the optimizer step over fewer tokens, and says so.
+    uncapped: bool = False  # on the whole card, not emulating the target: a speed for a config that
+    # runs out of memory on its own card (guide 001's speed order of rungs that each do)
+
+    @property
+    def case_unchanged(self) -> bool:
+        return self.ranks is None and self.layers is None and self.grad_accum is None
 
     @property
     def as_written(self) -> bool:
-        return self.ranks is None and self.layers is None and self.grad_accum is None
+        return self.case_unchanged and not self.uncapped
 
     @property
     def suffix(self) -> str:
@@ -41,7 +47,7 @@ class Variant:
     @property
     def text(self) -> str:
         return ((f"{self.ranks}r" if self.ranks else "") + (f"{self.layers}L" if self.layers else "")
-                + (f"{self.grad_accum}ga" if self.grad_accum else ""))
+                + (f"{self.grad_accum}ga" if self.grad_accum else "") + ("u" if self.uncapped else ""))
 
     def label(self, case: Case) -> str:
         """How a figure measured on this variant is described in reports."""
@@ -51,11 +57,13 @@ class Variant:
         parts.append("full depth" if layers in (None, depth) else f"{layers} of {depth} layers")
         if self.grad_accum:
             parts.append(f"grad accum {self.grad_accum} of {case.train.grad_accum}")
+        if self.uncapped:
+            parts.append("on the whole card, not its target's")
         return ", ".join(parts)
 
     def apply(self, case: Case) -> Case:
         """The case as measured. Validated like a case file, so a variant cannot be inconsistent."""
-        if self.as_written:
+        if self.case_unchanged:
             return case
         data = case.model_dump(mode="json")
         if self.ranks is not None:
@@ -83,12 +91,13 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """'2r', '8L', '2ga', '2r8L2ga' (the suffix without '@'), as typed on the command line; '' is
-    the case as written."""
+    """'2r', '8L', '2ga', '2r8L2ga', 'u' (the suffix without '@'), as typed on the command line; ''
+    is the case as written."""
     import re
 
-    m = re.fullmatch(r"(?:(\d+)r)?(?:(\d+)L)?(?:(\d+)ga)?", text.strip())
-    if not m or any(g is not None and int(g) == 0 for g in m.groups()):
-        raise ValueError(f"variant '{text}': write ranks, layers and/or grad accum as '2r', '8L', '2ga' or '2r8L2ga'")
-    ranks, layers, accum = (int(g) if g else None for g in m.groups())
-    return Variant(ranks=ranks, layers=layers, grad_accum=accum)
+    m = re.fullmatch(r"(?:(\d+)r)?(?:(\d+)L)?(?:(\d+)ga)?(u)?", text.strip())
+    if not m or any(g is not None and int(g) == 0 for g in m.groups()[:3]):
+        raise ValueError(f"variant '{text}': write ranks, layers and/or grad accum as '2r', '8L', '2ga' or "
+                         "'2r8L2ga', with 'u' last for the whole card ('2r8Lu')")
+    ranks, layers, accum = (int(g) if g else None for g in m.groups()[:3])
+    return Variant(ranks=ranks, layers=layers, grad_accum=accum, uncapped=m.group(4) is not None)

@@ -216,6 +216,9 @@ def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
     if kind == "oom_tried_to_allocate":
         return _oom_size(claim, run)
     err = run.first_error()
+    if kind == "speed_rank" and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
+        # the config runs out of memory on its card; its speed is still a fact about the config
+        return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
     if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
         why = f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err else "no measurement"
         return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
@@ -387,13 +390,16 @@ def _oom_size(claim, run, *_):
                    claim.quote)
 
 
-def _speed_rank(claim, case, run, lookup):
-    """The claimed speed order against the measured tokens/s of the family's other ranked cases."""
+def _speed_rank(claim, case, run, lookup, uncapped: bool = False):
+    """The claimed speed order against the measured tokens/s of the family's other ranked cases;
+    `uncapped`: every case of the family measured on the whole card, for a case that runs out of
+    memory on its own."""
+    where = " (each on the whole card: this case runs out of memory on its own)" if uncapped else ""
     mine = min((r.tokens_per_s for r in run.ranks if r.tokens_per_s), default=None)
-    if mine is None:
-        return Verdict(claim.kind, "not_checkable", "no throughput measured", claim.quote)
+    if mine is None or run.first_error() is not None:
+        return Verdict(claim.kind, "not_checkable", "no throughput measured" + where, claim.quote)
     compared, wrong = [], []
-    for other_case, other_run in lookup.family(case.family):
+    for other_case, other_run in lookup.family(case.family, uncapped=uncapped):
         theirs = min((r.tokens_per_s for r in other_run.ranks if r.tokens_per_s), default=None)
         other_rank = next((c.rank for c in other_case.claims if c.kind == "speed_rank"), None)
         if other_case.id == case.id or theirs is None or other_rank is None or other_run.first_error():
@@ -403,7 +409,7 @@ def _speed_rank(claim, case, run, lookup):
             wrong.append(f"{other_case.id} (rank {other_rank}) runs {theirs:,.0f} tokens/s")
     if not compared:
         return Verdict(claim.kind, "not_checkable", "no other ranked case of the family finished", claim.quote)
-    detail = f"rank {claim.rank} at {mine:,.0f} tokens/s per GPU"
+    detail = f"rank {claim.rank} at {mine:,.0f} tokens/s per GPU{where}"
     if wrong:
         return Verdict(claim.kind, "refuted", detail + "; out of order against " + "; ".join(wrong), claim.quote)
     return Verdict(claim.kind, "confirmed", detail + f", in order against {len(compared)} other(s)", claim.quote)

@@ -376,3 +376,29 @@ def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
     speed = {v.what: v for v in against_baseline(FIX_7B, faster, base)}["baseline_speed"]
     assert speed.status == "confirmed" and speed.detail.endswith("the baseline's CPU threads were not recorded")
 
+
+
+def test_an_uncapped_variant_runs_on_the_whole_card(monkeypatch, tmp_path):
+    from harness import session as session_mod
+    from harness.platform import Platform
+
+    rung1 = "001-ladder-rung1-zero2"
+    seen = []
+
+    def fake_run_case(case, path, fidelity, out, platform, timeout, steps, emulate, variant):
+        seen.append((emulate, variant.text))
+        out.mkdir(parents=True)
+        return CaseRun(case_id=case.id, fidelity=fidelity, variant=variant.text, command=[], returncode=0, wall_s=0.0)
+
+    monkeypatch.setattr(session_mod, "run_case", fake_run_case)
+    monkeypatch.setattr(session_mod.plat, "detect", lambda: Platform.cuda)
+    monkeypatch.setattr(session_mod.plat, "accelerator_count", lambda: 1)
+    s = session_mod.Session(case_dir=CASES_DIR, run_root=tmp_path, baseline_root=tmp_path / "none")
+    s.run(rung1, "real", Variant(uncapped=True))
+    s.run(rung1, "real")
+    card = s.cases[rung1][0].target.card.memory
+    assert seen == [(None, "u"), (card, "")]
+    assert (tmp_path / "real" / f"{rung1}@u" / "run.json").is_file()
+    assert parse_variant("2r8Lu") == Variant(ranks=2, layers=8, uncapped=True)
+    assert Variant(uncapped=True).apply(s.cases[rung1][0]) is s.cases[rung1][0]  # the case itself is unchanged
+    assert Variant(uncapped=True).label(s.cases[rung1][0]) == "full depth, on the whole card, not its target's"

@@ -158,14 +158,16 @@ def test_full_size_claims_wait_for_full_size():
 
 
 class _Family:
-    def __init__(self, pairs):
-        self.pairs = pairs
+    """A lookup over given (case, run) pairs; `whole_card` pairs answer for uncapped runs."""
 
-    def __call__(self, case_id):
-        return next(p for p in self.pairs if p[0].id == case_id)
+    def __init__(self, pairs, whole_card=None):
+        self.pairs, self.whole_card = pairs, whole_card or []
 
-    def family(self, name):
-        return [p for p in self.pairs if p[0].family == name]
+    def __call__(self, case_id, uncapped=False):
+        return next(p for p in (self.whole_card if uncapped else self.pairs) if p[0].id == case_id)
+
+    def family(self, name, uncapped=False):
+        return [p for p in (self.whole_card if uncapped else self.pairs) if p[0].family == name]
 
 
 def _timed(tokens_per_s: float) -> CaseRun:
@@ -184,6 +186,21 @@ def test_the_claimed_speed_order_is_checked_against_the_family():
     inverted = _Family([(rung1, _timed(2000)), (rung2, _timed(3000))])
     v = check_claim(claim2, rung2, inverted(rung2.id)[1], inverted)
     assert v.status == "refuted" and "001-ladder-rung1-zero2 (rank 1) runs 2,000 tokens/s" in v.detail
+
+
+def test_a_rung_that_runs_out_of_memory_on_its_card_is_ranked_by_its_speed_on_the_whole_card():
+    rung1 = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")
+    rung2 = load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml")
+    claim2 = next(c for c in rung2.claims if c.kind == "speed_rank")
+    oom = run_of(rank(step_device=int(7 * GIB)), error=ErrorInfo(kind=Failure.oom, message="CUDA out of memory"))
+    lookup = _Family([(rung1, oom), (rung2, oom)], whole_card=[(rung1, _timed(5000)), (rung2, _timed(3000))])
+    v = check_claim(claim2, rung2, oom, lookup)
+    assert v.status == "confirmed" and "each on the whole card" in v.detail
+    lookup.whole_card[0] = (rung1, _timed(2000))  # offload faster than plain ZeRO-2: out of order
+    assert check_claim(claim2, rung2, oom, lookup).status == "refuted"
+    # a crash is not an OOM: the claim waits for a run that finishes
+    crash = run_of(rank(), error=ErrorInfo(kind=Failure.crash, message="boom"))
+    assert check_claim(claim2, rung2, crash, lookup).status == "not_checkable"
 
 
 # --- findings: the guide refuted, as the case records ---------------------------------------------
