@@ -74,10 +74,6 @@ class Baseline(BaseModel):
         """One figure over the repetitions that have it."""
         return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
 
-    def spread(self, attr: str) -> tuple[float, float] | None:
-        values = self.values(attr)
-        return spread(values) if values else None
-
 
 def spread(values: list[float]) -> tuple[float, float]:
     """(median, largest relative deviation from it) of repeated measurements of one figure."""
@@ -281,7 +277,7 @@ def extrapolation_markdown(baselines: list[Baseline]) -> str:
         verdict = "-"
         if judged is not None:
             fits = judged <= budget
-            fewer_ranks = parse_variant(e.base_variant).ranks not in (None, case.launch.ranks)
+            fewer_ranks = parse_variant(e.base_variant).fewer_ranks(case)
             mark = _against_guide(case, "fits" if fits else "oom", carries=fits or not fewer_ranks)
             verdict = f"{'fits' if fits else 'exceeds the budget'} ({mark})"
         check = "-"

@@ -119,7 +119,7 @@ def check_host_ram(case: Case, variant: Variant, run: CaseRun, extrapolation=Non
     need = node_host_need(case, run, extrapolation)
     if need is None:
         return Verdict("host_ram", "not_checkable", _per_process(case, run, extrapolation)[1])
-    fewer_ranks = variant.ranks is not None and variant.ranks < case.launch.ranks
+    fewer_ranks = variant.fewer_ranks(case)
     if need.fits:
         note = (f" (per process on {variant.ranks} of {case.launch.ranks} ranks, which bounds the "
                 f"{case.launch.ranks}-rank figure from above)" if fewer_ranks else "")

@@ -37,6 +37,10 @@ class Variant:
     def as_written(self) -> bool:
         return self.case_unchanged and not self.uncapped
 
+    def fewer_ranks(self, case: Case) -> bool:
+        """Measured on fewer ranks than `case` is written with: a fit carries over, an excess does not."""
+        return self.ranks is not None and self.ranks < case.launch.ranks
+
     @property
     def suffix(self) -> str:
         """Appended to the case id in run folders and baseline names: '', '@2r', '@8L', '@2r8L'."""

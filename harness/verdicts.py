@@ -136,7 +136,7 @@ def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrap
     if variant.as_written or verdict.what != "outcome":
         return verdict
     where = variant.label(case)
-    fewer_ranks = variant.ranks is not None and variant.ranks < case.launch.ranks
+    fewer_ranks = variant.fewer_ranks(case)
     err = run.first_error()
     if variant.layers is not None:
         if err is not None and err.kind == Failure.oom:

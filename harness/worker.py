@@ -12,6 +12,7 @@ recorded with its numbers and the phase it happened in, and the exit code says w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import statistics
@@ -270,22 +271,29 @@ def _measured_forward(model, batch, meas, grad: bool, **kwargs) -> tuple[int, in
     return held, meas.figures().allocated - start, logits
 
 
-def _forward_probe(model, batch, meas, checkpointing: bool | None):
-    """Bytes a training forward leaves alive for backward (activations, logits, loss), measured
-    without running backward, so neither gradients nor optimizer state move."""
+@contextlib.contextmanager
+def _checkpointing_as(model, on: bool | None):
+    """Checkpointing turned on or off for a probe (None: as the case configures it), then restored."""
     from harness.modelbuild import checkpointing_active, set_checkpointing
 
     base = getattr(model, "module", model)  # DeepSpeed engine -> peft/HF model
     hf = base.get_base_model() if hasattr(base, "get_base_model") else base
     was = checkpointing_active(hf)
-    toggled = checkpointing is not None and checkpointing != was
+    toggled = on is not None and on != was
     if toggled:
-        set_checkpointing(hf, checkpointing)
+        set_checkpointing(hf, on)
     try:
-        held, _, logits = _measured_forward(model, batch, meas, grad=True, labels=batch)
+        yield
     finally:
         if toggled:
             set_checkpointing(hf, was)
+
+
+def _forward_probe(model, batch, meas, checkpointing: bool | None):
+    """Bytes a training forward leaves alive for backward (activations, logits, loss), measured
+    without running backward, so neither gradients nor optimizer state move."""
+    with _checkpointing_as(model, checkpointing):
+        held, _, logits = _measured_forward(model, batch, meas, grad=True, labels=batch)
     return held, logits
 
 
@@ -296,26 +304,20 @@ def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> 
     probe, not the run: it must not fail a run that trained)."""
     import torch
 
-    from harness.modelbuild import checkpointing_active, set_checkpointing
-
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    was = checkpointing_active(hf)
-    set_checkpointing(hf, checkpointing)
     times = []
-    try:
-        for i in range(repeats + 1):
-            meas.sync()
-            start = time.perf_counter()
-            model(input_ids=batch, labels=batch).loss.backward()
-            meas.sync()
-            if i:
-                times.append(time.perf_counter() - start)
+    with _checkpointing_as(model, checkpointing):
+        try:
+            for i in range(repeats + 1):
+                meas.sync()
+                start = time.perf_counter()
+                model(input_ids=batch, labels=batch).loss.backward()
+                meas.sync()
+                if i:
+                    times.append(time.perf_counter() - start)
+                model.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
-    except torch.OutOfMemoryError:
-        model.zero_grad(set_to_none=True)
-        return None
-    finally:
-        set_checkpointing(hf, was)
+            return None
     return times
 
 

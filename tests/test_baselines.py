@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.baselines import BlessError, bless, extrapolation_markdown, load_baselines, report_markdown
+from harness.baselines import BlessError, bless, extrapolation_markdown, load_baselines, report_markdown, spread
 from harness.report import CaseRun, Memory, RankReport
 from harness.units import GIB
 
@@ -29,9 +29,9 @@ def test_repetitions_become_one_baseline_with_their_spread(tmp_path):
     assert baseline.platform.driver == "580.159.04"
     assert baseline.measured == "full depth"
     assert len(baseline.runs) == 2
-    median, spread = baseline.spread("tokens_per_s_per_gpu")
+    median, deviation = spread(baseline.values("tokens_per_s_per_gpu"))
     assert median == pytest.approx((16384 / 7.0 + 16384 / 7.4) / 2)
-    assert 0.02 < spread < 0.03
+    assert 0.02 < deviation < 0.03
     assert baseline.runs[0].mfu == 16384 / 7.0 * 3e10 / 989.4e12
 
 
@@ -88,7 +88,7 @@ def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_pa
     (baseline,) = load_baselines(tmp_path / "baselines")
     assert [r.recorded for r in baseline.runs] == ["2026-11-25", "2026-11-26"]
     assert baseline.note == "host 1\n2026-11-26: host 2" and baseline.recorded == "2026-11-26"
-    assert baseline.spread("tokens_per_s_per_gpu")[1] == pytest.approx(1.4 / 15.4)  # (8.4 - 7) / (8.4 + 7)
+    assert spread(baseline.values("tokens_per_s_per_gpu"))[1] == pytest.approx(1.4 / 15.4)  # (8.4 - 7) / (8.4 + 7)
     entry = _run(10.5, 7.0)
     entry["run"]["ranks"][0]["versions"]["torch"] = "2.12.0"
     upgraded.write_text(json.dumps([entry]))
