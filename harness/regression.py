@@ -77,13 +77,19 @@ def limit(values: list[float], explicit: float | None, floor: float, upper: bool
     return by_spread
 
 
-def _other_condition(baseline: Baseline, attr: str, value, what: str, say) -> Verdict | None:
-    """Not comparable: the run was measured under another condition (`attr`: the Triton cache, the
-    CPU threads) than every repetition of its baseline. `say(run's, baseline's)` words it."""
-    seen = set(baseline.values(attr))
-    if not value or not seen or seen == {value}:
-        return None
-    return Verdict(what, "not_checkable", say(value, " and ".join(str(v) for v in sorted(seen))))
+def _under_condition(baseline: Baseline, attr: str, value, what: str, figure: str,
+                     say) -> tuple[list[float], Verdict | None]:
+    """The repetitions' `figure` measured under the run's condition `attr` (the Triton cache, the CPU
+    threads): those of its value where some repetitions recorded it; every repetition where none
+    did (blessed before the condition was recorded; the caller says so). Where repetitions recorded
+    it and none under the run's value, nothing is comparable: `say(run's, baseline's)` words why."""
+    seen = {getattr(r, attr) for r in baseline.runs if getattr(r, attr) is not None}
+    if not value or not seen:
+        return baseline.values(figure), None
+    same = [getattr(r, figure) for r in baseline.runs if getattr(r, attr) == value and getattr(r, figure) is not None]
+    if same:
+        return same, None
+    return [], Verdict(what, "not_checkable", say(value, " and ".join(str(v) for v in sorted(seen))))
 
 
 def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) -> list[Verdict]:
@@ -93,14 +99,12 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
         return [Verdict("baseline", "not_checkable", f"run {figures.outcome}, baseline "
                         f"{baseline.runs[0].outcome}: only finished runs are compared")]
     out = []
-    peaks = baseline.values("per_card_peak")
     # compiling Triton kernels holds GiBs outside the allocator (harness.compile_cache): not a regression
-    other = _other_condition(baseline, "triton_cache", figures.triton_cache, "baseline_memory",
-                             lambda run, base: f"this run had a {run} Triton cache, the baseline {base}; "
-                                               "peaks are compared between runs of one kind")
+    peaks, other = _under_condition(baseline, "triton_cache", figures.triton_cache, "baseline_memory", "per_card_peak",
+                                    lambda run, base: f"this run had a {run} Triton cache, the baseline {base}; "
+                                                      "peaks are compared between runs of one kind")
     if other:
         out.append(other)
-        peaks = []
     if peaks and figures.per_card_peak is not None:
         most = limit(peaks, case.expect.memory_tolerance, MEMORY_FLOOR, upper=True)
         ok = figures.per_card_peak <= most.value
@@ -108,19 +112,21 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
                            f"per-card peak {fmt_gib(figures.per_card_peak)} vs baseline "
                            f"{fmt_gib(statistics.median(peaks))} (limit {fmt_gib(most.value)}, {most.why}; "
                            f"recorded {baseline.recorded})"))
-    rates = baseline.values("tokens_per_s_per_gpu")
     # a CPU-bound step (CPU Adam under offload) scales with the threads: not a regression
-    other = _other_condition(baseline, "cpu_threads", figures.cpu_threads, "baseline_speed",
-                             lambda run, base: f"this run had {run} CPU threads per process, the baseline "
-                                               f"{base}; speeds are compared at one thread count")
+    rates, other = _under_condition(baseline, "cpu_threads", figures.cpu_threads, "baseline_speed",
+                                    "tokens_per_s_per_gpu",
+                                    lambda run, base: f"this run had {run} CPU threads per process, the baseline "
+                                                      f"{base}; speeds are compared at one thread count")
     if other:
         out.append(other)
-        rates = []
     if rates and figures.tokens_per_s_per_gpu is not None:
         least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
         ok = figures.tokens_per_s_per_gpu >= least.value
+        every = len(baseline.values("tokens_per_s_per_gpu"))
         unrecorded = ("; the baseline's CPU threads were not recorded"
-                      if figures.cpu_threads and not baseline.values("cpu_threads") else "")
+                      if figures.cpu_threads and not baseline.values("cpu_threads")
+                      else f"; the {len(rates)} of {every} repetitions at {figures.cpu_threads} CPU threads"
+                      if len(rates) < every else "")
         out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
                            f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
                            f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"))

@@ -66,6 +66,10 @@ class Probes(BaseModel):
     # (cases that claim its speed cost; harness.worker._timed_passes)
     pass_s_with_checkpointing: list[float] | None = None
     pass_s_without_checkpointing: list[float] | None = None
+    # probe -> the first line of its out-of-memory error, for the probes that did not fit the card
+    # (the run still counts: harness.worker._run_probes)
+    did_not_fit: dict[str, str] = Field(default_factory=dict)
+    window: tuple[float, float] | None = None  # wall-clock start and end of the probes (time.time())
 
 
 class Failure(str, Enum):

@@ -241,11 +241,20 @@ def _trains(claim, case, run, lookup):
                    f"{len(r0.losses)} steps, loss {r0.losses[0]:.4f} -> {r0.losses[-1]:.4f}", claim.quote)
 
 
+def _did_not_fit(claim, probes, *names) -> Verdict | None:
+    """Not checkable where a probe the claim needs ran out of memory (the run itself trained)."""
+    missed = [f"{n} ({probes.did_not_fit[n]})" for n in names if n in probes.did_not_fit]
+    if not missed:
+        return None
+    return Verdict(claim.kind, "not_checkable", f"the probe did not fit the card: {'; '.join(missed)}", claim.quote)
+
+
 def _checkpointing(claim, case, run, lookup):
     r = run.ranks[0]
     on, off = r.probes.activation_bytes, r.probes.activation_bytes_without_checkpointing
     if on is None or off is None or off <= 0:
-        return Verdict(claim.kind, "refuted", "the checkpointing probe did not run", claim.quote)
+        return (_did_not_fit(claim, r.probes, "forward", "forward_without_checkpointing")
+                or Verdict(claim.kind, "refuted", "the checkpointing probe did not run", claim.quote))
     saving = 1 - on / off
     ok = saving >= claim.min_saving
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
@@ -259,7 +268,8 @@ def _checkpointing_saving(claim, case, run, lookup):
     r = max(run.ranks, key=lambda r: r.step.limiting())
     on, off = r.probes.activation_bytes, r.probes.activation_bytes_without_checkpointing
     if on is None or off is None:
-        return Verdict(claim.kind, "not_checkable", "the checkpointing probe did not run", claim.quote)
+        return (_did_not_fit(claim, r.probes, "forward", "forward_without_checkpointing")
+                or Verdict(claim.kind, "not_checkable", "the checkpointing probe did not run", claim.quote))
     saved = off - on
     if claim.metric == "activation_bytes":
         value = saved
@@ -284,8 +294,8 @@ def _checkpointing_speed(claim, case, run, lookup):
     p = run.ranks[0].probes
     on, off = p.pass_s_with_checkpointing, p.pass_s_without_checkpointing
     if not on or not off:
-        return Verdict(claim.kind, "not_checkable", "the timed passes did not run (or did not fit the card without "
-                       "checkpointing)", claim.quote)
+        return (_did_not_fit(claim, p, "passes_with_checkpointing", "passes_without_checkpointing")
+                or Verdict(claim.kind, "not_checkable", "the timed passes did not run", claim.quote))
     (t_on, dev_on), (t_off, dev_off) = spread(on), spread(off)
     cost = 1 - t_off / t_on
     allowed = max(CHECKPOINTING_COST_FLOOR, 3 * (dev_on + dev_off))
@@ -336,7 +346,8 @@ def _offloaded(claim, case, run, lookup):
 def _logits(claim, case, run, lookup):
     p = run.ranks[0].probes
     if p.eval_logits_bytes is None or p.eval_logits_bytes_all is None:
-        return Verdict(claim.kind, "refuted", "the evaluation probe did not run", claim.quote)
+        return (_did_not_fit(claim, p, "eval", "eval_all_logits")
+                or Verdict(claim.kind, "refuted", "the evaluation probe did not run", claim.quote))
     expected = p.eval_logits_bytes_all * case.train.logits_to_keep / run.ranks[0].seq_len
     ok = p.eval_logits_bytes < p.eval_logits_bytes_all and p.eval_logits_bytes <= expected
     detail = (f"evaluation logits {_size(p.eval_logits_bytes, run.fidelity)} with logits_to_keep="

@@ -297,13 +297,10 @@ def _forward_probe(model, batch, meas, checkpointing: bool | None):
     return held, logits
 
 
-def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> list[float] | None:
+def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> list[float]:
     """Seconds of `repeats` training forwards and backwards with checkpointing on or off, after one
     untimed warm-up; gradients are dropped after each. What checkpointing costs in speed: the
-    optimizer step, the same either way, is left out. None where the passes do not fit the card (a
-    probe, not the run: it must not fail a run that trained)."""
-    import torch
-
+    optimizer step, the same either way, is left out."""
     times = []
     with _checkpointing_as(model, checkpointing):
         try:
@@ -315,10 +312,82 @@ def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> 
                 if i:
                     times.append(time.perf_counter() - start)
                 model.zero_grad(set_to_none=True)
-        except torch.OutOfMemoryError:
+        finally:
             model.zero_grad(set_to_none=True)
-            return None
     return times
+
+
+@contextlib.contextmanager
+def _card_to_itself(out_dir: Path, local_rank: int, shared: bool):
+    """Jobs sharing one card (`launch.procs_per_card` > 1) take turns for their probes. Their
+    training steps run side by side, as on the real card; a probe measures one job's ablation
+    (checkpointing off, every logit), and two jobs' ablations at once can run out of the emulated
+    card where neither training does: guide 004 plan A's probes did on an H100 on 2026-11-26, the
+    one job 10.80 GiB in its forward without checkpointing while the other held 12.70 GiB in its
+    timed backward. Only for jobs without collectives: a DeepSpeed rank waiting here while its
+    peers gather parameters in their probes would hang them all."""
+    if not shared:
+        yield
+        return
+    # filelock (a dependency of torch) rather than fcntl by hand: it releases on process death too
+    from filelock import FileLock
+
+    with FileLock(str(out_dir / f"probes-card{local_rank}.lock")):
+        try:
+            yield
+        finally:
+            _release_cache()
+
+
+def _release_cache():
+    """Hand the allocator's cached blocks back to the card (for the next job's probe)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _run_probes(case, runner, engine, batch, meas):
+    """The ablations behind the relative claims, measured after training on one batch. A probe that
+    does not fit the card is recorded as such (`Probes.did_not_fit`) and the next still runs: the
+    run trained, and an ablation it does not use must not fail it."""
+    import torch
+
+    from harness.report import Probes
+
+    probes = Probes(window=(time.time(), time.time()))
+
+    def fitting(name, probe, *args):
+        try:
+            return probe(*args)
+        except torch.OutOfMemoryError as exc:
+            probes.did_not_fit[name] = str(exc).strip().splitlines()[0][:300]
+            _release_cache()
+            return None
+
+    configured = fitting("forward", _forward_probe, runner, batch, meas, None)
+    if configured:
+        probes.activation_bytes, probes.train_logits_bytes = configured
+    if case.train.gradient_checkpointing:
+        without = fitting("forward_without_checkpointing", _forward_probe, runner, batch, meas, False)
+        if without:
+            probes.activation_bytes_without_checkpointing = without[0]
+        if configured and without:
+            probes.checkpointing_effective = probes.activation_bytes < probes.activation_bytes_without_checkpointing
+        if engine is None and any(c.kind == "checkpointing_speed_cost" for c in case.claims):
+            probes.pass_s_with_checkpointing = fitting("passes_with_checkpointing", _timed_passes,
+                                                       runner, batch, meas, True)
+            probes.pass_s_without_checkpointing = fitting("passes_without_checkpointing", _timed_passes,
+                                                          runner, batch, meas, False)
+    if case.train.logits_to_keep:
+        kept = fitting("eval", _eval_probe, runner, batch, meas, case.train.logits_to_keep)
+        if kept:
+            probes.eval_peak_bytes, probes.eval_logits_bytes = kept
+        every = fitting("eval_all_logits", _eval_probe, runner, batch, meas, 0)
+        if every:
+            probes.eval_peak_bytes_all_logits, probes.eval_logits_bytes_all = every
+    probes.window = (probes.window[0], time.time())
+    return probes
 
 
 def _eval_probe(model, batch, meas, logits_to_keep: int):
@@ -478,25 +547,9 @@ def run(args) -> int:
             phase = "probe"
             meas.lift_cap()
             progress("probes")
-            probe_batch = next(iter(_loader(case, shape, vocab, True, 1)))
-            probe_batch = probe_batch.to(device)
-            held, logits_bytes = _forward_probe(runner, probe_batch, meas, None)
-            report.probes.activation_bytes = held
-            report.probes.train_logits_bytes = logits_bytes
-            if case.train.gradient_checkpointing:
-                off, _ = _forward_probe(runner, probe_batch, meas, False)
-                report.probes.activation_bytes_without_checkpointing = off
-                report.probes.checkpointing_effective = held < off
-                if engine is None and any(c.kind == "checkpointing_speed_cost" for c in case.claims):
-                    report.probes.pass_s_with_checkpointing = _timed_passes(runner, probe_batch, meas, True)
-                    report.probes.pass_s_without_checkpointing = _timed_passes(runner, probe_batch, meas, False)
-            if case.train.logits_to_keep:
-                report.probes.eval_peak_bytes, report.probes.eval_logits_bytes = _eval_probe(
-                    runner, probe_batch, meas, case.train.logits_to_keep
-                )
-                report.probes.eval_peak_bytes_all_logits, report.probes.eval_logits_bytes_all = _eval_probe(
-                    runner, probe_batch, meas, 0
-                )
+            probe_batch = next(iter(_loader(case, shape, vocab, True, 1))).to(device)
+            with _card_to_itself(Path(args.out_dir), local_rank, engine is None and case.launch.procs_per_card > 1):
+                report.probes = _run_probes(case, runner, engine, probe_batch, meas)
     except BaseException as exc:  # every failure becomes a report, then an exit code
         text = f"{type(exc).__name__}: {exc}"
         oom = parse_oom(text)

@@ -274,13 +274,28 @@ def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
         holder.wait()
 
 
-def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without_it(tmp_path):
-    """Guide 004's plan A claims checkpointing costs 8% of the speed: its worker times three
-    forwards and backwards each way (end to end, tiny, on the CPU)."""
+@pytest.fixture(scope="module")
+def plan_a_tiny(tmp_path_factory):
+    """Guide 004's plan A, tiny, on the CPU: two jobs sharing one card, claiming checkpointing's
+    speed cost."""
     path = CASES_DIR / "004-gla-plan-a-minimal.yaml"
-    run = run_case(load_case(path), path, "tiny", tmp_path, Platform.cpu)
+    run = run_case(load_case(path), path, "tiny", tmp_path_factory.mktemp("plan-a"), Platform.cpu)
     assert run.ok, run.log_tail
-    for r in run.ranks:
+    return run
+
+
+def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without_it(plan_a_tiny):
+    """Guide 004's plan A claims checkpointing costs 8% of the speed: its worker times three
+    forwards and backwards each way (end to end)."""
+    for r in plan_a_tiny.ranks:
         assert len(r.probes.pass_s_with_checkpointing) == 3 and len(r.probes.pass_s_without_checkpointing) == 3
         assert all(t > 0 for t in r.probes.pass_s_with_checkpointing + r.probes.pass_s_without_checkpointing)
 
+
+def test_jobs_sharing_a_card_take_turns_for_their_probes(plan_a_tiny):
+    """Their training runs side by side; their probes (checkpointing off, every logit) one after the
+    other, so one job's ablation is not measured against, or run out of the card by, the other's."""
+    windows = sorted(r.probes.window for r in plan_a_tiny.ranks)
+    assert len(windows) == 2 and not plan_a_tiny.ranks[0].probes.did_not_fit
+    (_, first_end), (second_start, _) = windows
+    assert first_end <= second_start

@@ -375,6 +375,15 @@ def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
     faster.cpu_threads = 8
     speed = {v.what: v for v in against_baseline(FIX_7B, faster, base)}["baseline_speed"]
     assert speed.status == "confirmed" and speed.detail.endswith("the baseline's CPU threads were not recorded")
+    # a later repetition at 8 threads (bless --append): runs at 8 are held to it alone
+    later = _figures(10.0, 0.25)
+    later.tokens_per_s_per_gpu, later.cpu_threads = 2048 / 0.25, 8
+    base.runs.append(later)
+    slower = _figures(10.0, 0.5)
+    slower.tokens_per_s_per_gpu, slower.cpu_threads = 2048 / 0.5, 8  # 2x the unrecorded one, half the one at 8
+    speed = {v.what: v for v in against_baseline(FIX_7B, slower, base)}["baseline_speed"]
+    assert speed.status == "refuted" and "vs baseline 8,192" in speed.detail
+    assert speed.detail.endswith("the 1 of 2 repetitions at 8 CPU threads")
 
 
 

@@ -142,6 +142,23 @@ def test_the_guides_speed_cost_of_checkpointing_is_held_to_the_timings_spread():
     assert check_claim(cost, SHARED, run_of(rank(), fidelity="tiny"), None).status == "not_checkable"
 
 
+def test_a_probe_that_did_not_fit_leaves_its_claims_unchecked_and_says_which():
+    """Guide 004 plan A on an H100: a probe ran out of the card after the run trained. The claims it
+    feeds are not checkable, naming the probe and its error; a probe that merely did not run is
+    still refuted."""
+    oom = "CUDA out of memory. Tried to allocate 32.00 MiB."
+    missed = Probes(activation_bytes=GIB, did_not_fit={"forward_without_checkpointing": oom,
+                                                       "passes_without_checkpointing": oom})
+    run = run_of(rank(step_device=int(9 * GIB), probes=missed))
+    for kind in ("checkpointing_saves_activations", "checkpointing_saving", "checkpointing_speed_cost"):
+        v = check_claim(next(c for c in SHARED.claims if c.kind == kind), SHARED, run, None)
+        assert v.status == "not_checkable", kind
+        assert "did not fit the card" in v.detail and "Tried to allocate 32.00 MiB" in v.detail
+    never = run_of(rank(step_device=int(9 * GIB), probes=Probes(activation_bytes=GIB)))
+    saves = next(c for c in SHARED.claims if c.kind == "checkpointing_saves_activations")
+    assert check_claim(saves, SHARED, never, None).status == "refuted"
+
+
 def test_training_must_lower_a_finite_loss():
     claim = TrainsClaim(kind="trains", quote="q")
     assert check_claim(claim, FIX, run_of(rank(losses=(2.0, 2.1)), fidelity="tiny"), None).status == "refuted"
