@@ -3,7 +3,9 @@
 `set_per_process_memory_fraction` caps one process; several processes sharing one emulated card
 must compete for one pool, so this process takes everything but `--leave` bytes of the device's
 free memory and holds it until it is killed. The workers started after it see the smaller card's
-free memory, their own contexts included, as they would on the real card.
+free memory, their own contexts included, as they would on the real card. It also exits once the
+harness that started it is gone (harness.process_tree.exit_with_owner), which a stopped harness
+could not ask of it.
 
     python -m harness.ballast --device 0 --leave 25254903398 --ready FILE
 """
@@ -25,6 +27,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    from harness.process_tree import exit_with_owner
+
+    exit_with_owner()
     device = torch.device("cuda", args.device)
     torch.zeros(1, device=device)
     free, _ = torch.cuda.mem_get_info(device)

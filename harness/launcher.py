@@ -144,7 +144,7 @@ def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120)
     ready = out_dir / "ballast.ready"
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "harness.ballast", "--leave", str(leave_bytes),
-                             "--ready", str(ready)],
+                             "--ready", str(ready)], env={**os.environ, process_tree.OWNER_ENV: process_tree.owner()},
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
@@ -182,6 +182,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             env.update(job.env)
             env.setdefault("PYTHONUNBUFFERED", "1")
             env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
+            env[process_tree.OWNER_ENV] = process_tree.owner()
             procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = started + timeout_s

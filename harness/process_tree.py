@@ -11,6 +11,12 @@ into the case's log: `faulthandler.dump_traceback_later`, armed by `harness.work
 a signal. (Asking the workers with SIGUSR1 at the deadline printed nothing on an H100 host for
 ranks compiling Triton kernels; the cause was not found.) `where_stuck` reads the
 innermost frames back, so a timeout names the line a run hung on.
+
+Jobs run in sessions of their own, so nothing stops them when the harness itself is stopped
+without a chance to clean up: `timeout` sends SIGTERM to its own process group only, and a SIGKILL
+runs no handler. On an H100 a `timeout 575 pytest -m gpu` left a card-sharing case's ballast holding
+54 GiB of the card for the next command. So the launcher names itself in `OWNER_ENV`, and every
+worker and ballast exits once that process is gone (`exit_with_owner`).
 """
 
 from __future__ import annotations
@@ -18,10 +24,48 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
+import threading
+import time
 
 import psutil
 
 STACK_DUMP_ENV = "HARNESS_STACK_DUMP_AFTER_S"  # seconds after a worker's start
+OWNER_ENV = "HARNESS_OWNER"  # "<pid>:<start time>" of the harness process that launched a job
+EXIT_ORPHANED = 4
+
+
+def owner() -> str:
+    """This process as the owner of the jobs it starts (its start time guards against pid reuse)."""
+    me = psutil.Process()
+    return f"{me.pid}:{me.create_time()}"
+
+
+def _alive(owner_text: str) -> bool:
+    pid, _, started = owner_text.partition(":")
+    try:
+        return psutil.Process(int(pid)).create_time() == float(started)
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+def exit_with_owner(interval_s: float = 1.0, owner_text: str | None = None) -> threading.Thread | None:
+    """Exit this process (code EXIT_ORPHANED) once the harness process that launched it is gone.
+    A daemon thread checks every `interval_s`; nothing is watched when no owner is named."""
+    owner_text = owner_text or os.environ.get(OWNER_ENV)
+    if not owner_text:
+        return None
+
+    def watch():
+        while _alive(owner_text):
+            time.sleep(interval_s)
+        print(f"[harness] the harness process {owner_text.partition(':')[0]} that launched this one is gone: "
+              "exiting, so the card is free for the next run", file=sys.stderr, flush=True)
+        os._exit(EXIT_ORPHANED)
+
+    thread = threading.Thread(target=watch, name="harness-owner-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def stack_dump_after(timeout_s: float) -> float:

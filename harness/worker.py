@@ -593,10 +593,11 @@ def main(argv=None) -> int:
                         help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
     # every thread's stack into the log shortly before the launcher's deadline (harness.process_tree)
-    from harness.process_tree import STACK_DUMP_ENV
+    from harness.process_tree import STACK_DUMP_ENV, exit_with_owner
 
     if os.environ.get(STACK_DUMP_ENV):
         faulthandler.dump_traceback_later(float(os.environ[STACK_DUMP_ENV]), exit=False)
+    exit_with_owner()  # a harness stopped without cleaning up leaves no worker on the card
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from harness.cases import load_case

@@ -299,3 +299,31 @@ def test_jobs_sharing_a_card_take_turns_for_their_probes(plan_a_tiny):
     assert len(windows) == 2 and not plan_a_tiny.ranks[0].probes.did_not_fit
     (_, first_end), (second_start, _) = windows
     assert first_end <= second_start
+
+
+def test_jobs_exit_when_the_harness_that_launched_them_is_killed(tmp_path):
+    """A harness stopped without cleaning up (`timeout` SIGTERMs its own group; SIGKILL runs no
+    handler) must not leave its jobs, which live in sessions of their own, holding the card."""
+    pid_file = tmp_path / "job.pid"
+    job_code = (f"import os, time; from harness.process_tree import exit_with_owner; "
+                f"exit_with_owner(0.1); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    harness_code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from harness.launcher import Job, run_jobs
+        run_jobs([Job([sys.executable, "-c", {job_code!r}])], Path({str(tmp_path / 'run')!r}), 120, "x", "tiny", 1)
+    """)
+    harness = __import__("subprocess").Popen([sys.executable, "-c", harness_code])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and harness.poll() is None
+            time.sleep(0.05)
+        job = psutil.Process(int(pid_file.read_text()))
+        harness.kill()
+        harness.wait()
+        job.wait(timeout=10)  # raises psutil.TimeoutExpired if it outlives the harness
+    finally:
+        harness.kill()
+        harness.wait()
+
