@@ -7,11 +7,11 @@ Every check returns a `Verdict` carrying the measured numbers, so a failure read
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.baselines import spread
 from harness.report import CaseRun, Failure
 from harness.schema import TINY_CLAIMS, Case
 from harness.units import fmt_gib, fmt_mib
@@ -289,21 +289,30 @@ CHECKPOINTING_COST_FLOOR = 0.02  # two points of slowdown: what timings of a few
 
 
 def _checkpointing_speed(claim, case, run, lookup):
-    """The measured share of tokens/s checkpointing costs against the guide's figure, within what the
-    timings' own spread allows (three times the two spreads, at least CHECKPOINTING_COST_FLOOR)."""
-    p = run.ranks[0].probes
-    on, off = p.pass_s_with_checkpointing, p.pass_s_without_checkpointing
-    if not on or not off:
+    """The share of tokens/s checkpointing costs, per process, against the guide's figure. The claim
+    holds where some pairing of the timings seen gives it: the costs range from the fastest pass
+    with checkpointing against the slowest without to the other way round, widened by
+    CHECKPOINTING_COST_FLOOR. (Three times the timings' spread around the medians, the first rule,
+    allowed +/- 53% on the H100 and so confirmed a measured 37% against the guide's 8%.)"""
+    timed = [r for r in run.ranks if r.probes.pass_s_with_checkpointing and r.probes.pass_s_without_checkpointing]
+    if not timed:
+        p = run.ranks[0].probes
         return (_did_not_fit(claim, p, "passes_with_checkpointing", "passes_without_checkpointing")
                 or Verdict(claim.kind, "not_checkable", "the timed passes did not run", claim.quote))
-    (t_on, dev_on), (t_off, dev_off) = spread(on), spread(off)
-    cost = 1 - t_off / t_on
-    allowed = max(CHECKPOINTING_COST_FLOOR, 3 * (dev_on + dev_off))
-    ok = abs(cost - claim.cost) <= allowed
+    details, ok = [], True
+    for r in timed:
+        on, off = r.probes.pass_s_with_checkpointing, r.probes.pass_s_without_checkpointing
+        cost = 1 - statistics.median(off) / statistics.median(on)
+        low, high = 1 - max(off) / min(on), 1 - min(off) / max(on)
+        holds = low - CHECKPOINTING_COST_FLOOR <= claim.cost <= high + CHECKPOINTING_COST_FLOOR
+        ok &= holds
+        who = f"process {r.rank}.{r.process_slot}: " if len(run.ranks) > 1 else ""
+        details.append(f"{who}costs {cost:.1%} (a forward and backward in {statistics.median(on):.3f} s with it, "
+                       f"{statistics.median(off):.3f} s without; {low:.0%} to {high:.0%} over the {len(on)} "
+                       f"timings each way)")
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
-                   f"checkpointing costs {cost:.1%} of tokens/s (a forward and backward in {t_on:.3f} s with it, "
-                   f"{t_off:.3f} s without; medians of {len(on)}), claimed {claim.cost:.0%} (+/- {allowed:.1%} "
-                   f"from the timings' spread)", claim.quote)
+                   f"checkpointing {'; '.join(details)}; claimed {claim.cost:.0%} (+/- {CHECKPOINTING_COST_FLOOR:.0%})",
+                   claim.quote)
 
 
 def _quantized(claim, case, run, lookup):

@@ -133,11 +133,21 @@ def test_the_guides_speed_cost_of_checkpointing_is_held_to_the_timings_spread():
         return run_of(rank(probes=Probes(pass_s_with_checkpointing=on, pass_s_without_checkpointing=off)))
 
     v = check_claim(cost, SHARED, timed([1.00, 1.01, 0.99], [0.92, 0.92, 0.93]), None)  # 8% cost
-    assert v.status == "confirmed" and "costs 8.0% of tokens/s" in v.detail
+    assert v.status == "confirmed" and "costs 8.0% (a forward and backward in 1.000 s with it" in v.detail
     v = check_claim(cost, SHARED, timed([1.00, 1.00, 1.00], [0.70, 0.70, 0.70]), None)  # 30%, no spread
-    assert v.status == "refuted" and "claimed 8% (+/- 2.0% from the timings' spread)" in v.detail
-    noisy = check_claim(cost, SHARED, timed([1.0, 1.2, 0.8], [0.7, 0.7, 0.7]), None)  # 20% spread: can't tell
+    assert v.status == "refuted" and "30% to 30% over the 3 timings each way); claimed 8% (+/- 2%)" in v.detail
+    # the H100's plan A timings (2026-11-26): 12% and 6% around the medians, every pairing over 30%
+    h100 = check_claim(cost, SHARED, timed([0.351, 0.349, 0.393], [0.213, 0.236, 0.222]), None)
+    assert h100.status == "refuted" and "costs 36.8%" in h100.detail and "32% to 46%" in h100.detail
+    noisy = check_claim(cost, SHARED, timed([1.0, 1.2, 0.75], [0.7, 0.7, 0.7]), None)  # 1 - 0.70/0.75 = 7%
     assert noisy.status == "confirmed"
+    # every process is held to it: one job of two that pays 30% refutes the claim
+    def probes(off):
+        return Probes(pass_s_with_checkpointing=[1.0] * 3, pass_s_without_checkpointing=[off] * 3)
+
+    both = run_of(rank(probes=probes(0.92)), rank(slot=1, probes=probes(0.7)))
+    v = check_claim(cost, SHARED, both, None)
+    assert v.status == "refuted" and "process 0.1: costs 30.0%" in v.detail
     assert check_claim(cost, SHARED, timed(None, None), None).status == "not_checkable"
     assert check_claim(cost, SHARED, run_of(rank(), fidelity="tiny"), None).status == "not_checkable"
 
