@@ -170,14 +170,24 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
 
 def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day: str, note: str,
               path: Path) -> Baseline:
-    """`old` with `figures` as further repetitions, each dated; refused across software stacks."""
+    """`old` with `figures` as further repetitions, each dated; refused across software stacks. A
+    version the baseline did not record (runs before the worker recorded it) is not a difference:
+    it is taken from these runs, and the note says so."""
     before = {**old.platform.versions, "driver": old.platform.driver}
     after = {**platform.versions, "driver": platform.driver}
-    differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    differ = sorted(k for k in before.keys() | after.keys()
+                    if before.get(k) is not None and before.get(k) != after.get(k))
     if differ:
         pairs = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in differ)
         raise BlessError(f"{path}: these runs differ from the baseline's software ({pairs}); a spread across "
                          f"stacks is not noise. Bless without --append to replace the baseline.")
+    unrecorded = sorted(k for k in after if before.get(k) is None and after[k] is not None)
+    if unrecorded:
+        first = ", ".join(f"{k} {after[k]}" for k in unrecorded)
+        note = f"{note + '; ' if note else ''}first recorded with these runs: {first}"
+        old = old.model_copy(update={"platform": old.platform.model_copy(update={
+            "driver": old.platform.driver or platform.driver,
+            "versions": {**platform.versions, **old.platform.versions}})})
     for f in old.runs:
         f.recorded = f.recorded or old.recorded
     for f in figures:

@@ -99,6 +99,22 @@ def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_pa
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 1
 
 
+def test_append_takes_a_version_the_baseline_never_recorded_from_the_new_runs(tmp_path):
+    older, newer = tmp_path / "a.json", tmp_path / "b.json"
+    older.write_text(json.dumps([_run(10.5, 7.0)]))
+    bless(older, root=tmp_path / "baselines", recorded="2026-11-25")  # blessed with no driver known
+    newer.write_text(json.dumps([_run(10.5, 7.2)]))
+    bless(newer, driver="580.159.04", root=tmp_path / "baselines", recorded="2026-11-26", append=True)
+    (baseline,) = load_baselines(tmp_path / "baselines")
+    assert len(baseline.runs) == 2 and baseline.platform.driver == "580.159.04"
+    assert baseline.note.endswith("first recorded with these runs: driver 580.159.04")
+    # a recorded driver that differs is another stack
+    other = tmp_path / "c.json"
+    other.write_text(json.dumps([_run(10.5, 7.2)]))
+    with pytest.raises(BlessError, match=r"driver 580.159.04 -> 590.1"):
+        bless(other, driver="590.1", root=tmp_path / "baselines", append=True)
+
+
 def test_the_extrapolation_table_sets_the_guides_expectation_beside_the_fit(tmp_path):
     refuted, steep = "002-gemma27b-full-z3-offload-len4096", "000-lora-z3-offload-aggressive-cutoff512-ga32"
     runs = tmp_path / "runs.json"
