@@ -125,7 +125,8 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
         every = len(baseline.values("tokens_per_s_per_gpu"))
         unrecorded = ("; the baseline's CPU threads were not recorded"
                       if figures.cpu_threads and not baseline.values("cpu_threads")
-                      else f"; the {len(rates)} of {every} repetitions at {figures.cpu_threads} CPU threads"
+                      else f"; the {len(rates)} of {every} repetitions at {figures.cpu_threads} CPU "
+                           f"thread{'s' if figures.cpu_threads > 1 else ''}"
                       if len(rates) < every else "")
         out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
                            f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
