@@ -355,7 +355,8 @@ def _run_probes(case, runner, engine, batch, meas):
 
     from harness.report import Probes
 
-    probes = Probes(window=(time.time(), time.time()))
+    start = time.time()
+    probes = Probes()
 
     def fitting(name, probe, *args):
         try:
@@ -386,7 +387,7 @@ def _run_probes(case, runner, engine, batch, meas):
         every = fitting("eval_all_logits", _eval_probe, runner, batch, meas, 0)
         if every:
             probes.eval_peak_bytes_all_logits, probes.eval_logits_bytes_all = every
-    probes.window = (probes.window[0], time.time())
+    probes.window = (start, time.time())
     return probes
 
 
