@@ -98,6 +98,8 @@ def _cmd_run(args) -> int:
     if args.variant:
         return _measure_variants(args, session, selected, run_root)
     skipped = []
+    if args.selected_only:
+        session.selected_only = {(cid, args.fidelity) for cid in selected}
     session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
     for i, cid in enumerate(selected, 1):
         case, _ = session.cases[cid]
@@ -119,6 +121,11 @@ def _cmd_run(args) -> int:
         _write_benchmark(Path(args.benchmark_json), session)
     print()
     print(table(judged))
+    consulted = session.consulted()
+    if consulted:
+        print("also run, for the claims of the cases above: "
+              + ", ".join(f"{cid}{'@' + v if v else ''}" for cid, _, v in consulted)
+              + " (--selected-only leaves those claims unchecked instead)")
     for cid, reason in skipped:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)
@@ -222,6 +229,9 @@ def main(argv=None) -> int:
                      help="measure cases with depth_points at full depth (a host that holds them)")
     run.add_argument("--jobs", type=int, default=None,
                      help="training processes at once for tiny runs (default: one per CPU core)")
+    run.add_argument("--selected-only", action="store_true",
+                     help="run only the selected cases: a claim about another case (a fix's peak against its "
+                          "failing config, a family's speed order) is not checkable instead of running it")
     run.set_defaults(func=_cmd_run)
     bl = sub.add_parser("bless", help="write or refresh baselines from a `run --fidelity real --json` file")
     bl.add_argument("runs", nargs="+", help="`run --fidelity real --json` files, run.json files, or run folders "

@@ -50,6 +50,9 @@ def pytest_addoption(parser):
                     help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
     group.addoption("--harness-benchmark-json", default=None,
                     help="write full-size throughput in pytest-benchmark's JSON format to this file")
+    group.addoption("--harness-selected-only", action="store_true",
+                    help="run only the selected cases: a claim about another case (a fix's peak against its "
+                         "failing config, a family's speed order) is not checkable instead of running it")
 
 
 def _session(config) -> Session:
@@ -111,6 +114,8 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def harness_session(request) -> Session:
     session = _session(request.config)
+    if request.config.getoption("--harness-selected-only"):
+        session.selected_only = set(request.config.stash.get(_PLANNED, []))
     session.prefetch(request.config.stash.get(_PLANNED, []), request.config.getoption("--harness-jobs"))
     return session
 
@@ -153,6 +158,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"oom-harness: {n} benchmarks written to {bench_path} (pytest-benchmark format)")
     terminalreporter.section("oom-harness cases")
     terminalreporter.write_line(table(judged))
+    consulted = session.consulted()
+    if consulted:
+        runs = ", ".join(f"{cid}{'@' + variant if variant else ''} [{fid}]" for cid, fid, variant in consulted)
+        terminalreporter.write_line(f"also run, for the claims of the cases above: {runs} "
+                                    "(--harness-selected-only leaves those claims unchecked instead)")
     found = findings(judged)
     if found:
         terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")

@@ -22,7 +22,7 @@ from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
 from harness.variants import Variant
-from harness.verdicts import Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
+from harness.verdicts import NotRun, Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
 
 
 @dataclass
@@ -103,7 +103,11 @@ class _Lookup:
 
     def __call__(self, case_id: str, uncapped: bool = False):
         """The other case as measured here (the same kind of variant as this one) and its run;
-        `uncapped`: on the whole card instead of its emulated one."""
+        `uncapped`: on the whole card instead of its emulated one. NotRun where the session runs
+        only the selected cases and this is not one of them."""
+        only = self._session.selected_only
+        if only is not None and (case_id, self._fidelity) not in only:
+            raise NotRun(f"needs a run of {case_id}, which was not selected (--harness-selected-only)")
         case = self._session.cases[case_id][0]
         variant = replace(self._session.plan(case_id, self._fidelity)[-1], uncapped=uncapped)
         return variant.apply(case), self._session.run(case_id, self._fidelity, variant)
@@ -122,6 +126,10 @@ class Session:
     full_depth: bool = False  # ignore the cases' depth points (a host that holds the full depth)
     grad_accum_cap: int | None = None  # full-size runs accumulate at most this many micro steps
     baseline_root: Path = RESULTS_DIR  # the baselines full-size runs are held to
+    # (case id, fidelity) pairs a claim may have run: None runs whatever a claim consults (guide
+    # 004's plan A compares with its failing case, which compiles on an empty Triton cache for
+    # minutes); a set leaves claims about other cases not checkable instead
+    selected_only: set[tuple[str, str]] | None = None
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
     _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
@@ -256,3 +264,9 @@ class Session:
 
     def judged(self) -> list[Judgement]:
         return list(self._judged.values())
+
+    def consulted(self) -> list[tuple[str, str, str]]:
+        """(case id, fidelity, variant) of the runs made only because a claim consulted them: cases
+        that were not judged themselves."""
+        judged = set(self._judged)
+        return sorted({(cid, fid, variant) for cid, fid, variant, _ in self._runs if (cid, fid) not in judged})

@@ -205,6 +205,10 @@ def as_recorded(verdict: Verdict, finding: str | None, fidelity: str) -> Verdict
                    verdict.quote)
 
 
+class NotRun(Exception):
+    """A claim consulted a case this session does not run (`Session.selected_only`)."""
+
+
 def check_claims(case: Case, run: CaseRun, lookup: Callable[[str], tuple[Case, CaseRun]]) -> list[Verdict]:
     return [as_recorded(check_claim(claim, case, run, lookup), claim.finding, run.fidelity) for claim in case.claims]
 
@@ -218,12 +222,18 @@ def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
     err = run.first_error()
     if kind == "speed_rank" and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
         # the config runs out of memory on its card; its speed is still a fact about the config
-        return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
+        try:
+            return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
+        except NotRun as exc:
+            return Verdict(kind, "not_checkable", str(exc), quote)
     if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
         why = f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err else "no measurement"
         return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
     fn = _CHECKS[kind]
-    return fn(claim, case, run, lookup)
+    try:
+        return fn(claim, case, run, lookup)
+    except NotRun as exc:
+        return Verdict(kind, "not_checkable", str(exc), quote)
 
 
 def _trains(claim, case, run, lookup):

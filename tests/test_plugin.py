@@ -64,3 +64,27 @@ def test_deselected_tiny_cases_are_not_started_in_the_background(pytester, tmp_p
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=3)
     assert not (runs / "tiny").exists()
+
+
+def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_only(pytester, tmp_path):
+    """Fix 3 claims a lower peak than fix 1: selecting fix 3 alone runs fix 1 too (on a GPU, guide
+    004's plan A so ran its failing case, minutes of cold compilation), and the summary names it.
+    --harness-selected-only runs nothing unselected and leaves the claim unchecked, saying why."""
+    cases = _case_dir(pytester)
+    args = ["--case-dir", str(cases), "-k", f"{GOOD}-tiny", "-p", "no:cacheprovider", "-rA"]
+    result = pytester.runpytest_subprocess(*args, "--harness-run-dir", str(tmp_path / "all"))
+    result.assert_outcomes(passed=1)
+    fix_1 = "003-qlora-fix-r32-seq1024-gc"
+    result.stdout.fnmatch_lines([f"also run, for the claims of the cases above: {fix_1} [[]tiny[]]*"])
+    assert (tmp_path / "all" / "tiny" / fix_1).is_dir()
+    only = tmp_path / "only"
+    result = pytester.runpytest_subprocess(*args, "--harness-run-dir", str(only), "--harness-selected-only")
+    result.assert_outcomes(passed=1)
+    assert not (only / "tiny" / fix_1).exists()
+    assert "also run" not in result.stdout.str()
+    from harness.session import Session
+
+    session = Session(case_dir=cases, run_root=only, selected_only={(GOOD, "tiny")})
+    lower = next(v for v in session.judge(GOOD, "tiny").claims if v.what == "lower_peak_than")
+    assert lower.status == "not_checkable"
+    assert f"needs a run of {fix_1}, which was not selected" in lower.detail
