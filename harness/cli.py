@@ -50,9 +50,39 @@ def _write_json(path: Path, session) -> None:
     tmp.replace(path)
 
 
+def _related(selected: list[str], session) -> list[list[str]]:
+    """The selected cases in groups whose claims consult each other (a claim naming another case, a
+    family's speed order): a group's cases run in one session, so a consulted case is run once."""
+    group = {cid: cid for cid in selected}
+
+    def root(cid):
+        while group[cid] != cid:
+            cid = group[cid]
+        return cid
+
+    def join(a, b):
+        if a in group and b in group:
+            group[root(a)] = root(b)
+
+    by_family: dict[str, str] = {}
+    for cid in selected:
+        case = session.cases[cid][0]
+        for claim in case.claims:
+            if getattr(claim, "case", None):
+                join(cid, claim.case)
+        if case.family:
+            join(cid, by_family.setdefault(case.family, cid))
+    groups: dict[str, list[str]] = {}
+    for cid in selected:
+        groups.setdefault(root(cid), []).append(cid)
+    return list(groups.values())
+
+
 def _slice(selected: list[str], session, select: str, shard: str | None) -> list[str]:
     """`--select single|multi` and `--shard K/N`: one slice of the single-rank cases per GPU (each
-    run pinned to its GPU with CUDA_VISIBLE_DEVICES), the multi-rank cases in a run of their own."""
+    run pinned to its GPU with CUDA_VISIBLE_DEVICES), the multi-rank cases in a run of their own.
+    Cases whose claims consult each other stay in one slice (`_related`), so no shard runs another
+    shard's case again; the groups are dealt out largest first to the slice with the fewest cases."""
     def ranks(cid):
         return session.cases[cid][0].launch.ranks
 
@@ -62,7 +92,10 @@ def _slice(selected: list[str], session, select: str, shard: str | None) -> list
         k, _, n = shard.partition("/")
         if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
             raise ValueError(f"'{shard}': write K/N with 0 <= K < N, e.g. 0/8")
-        selected = selected[int(k)::int(n)]
+        slices: list[list[str]] = [[] for _ in range(int(n))]
+        for members in sorted(_related(selected, session), key=lambda g: (-len(g), g[0])):
+            min(slices, key=len).extend(members)
+        selected = sorted(slices[int(k)])
     return selected
 
 
