@@ -41,8 +41,9 @@ class PlatformInfo(BaseModel):
 
 
 class Figures(BaseModel):
-    """Bytes and rates of one run. The per-card peak is the device's own figure where known
-    (the worst rank of a sharded job; the sum of the jobs sharing a card)."""
+    """Bytes and rates of one run. The per-card peak is the device's own figure where known; it and
+    the card's tokens/s and MFU are the worst rank's of a sharded job and the sum of the jobs
+    sharing a card (`CaseRun.per_card_peak`, `CaseRun.per_card_rate`)."""
 
     per_card_peak: int | None
     allocated_peak: int | None
@@ -84,8 +85,6 @@ def spread(values: list[float]) -> tuple[float, float]:
 def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
     ranks = run.ranks
     err = run.first_error()
-    rates = [r.tokens_per_s for r in ranks if r.tokens_per_s]
-    mfus = [r.mfu for r in ranks if r.mfu]
     steps = [r for r in ranks if r.step is not None]
     return Figures(
         per_card_peak=run.per_card_peak(procs_per_card),
@@ -93,8 +92,8 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         reserved_peak=max((r.step.reserved or 0 for r in steps), default=None) or None,
         load_footprint=max((r.load.limiting() for r in ranks if r.load), default=None),
         host_peak=run.host_peak(),
-        tokens_per_s_per_gpu=min(rates) if rates else None,
-        mfu=min(mfus) if mfus else None,
+        tokens_per_s_per_gpu=run.per_card_rate(procs_per_card),
+        mfu=run.per_card_rate(procs_per_card, "mfu"),
         step_times_s=ranks[0].step_times_s if ranks else [],
         outcome="ok" if err is None else err.kind.value,
         failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,

@@ -166,6 +166,16 @@ class CaseRun(BaseModel):
             return None
         return sum(peaks) if procs_per_card > 1 else max(peaks)
 
+    def per_card_rate(self, procs_per_card: int, attr: str = "tokens_per_s") -> float | None:
+        """Tokens/s (or `attr`: mfu) of a card: the slowest rank of a sharded job (its ranks step
+        together); the sum of the jobs when several independent jobs share one card, which is the
+        card's throughput (the slowest job times their number would understate it, and move with
+        whichever job the card's scheduling favoured in that run)."""
+        rates = [getattr(r, attr) for r in self.ranks if getattr(r, attr)]
+        if not rates:
+            return None
+        return sum(rates) if procs_per_card > 1 else min(rates)
+
     def host_peak(self) -> int | None:
         """Host RSS of the worst process, with its dataloader workers (None: nothing was measured).
         Processes on one host add up; `harness.host_ram` multiplies this by the case's processes per node."""

@@ -156,3 +156,21 @@ def test_a_pytest_run_folder_blesses_directly(tmp_path):
     (case_dir / "run.json").write_text("{}")
     with pytest.raises(BlessError, match=r"run.json: its content is not a run"):
         bless([tmp_path / "runs"], root=tmp_path / "b2")
+
+
+def test_a_cards_tokens_per_s_adds_up_the_jobs_sharing_it_and_takes_the_slowest_rank_of_a_sharded_job():
+    from harness.baselines import figures_of
+
+    def rank(r, world, slot, step_s):
+        return RankReport(case_id="x", fidelity="real", rank=r, world_size=world,
+                          process_slot=slot, platform="cuda", device_name="NVIDIA H100 80GB HBM3",
+                          step=Memory(allocated=GIB), step_times_s=[9.0, step_s, step_s], tokens_per_step=2048)
+
+    # guide 004: two jobs on one card, one scheduled faster than the other in this run
+    shared = CaseRun(case_id="x", fidelity="real", command=[], returncode=0, wall_s=1.0,
+                     ranks=[rank(0, 1, 0, 1.0), rank(0, 1, 1, 0.8)])
+    assert figures_of(shared, procs_per_card=2).tokens_per_s_per_gpu == pytest.approx(2048 + 2560)
+    # ZeRO ranks on a card each step together: the card runs at the slowest rank's pace
+    sharded = CaseRun(case_id="x", fidelity="real", command=[], returncode=0, wall_s=1.0,
+                      ranks=[rank(0, 2, 0, 1.0), rank(1, 2, 0, 0.8)])
+    assert figures_of(sharded, procs_per_card=1).tokens_per_s_per_gpu == pytest.approx(2048)
