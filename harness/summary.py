@@ -6,7 +6,7 @@ from harness.host_ram import node_host_need
 from harness.session import Judgement
 from harness.units import GIB, fmt_gib, fmt_mib
 
-COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/rank", "loss", "outcome", "claims")
+COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/card", "loss", "outcome", "claims")
 
 
 def _host(j: Judgement) -> str:
@@ -26,8 +26,8 @@ def _row(j: Judgement) -> tuple[str, ...]:
     ranks = run.ranks
     load = max((r.load.limiting() for r in ranks if r.load), default=None)
     peak = run.per_card_peak(case.launch.procs_per_card)
-    rates = [r.tokens_per_s for r in ranks if r.tokens_per_s]
-    rate = f"{min(rates):,.0f}" if rates else "-"
+    card_rate = run.per_card_rate(case.launch.procs_per_card)
+    rate = f"{card_rate:,.0f}" if card_rate else "-"
     losses = ranks[0].losses if ranks else []
     loss = f"{losses[0]:.3f}->{losses[-1]:.3f}" if losses else "-"
     procs = f"{len({r.rank for r in ranks}) or case.launch.ranks}x{case.launch.procs_per_card}"
