@@ -111,7 +111,7 @@ def _measure_line(run) -> str:
 
 def _cmd_run(args) -> int:
     from harness.session import Session, skip_reason
-    from harness.summary import FINDINGS_TITLE, findings, table
+    from harness.summary import FINDINGS_TITLE, consulted_line, findings, table
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
@@ -156,9 +156,7 @@ def _cmd_run(args) -> int:
     print(table(judged))
     consulted = session.consulted()
     if consulted:
-        print("also run, for the claims of the cases above: "
-              + ", ".join(f"{cid}{'@' + v if v else ''}" for cid, _, v in consulted)
-              + " (--selected-only leaves those claims unchecked instead)")
+        print(consulted_line(consulted, "--selected-only"))
     for cid, reason in skipped:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)

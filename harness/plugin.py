@@ -21,7 +21,7 @@ import pytest
 from harness.cases import CASES_DIR, CaseError
 from harness.launcher import DEFAULT_TIMEOUT_S
 from harness.session import Session, skip_reason
-from harness.summary import FINDINGS_TITLE, findings, table
+from harness.summary import FINDINGS_TITLE, consulted_line, findings, table
 
 _SESSION = pytest.StashKey[Session]()
 
@@ -160,9 +160,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(table(judged))
     consulted = session.consulted()
     if consulted:
-        runs = ", ".join(f"{cid}{'@' + variant if variant else ''} [{fid}]" for cid, fid, variant in consulted)
-        terminalreporter.write_line(f"also run, for the claims of the cases above: {runs} "
-                                    "(--harness-selected-only leaves those claims unchecked instead)")
+        terminalreporter.write_line(consulted_line(consulted, "--harness-selected-only"))
     found = findings(judged)
     if found:
         terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")

@@ -66,6 +66,13 @@ def table(judgements: list[Judgement]) -> str:
     return "\n".join(lines)
 
 
+def consulted_line(consulted: list[tuple[str, str, str]], option: str) -> str:
+    """The runs made only for other cases' claims (`Session.consulted`), and the `option` that
+    leaves such claims unchecked instead."""
+    runs = ", ".join(f"{cid}{'@' + variant if variant else ''} [{fid}]" for cid, fid, variant in consulted)
+    return f"also run, for the claims of the cases above: {runs} ({option} leaves those claims unchecked instead)"
+
+
 FINDINGS_TITLE = "findings (refuted claims and outcomes; recorded findings last)"
 
 

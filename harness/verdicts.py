@@ -220,19 +220,16 @@ def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
     if kind == "oom_tried_to_allocate":
         return _oom_size(claim, run)
     err = run.first_error()
-    if kind == "speed_rank" and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
-        # the config runs out of memory on its card; its speed is still a fact about the config
-        try:
-            return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
-        except NotRun as exc:
-            return Verdict(kind, "not_checkable", str(exc), quote)
-    if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
-        why = f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err else "no measurement"
-        return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
-    fn = _CHECKS[kind]
     try:
-        return fn(claim, case, run, lookup)
-    except NotRun as exc:
+        if kind == "speed_rank" and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
+            # the config runs out of memory on its card; its speed is still a fact about the config
+            return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
+        if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
+            why = (f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err
+                   else "no measurement")
+            return Verdict(kind, "not_checkable", f"the run did not finish ({why})", quote)
+        return _CHECKS[kind](claim, case, run, lookup)
+    except NotRun as exc:  # a case the claim consults is not run in this session
         return Verdict(kind, "not_checkable", str(exc), quote)
 
 
@@ -425,12 +422,12 @@ def _speed_rank(claim, case, run, lookup, uncapped: bool = False):
     `uncapped`: every case of the family measured on the whole card, for a case that runs out of
     memory on its own."""
     where = " (each on the whole card: this case runs out of memory on its own)" if uncapped else ""
-    mine = min((r.tokens_per_s for r in run.ranks if r.tokens_per_s), default=None)
+    mine = run.per_card_rate(case.launch.procs_per_card)
     if mine is None or run.first_error() is not None:
         return Verdict(claim.kind, "not_checkable", "no throughput measured" + where, claim.quote)
     compared, wrong = [], []
     for other_case, other_run in lookup.family(case.family, uncapped=uncapped):
-        theirs = min((r.tokens_per_s for r in other_run.ranks if r.tokens_per_s), default=None)
+        theirs = other_run.per_card_rate(other_case.launch.procs_per_card)
         other_rank = next((c.rank for c in other_case.claims if c.kind == "speed_rank"), None)
         if other_case.id == case.id or theirs is None or other_rank is None or other_run.first_error():
             continue

@@ -303,17 +303,16 @@ def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> 
     optimizer step, the same either way, is left out."""
     times = []
     with _checkpointing_as(model, checkpointing):
-        try:
-            for i in range(repeats + 1):
+        for i in range(repeats + 1):
+            try:
                 meas.sync()
                 start = time.perf_counter()
                 model(input_ids=batch, labels=batch).loss.backward()
                 meas.sync()
                 if i:
                     times.append(time.perf_counter() - start)
+            finally:  # also when a pass runs out of memory: the next probe needs the card
                 model.zero_grad(set_to_none=True)
-        finally:
-            model.zero_grad(set_to_none=True)
     return times
 
 
