@@ -221,9 +221,10 @@ def check_claim(claim, case: Case, run: CaseRun, lookup) -> Verdict:
         return _oom_size(claim, run)
     err = run.first_error()
     try:
-        if kind == "speed_rank" and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
-            # the config runs out of memory on its card; its speed is still a fact about the config
-            return _speed_rank(claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
+        if kind in _WHOLE_CARD and run.fidelity == "real" and err is not None and err.kind == Failure.oom:
+            # the config runs out of memory on its card; how it compares with the others and where
+            # its optimizer state lives are still facts about it: judged on the whole card
+            return _WHOLE_CARD[kind](claim, case, lookup(case.id, uncapped=True)[1], lookup, uncapped=True)
         if err is not None or not run.ranks or any(r.step is None for r in run.ranks):
             why = (f"{err.kind.value} in {err.phase or 'launch'}: {_first_line(err.message)}" if err
                    else "no measurement")
@@ -349,14 +350,17 @@ def _zero3(claim, case, run, lookup):
     return Verdict(claim.kind, "confirmed" if ok else "refuted", "; ".join(details[:2]), claim.quote)
 
 
-def _offloaded(claim, case, run, lookup):
+def _offloaded(claim, case, run, lookup, uncapped: bool = False):
+    where = " (on the whole card: this case runs out of memory on its own)" if uncapped else ""
+    if uncapped and (run.first_error() is not None or not run.ranks):
+        return Verdict(claim.kind, "not_checkable", "the run on the whole card did not finish either", claim.quote)
     o = run.ranks[0].offload
     if o is None:
-        return Verdict(claim.kind, "refuted", "no DeepSpeed optimizer state was found", claim.quote)
+        return Verdict(claim.kind, "refuted", "no DeepSpeed optimizer state was found" + where, claim.quote)
     ok = o.device_state_bytes == 0 and o.host_state_bytes > 0 and o.optimizer_class == "DeepSpeedCPUAdam"
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
                    f"{o.optimizer_class}: {_size(o.host_state_bytes, run.fidelity)} of optimizer state on the host, "
-                   f"{_size(o.device_state_bytes, run.fidelity)} on the device", claim.quote)
+                   f"{_size(o.device_state_bytes, run.fidelity)} on the device{where}", claim.quote)
 
 
 def _logits(claim, case, run, lookup):
@@ -373,19 +377,24 @@ def _logits(claim, case, run, lookup):
     return Verdict(claim.kind, "confirmed" if ok else "refuted", detail, claim.quote)
 
 
-def _lower_peak(claim, case, run, lookup):
-    other_case, other_run = lookup(claim.case)
+def _lower_peak(claim, case, run, lookup, uncapped: bool = False):
+    """This config's per-card peak below another's; `uncapped`: both measured on the whole card, for
+    a case that runs out of memory on its own (its peak there is only where it stopped)."""
+    where = " (each on the whole card: this case runs out of memory on its own)" if uncapped else ""
+    if uncapped and (run.first_error() is not None or per_card_peak(case, run) is None):
+        return Verdict(claim.kind, "not_checkable", "no peak measured on the whole card either", claim.quote)
+    other_case, other_run = lookup(claim.case, uncapped=uncapped)
     mine, theirs = per_card_peak(case, run), per_card_peak(other_case, other_run)
-    if theirs is None:
-        err = other_run.first_error()
+    err = other_run.first_error()
+    if theirs is None or (uncapped and err is not None):
         if err is not None and err.kind == Failure.oom:
             return Verdict(claim.kind, "confirmed", f"{claim.case} ran out of memory; this one peaks at "
-                           f"{_size(mine, run.fidelity)}", claim.quote)
-        return Verdict(claim.kind, "not_checkable", f"{claim.case} has no peak to compare with", claim.quote)
+                           f"{_size(mine, run.fidelity)}{where}", claim.quote)
+        return Verdict(claim.kind, "not_checkable", f"{claim.case} has no peak to compare with{where}", claim.quote)
     ok = mine < theirs
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
-                   f"per-card peak {_size(mine, run.fidelity)} vs {_size(theirs, run.fidelity)} for {claim.case}",
-                   claim.quote)
+                   f"per-card peak {_size(mine, run.fidelity)} vs {_size(theirs, run.fidelity)} for "
+                   f"{claim.case}{where}", claim.quote)
 
 
 def _memory_range(claim, case, run, lookup):
@@ -441,6 +450,10 @@ def _speed_rank(claim, case, run, lookup, uncapped: bool = False):
         return Verdict(claim.kind, "refuted", detail + "; out of order against " + "; ".join(wrong), claim.quote)
     return Verdict(claim.kind, "confirmed", detail + f", in order against {len(compared)} other(s)", claim.quote)
 
+
+# claims about the config rather than its card (how it compares with others, where its optimizer
+# state lives), judged on the whole card where the config runs out of its own card's memory
+_WHOLE_CARD = {"speed_rank": _speed_rank, "lower_peak_than": _lower_peak, "optimizer_state_offloaded": _offloaded}
 
 _CHECKS = {
     "trains": _trains,

@@ -230,6 +230,44 @@ def test_a_rung_that_runs_out_of_memory_on_its_card_is_ranked_by_its_speed_on_th
     assert check_claim(claim2, rung2, crash, lookup).status == "not_checkable"
 
 
+def test_a_rung_that_runs_out_of_memory_on_its_card_is_held_to_its_memory_order_on_the_whole_card():
+    """Guide 001's "memory use high > mid-high > mid-low > lowest": rungs 3 and 4 both run out of
+    memory on their 4 GiB card, where each peak is only where it stopped; the order is judged on
+    their whole-card peaks."""
+    rung3 = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")
+    rung4 = load_case(CASES_DIR / "001-ladder-rung4-zero3-offload.yaml")
+    claim4 = next(c for c in rung4.claims if c.kind == "lower_peak_than")
+    assert claim4.case == rung3.id
+    oom = run_of(rank(step_device=int(4.5 * GIB)), error=ErrorInfo(kind=Failure.oom, message="CUDA out of memory"))
+    whole = [(rung3, run_of(rank(step_device=int(21.7 * GIB)))), (rung4, run_of(rank(step_device=int(10 * GIB))))]
+    lookup = _Family([(rung3, oom), (rung4, oom)], whole_card=whole)
+    v = check_claim(claim4, rung4, oom, lookup)
+    assert v.status == "confirmed" and "10.00 GiB vs 21.70 GiB" in v.detail and "each on the whole card" in v.detail
+    lookup.whole_card[0] = (rung3, run_of(rank(step_device=int(8 * GIB))))  # offload needing more: out of order
+    assert check_claim(claim4, rung4, oom, lookup).status == "refuted"
+    # out of memory on the whole card too: no peak of its own to order
+    lookup.whole_card[1] = (rung4, oom)
+    assert check_claim(claim4, rung4, oom, lookup).status == "not_checkable"
+    # a config that fits its card keeps its own run, never the whole card's
+    fits = run_of(rank(step_device=int(3 * GIB)))
+    assert "whole card" not in check_claim(claim4, rung4, fits, _Family([(rung3, oom), (rung4, fits)])).detail
+
+
+def test_where_an_oom_rung_keeps_its_optimizer_state_is_read_from_its_run_on_the_whole_card():
+    from harness.report import Offload
+
+    rung4 = load_case(CASES_DIR / "001-ladder-rung4-zero3-offload.yaml")
+    claim = next(c for c in rung4.claims if c.kind == "optimizer_state_offloaded")
+    oom = run_of(rank(step_device=int(4.5 * GIB)), error=ErrorInfo(kind=Failure.oom, message="CUDA out of memory"))
+    on_host = Offload(optimizer_class="DeepSpeedCPUAdam", device_state_bytes=0, host_state_bytes=GIB)
+    lookup = _Family([(rung4, oom)], whole_card=[(rung4, run_of(rank(step_device=int(10 * GIB), offload=on_host)))])
+    v = check_claim(claim, rung4, oom, lookup)
+    assert v.status == "confirmed" and "on the whole card" in v.detail
+    on_device = Offload(optimizer_class="FusedAdam", device_state_bytes=GIB, host_state_bytes=0)
+    lookup.whole_card[0] = (rung4, run_of(rank(step_device=int(10 * GIB), offload=on_device)))
+    assert check_claim(claim, rung4, oom, lookup).status == "refuted"
+
+
 # --- findings: the guide refuted, as the case records ---------------------------------------------
 
 def _with_findings(case_id, tmp_path, outcome_finding=None, claim_finding=None, claim_high="12 GiB"):
