@@ -207,6 +207,7 @@ def report_markdown(baselines: list[Baseline]) -> str:
     from harness.host_ram import node_text
     from harness.units import fmt_gib
     from harness.variants import parse_variant
+    from harness.verdicts import WHOLE_CARD_CLAIMS
 
     lines = [
         ("| case | measured on | target card (budget) | outcome "
@@ -246,8 +247,16 @@ def report_markdown(baselines: list[Baseline]) -> str:
         where = f"{b.platform.device_name} x{b.platform.device_count}, {b.measured}"
         card = f"{case.target.card.name} ({fmt_gib(budget)})"
         # a shallower depth says nothing of the node: its extrapolation below does
-        host = "-" if parse_variant(b.variant).layers else node_text(case, r.host_peak)
-        if b.variant:
+        variant = parse_variant(b.variant)
+        host = "-" if variant.layers else node_text(case, r.host_peak)
+        if variant.uncapped:
+            # measured for the claims that compare configs: its target card's verdict is in the
+            # case's own row, and the headroom says how far the whole-card peak overshoots it
+            judged = sorted({c.kind for c in case.claims if c.kind in WHOLE_CARD_CLAIMS})
+            claims = [f"{', '.join(judged)}: judged on this run"] if judged else []
+            verdict = "trains" if r.outcome == "ok" else r.outcome
+            mark = "on the whole card: no verdict on its target"
+        elif b.variant:
             claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
         lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {host} | {rate} | "
                      f"{mfu} | {'; '.join(claims) or '-'} |")

@@ -454,6 +454,7 @@ def _speed_rank(claim, case, run, lookup, uncapped: bool = False):
 # claims about the config rather than its card (how it compares with others, where its optimizer
 # state lives), judged on the whole card where the config runs out of its own card's memory
 _WHOLE_CARD = {"speed_rank": _speed_rank, "lower_peak_than": _lower_peak, "optimizer_state_offloaded": _offloaded}
+WHOLE_CARD_CLAIMS = frozenset(_WHOLE_CARD)
 
 _CHECKS = {
     "trains": _trains,

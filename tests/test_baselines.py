@@ -70,6 +70,22 @@ def test_the_report_sets_each_extrapolation_beside_its_full_depth_check(tmp_path
     assert "peak 11.00 GiB (fit -9.1%); host 67.00 GiB (fit +0.0%); 102 tokens/s (fit +25%)" in row
 
 
+def test_a_whole_card_run_is_reported_as_the_measurement_its_family_claims_are_judged_on(tmp_path):
+    """Guide 001's rungs run out of memory on their tiers' cards; their whole-card runs give the
+    speed and memory order. Their row must not read as a fit of the target card."""
+    case = "001-ladder-rung4-zero3-offload"
+    entry = _series_entry(case, "u", 10.04, 7.4, 13.5)
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([entry]))
+    bless(runs, root=tmp_path / "baselines")
+    row = next(line for line in report_markdown(load_baselines(tmp_path / "baselines")).splitlines()
+               if line.startswith(f"| {case} |"))
+    assert "on the whole card, not its target's" in row
+    assert "| trains (on the whole card: no verdict on its target) |" in row and "fits" not in row
+    assert "| -6.44 GiB |" in row  # 10.04 GiB against the 3.60 GiB budget of its 4 GiB card
+    assert "lower_peak_than, optimizer_state_offloaded, speed_rank: judged on this run" in row
+
+
 def test_the_report_says_which_triton_cache_a_run_had(tmp_path):
     entry = _run(10.5, 7.0)
     entry["run"]["ranks"][0]["triton_cache"] = "cold"
