@@ -350,8 +350,15 @@ def _zero3(claim, case, run, lookup):
     return Verdict(claim.kind, "confirmed" if ok else "refuted", "; ".join(details[:2]), claim.quote)
 
 
+def _whole_card_note(uncapped: bool, each: bool = True) -> str:
+    """What a verdict judged on whole-card runs (`_WHOLE_CARD`) adds to its detail."""
+    if not uncapped:
+        return ""
+    return f" ({'each ' if each else ''}on the whole card: this case runs out of memory on its own)"
+
+
 def _offloaded(claim, case, run, lookup, uncapped: bool = False):
-    where = " (on the whole card: this case runs out of memory on its own)" if uncapped else ""
+    where = _whole_card_note(uncapped, each=False)
     if uncapped and (run.first_error() is not None or not run.ranks):
         return Verdict(claim.kind, "not_checkable", "the run on the whole card did not finish either", claim.quote)
     o = run.ranks[0].offload
@@ -380,7 +387,7 @@ def _logits(claim, case, run, lookup):
 def _lower_peak(claim, case, run, lookup, uncapped: bool = False):
     """This config's per-card peak below another's; `uncapped`: both measured on the whole card, for
     a case that runs out of memory on its own (its peak there is only where it stopped)."""
-    where = " (each on the whole card: this case runs out of memory on its own)" if uncapped else ""
+    where = _whole_card_note(uncapped)
     if uncapped and (run.first_error() is not None or per_card_peak(case, run) is None):
         return Verdict(claim.kind, "not_checkable", "no peak measured on the whole card either", claim.quote)
     other_case, other_run = lookup(claim.case, uncapped=uncapped)
@@ -430,7 +437,7 @@ def _speed_rank(claim, case, run, lookup, uncapped: bool = False):
     """The claimed speed order against the measured tokens/s of the family's other ranked cases;
     `uncapped`: every case of the family measured on the whole card, for a case that runs out of
     memory on its own."""
-    where = " (each on the whole card: this case runs out of memory on its own)" if uncapped else ""
+    where = _whole_card_note(uncapped)
     mine = run.per_card_rate(case.launch.procs_per_card)
     if mine is None or run.first_error() is not None:
         return Verdict(claim.kind, "not_checkable", "no throughput measured" + where, claim.quote)
