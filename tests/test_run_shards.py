@@ -3,7 +3,7 @@
 import pytest
 
 from harness.cases import CASES_DIR
-from harness.cli import _slice
+from harness.cli import _slice, main
 from harness.session import Session
 
 
@@ -35,3 +35,16 @@ def test_cases_whose_claims_consult_each_other_share_a_shard(session):
 def test_a_malformed_shard_is_an_error_naming_the_form(session):
     with pytest.raises(ValueError, match="write K/N with 0 <= K < N"):
         _slice(sorted(session.cases), session, "single", "8/8")
+
+
+def test_an_empty_shard_runs_nothing_and_succeeds(capsys):
+    """A runner with more GPUs than groups of related cases: the nightly job starts a shard per GPU,
+    and a shard with nothing to run must not turn the night red (seen on two H100s with `-k 003`,
+    where every 003 case shares one shard)."""
+    assert main(["run", "--select", "single", "--shard", "1/2", "-k", "003-"]) == 0
+    assert "nothing to run: none of the 4 matching cases is a single-rank case in shard 1/2" in capsys.readouterr().out
+
+
+def test_a_filter_matching_no_case_is_still_an_error(capsys):
+    assert main(["run", "--select", "single", "--shard", "0/2", "-k", "no-such-case"]) == 2
+    assert "no case matches no-such-case" in capsys.readouterr().err
