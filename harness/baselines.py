@@ -256,6 +256,11 @@ def report_markdown(baselines: list[Baseline]) -> str:
             claims = [f"{', '.join(judged)}: judged on this run"] if judged else []
             verdict = "trains" if r.outcome == "ok" else r.outcome
             mark = "on the whole card: no verdict on its target"
+        elif case.expect.outcome == "detected":
+            # what the mistake costs, measured; whether it was detected is the run's verdict. Its
+            # variant is a single depth (a mistake shows at any depth), so nothing is extrapolated.
+            verdict = "trains" if r.outcome == "ok" else r.outcome
+            mark, claims = f"the mistake to detect: {case.expect.detect}", []
         elif b.variant:
             claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
         lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {host} | {rate} | "

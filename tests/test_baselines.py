@@ -86,6 +86,20 @@ def test_a_whole_card_run_is_reported_as_the_measurement_its_family_claims_are_j
     assert "lower_peak_than, optimizer_state_offloaded, speed_rank: judged on this run" in row
 
 
+def test_a_mistakes_run_is_reported_as_the_mistake_not_as_a_fit(tmp_path):
+    """Guide 002's mistakes run at one depth to be detected: their row must neither read as a fit
+    nor point to an extrapolation that does not exist."""
+    case = "002-gemma27b-wrong-model-before-deepspeed"
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([_series_entry(case, "2r6L2ga", 33.71, 44.6, 3.3)]))
+    bless(runs, root=tmp_path / "baselines")
+    table = report_markdown(load_baselines(tmp_path / "baselines"))
+    row = next(line for line in table.splitlines() if line.startswith(f"| {case} |"))
+    assert "| trains (the mistake to detect: materialised_before_zero_init) | 5.40 GiB / - / 33.71 GiB |" in row
+    assert "fits" not in row and "extrapolation" not in row
+    assert "Depth extrapolations" not in table  # one depth: no fit
+
+
 def test_the_report_says_which_triton_cache_a_run_had(tmp_path):
     entry = _run(10.5, 7.0)
     entry["run"]["ranks"][0]["triton_cache"] = "cold"
