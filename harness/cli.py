@@ -111,7 +111,7 @@ def _measure_line(run) -> str:
 
 def _cmd_run(args) -> int:
     from harness.session import Session, skip_reason
-    from harness.summary import FINDINGS_TITLE, consulted_line, findings, table
+    from harness.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
@@ -165,6 +165,8 @@ def _cmd_run(args) -> int:
     consulted = session.consulted()
     if consulted:
         print(consulted_line(consulted, "--selected-only"))
+    if session.whole_card():
+        print(whole_card_line(session.whole_card()))
     for cid, reason in skipped:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)

@@ -21,7 +21,7 @@ import pytest
 from harness.cases import CASES_DIR, CaseError
 from harness.launcher import DEFAULT_TIMEOUT_S
 from harness.session import Session, skip_reason
-from harness.summary import FINDINGS_TITLE, consulted_line, findings, table
+from harness.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
 _SESSION = pytest.StashKey[Session]()
 
@@ -161,6 +161,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     consulted = session.consulted()
     if consulted:
         terminalreporter.write_line(consulted_line(consulted, "--harness-selected-only"))
+    if session.whole_card():
+        terminalreporter.write_line(whole_card_line(session.whole_card()))
     found = findings(judged)
     if found:
         terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")

@@ -21,7 +21,7 @@ from harness.host_ram import check_host_ram
 from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
-from harness.variants import Variant
+from harness.variants import Variant, parse_variant
 from harness.verdicts import NotRun, Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
 
 
@@ -270,3 +270,11 @@ class Session:
         that were not judged themselves."""
         judged = set(self._judged)
         return sorted({(cid, fid, variant) for cid, fid, variant, _ in self._runs if (cid, fid) not in judged})
+
+    def whole_card(self) -> list[tuple[str, str, str]]:
+        """(case id, fidelity, variant) of the judged cases' own whole-card runs: made because a
+        claim compares the config with others and the config runs out of memory on its own card
+        (guide 001's rungs: 1-3 minutes each on an H100). Selecting fewer cases does not avoid them."""
+        judged = set(self._judged)
+        return sorted({(cid, fid, variant) for cid, fid, variant, _ in self._runs
+                       if (cid, fid) in judged and parse_variant(variant).uncapped})

@@ -73,6 +73,13 @@ def consulted_line(consulted: list[tuple[str, str, str]], option: str) -> str:
     return f"also run, for the claims of the cases above: {runs} ({option} leaves those claims unchecked instead)"
 
 
+def whole_card_line(runs: list[tuple[str, str, str]]) -> str:
+    """The judged cases' own whole-card runs (`Session.whole_card`): the time they took is theirs."""
+    names = ", ".join(f"{cid}@{variant} [{fid}]" for cid, fid, variant in runs)
+    return (f"also run on the whole card, for claims that compare configs which run out of memory on "
+            f"their own cards: {names}")
+
+
 FINDINGS_TITLE = "findings (refuted claims and outcomes; recorded findings last)"
 
 
