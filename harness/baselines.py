@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from harness.report import CaseRun
+from harness.report import CaseRun, Clocks
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results" / "baselines"
 
@@ -57,6 +57,8 @@ class Figures(BaseModel):
     failure: str | None = None
     triton_cache: str | None = None  # 'cold' or 'warm' for runs that compiled Triton kernels (harness.compile_cache)
     cpu_threads: int | None = None  # OMP threads per process (harness.launcher.cpu_threads); speed depends on it
+    clocks: Clocks | None = None  # the slowest card's SM clock during the timed steps (harness.gpu_clocks)
+    host_cpu: str | None = None  # the host CPU's model name; speed depends on it
     recorded: str | None = None  # the day of this repetition, where it differs from the baseline's (bless --append)
 
 
@@ -99,6 +101,8 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,
         triton_cache=next((c for c in ("cold", "warm") if any(r.triton_cache == c for r in ranks)), None),
         cpu_threads=max((r.cpu_threads for r in ranks if r.cpu_threads), default=None),
+        clocks=min((r.clocks for r in ranks if r.clocks), key=lambda c: c.sm_mhz_median, default=None),
+        host_cpu=next((r.host_cpu for r in ranks if r.host_cpu), None),
     )
 
 

@@ -52,6 +52,8 @@ def benchmark_entries(runs: list[CaseRun], procs_per_card: dict[str, int]) -> li
                 "per_card_peak_bytes": [f.per_card_peak for f in figs],
                 "allocated_peak_bytes": [f.allocated_peak for f in figs],
                 "reserved_peak_bytes": [f.reserved_peak for f in figs],
+                # the slowest card's SM clock while the steps were timed (harness.gpu_clocks)
+                "sm_clock_mhz_median": [f.clocks.sm_mhz_median if f.clocks else None for f in figs],
                 "device": r0.device_name,
                 "ranks": r0.world_size,
                 "emulated_card_bytes": r0.emulated_card_bytes,

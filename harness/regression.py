@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 
 from harness.baselines import Baseline, Figures, load_baselines, spread
+from harness.gpu_clocks import clock_note
 from harness.schema import Case
 from harness.units import fmt_gib
 from harness.verdicts import Verdict
@@ -92,6 +93,16 @@ def _under_condition(baseline: Baseline, attr: str, value, what: str, figure: st
     return [], Verdict(what, "not_checkable", say(value, " and ".join(str(v) for v in sorted(seen))))
 
 
+def _host_side(figures: Figures, baseline: Baseline) -> str:
+    """What the host contributed to a speed: the card's clock and what held it down, and a host CPU
+    other than the baseline's (speed moves with both; memory does not)."""
+    note = clock_note(figures.clocks, [r.clocks.sm_mhz_median for r in baseline.runs if r.clocks])
+    theirs = sorted({r.host_cpu for r in baseline.runs if r.host_cpu})
+    if figures.host_cpu and theirs and figures.host_cpu not in theirs:
+        note += f"; this host's CPU is {figures.host_cpu}, the baseline's {' and '.join(theirs)}"
+    return note
+
+
 def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) -> list[Verdict]:
     if baseline is None:
         return [Verdict("baseline", "not_checkable", "no baseline for this case on this platform (oom-harness bless)")]
@@ -130,5 +141,6 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) ->
                       if len(rates) < every else "")
         out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
                            f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
-                           f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"))
+                           f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"
+                           f"{_host_side(figures, baseline)}"))
     return out or [Verdict("baseline", "not_checkable", "the baseline holds no peak or speed to compare")]

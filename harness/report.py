@@ -72,6 +72,17 @@ class Probes(BaseModel):
     window: tuple[float, float] | None = None  # wall-clock start and end of the probes (time.time())
 
 
+class Clocks(BaseModel):
+    """The card's SM clock while the steps were timed, sampled with its memory (harness.gpu_clocks)."""
+
+    samples: int
+    sm_mhz_median: int
+    sm_mhz_min: int
+    sm_mhz_max: int  # the card's maximum SM clock
+    power_limit_w: float | None = None  # the enforced board power limit
+    slowed: dict[str, float] = Field(default_factory=dict)  # slowdown reason -> share of the samples
+
+
 class Failure(str, Enum):
     oom = "oom"  # device (or emulated card) out of memory
     host_oom = "host_oom"  # killed by the kernel, most likely for host memory
@@ -115,6 +126,8 @@ class RankReport(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     triton_cache: str | None = None  # 'cold' or 'warm' where the run used Triton kernels (harness.compile_cache)
     cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.launcher.cpu_threads)
+    clocks: Clocks | None = None  # the card's SM clock during the timed steps (NVIDIA; harness.gpu_clocks)
+    host_cpu: str | None = None  # the host CPU's model name
     error: ErrorInfo | None = None
 
     @property

@@ -10,7 +10,8 @@
   `max_memory_allocated` / `max_memory_reserved`.
 * `Sampler`: a background thread that samples what the device reports for this process (NVML on
   NVIDIA) and the host memory of this process and its children (dataloader workers), keeping maxima:
-  the resident set, and its anonymous and shared-memory part (`host_pages`).
+  the resident set, and its anonymous and shared-memory part (`host_pages`); on NVIDIA also the
+  card's SM clock and what held it down (`clock_reader`, harness.gpu_clocks).
 """
 
 from __future__ import annotations
@@ -115,21 +116,26 @@ class AcceleratorTracker:
         return torch.cuda.max_memory_reserved(self.device)
 
 
+def nvml_handle(device_index: int):
+    """(pynvml, handle) of torch's CUDA device `device_index`: NVML numbers the physical cards, so
+    the index goes through CUDA_VISIBLE_DEVICES first."""
+    import pynvml  # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = device_index
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if device_index < len(ids) and ids[device_index].isdigit():
+            physical = int(ids[device_index])
+    return pynvml, pynvml.nvmlDeviceGetHandleByIndex(physical)
+
+
 class _NvmlProcessMemory:
     """Device memory NVML attributes to this process (includes context, cuBLAS, NCCL buffers)."""
 
     def __init__(self, device_index: int) -> None:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = device_index
-        if visible:
-            ids = [v.strip() for v in visible.split(",") if v.strip()]
-            if device_index < len(ids) and ids[device_index].isdigit():
-                physical = int(ids[device_index])
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        self._nvml, self._handle = nvml_handle(device_index)
         self._pid = os.getpid()
         self.per_process = True
 
@@ -233,6 +239,18 @@ def device_memory_reader(device: torch.device):
         return None
 
 
+def clock_reader(device: torch.device):
+    """The card's SM clock and clock-event reasons (harness.gpu_clocks) on NVIDIA, else None."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    from harness.gpu_clocks import NvmlClockReader
+
+    try:
+        return NvmlClockReader(*nvml_handle(device.index or 0))
+    except Exception:  # nvidia-ml-py missing, NVML unavailable or the query unsupported: no clocks
+        return None
+
+
 def host_pages(pid: int) -> tuple[int, int | None]:
     """(resident, anonymous + shared) bytes of one process. The resident set also holds file pages
     (libraries, memory-mapped checkpoints) that the kernel can drop under pressure; anonymous pages
@@ -253,13 +271,17 @@ def host_pages(pid: int) -> tuple[int, int | None]:
 
 
 class Sampler:
-    """Samples the device figure and host memory (self + children) every `interval` seconds."""
+    """Samples the device figure and host memory (self + children) every `interval` seconds, and
+    the card's clock where a `clock_reader` is given (harness.gpu_clocks)."""
 
-    def __init__(self, device_reader=None, interval: float = 0.02) -> None:
+    def __init__(self, device_reader=None, interval: float = 0.02, clock_reader=None) -> None:
         import psutil
+
+        from harness.gpu_clocks import ClockSamples
 
         self._proc = psutil.Process()
         self._device_reader = device_reader
+        self._clocks = None if clock_reader is None else ClockSamples(clock_reader)
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="harness-sampler", daemon=True)
@@ -287,6 +309,15 @@ class Sampler:
             value = self._device_reader.read()
             if value is not None:
                 self.device_peak = max(self.device_peak or 0, value)
+        if self._clocks is not None:
+            try:
+                self._clocks.sample()
+            except Exception:  # a query this card or driver refuses: stop reading clocks, keep the memory
+                self._clocks = None
+
+    def clocks(self):
+        """The card's clock since the last reset (`report.Clocks`), or None where it was not read."""
+        return None if self._clocks is None else self._clocks.summary()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -296,6 +327,8 @@ class Sampler:
         self.device_peak = None
         self.host_peak = 0
         self.host_anon_peak = None
+        if self._clocks is not None:
+            self._clocks.reset()
         self.sample()
 
     def __enter__(self):

@@ -60,7 +60,7 @@ class Measurement:
     def __init__(self, device, emulated_card_bytes: int | None):
         import torch
 
-        from harness.tracker import AcceleratorTracker, LiveTensorTracker, Sampler, device_memory_reader
+        from harness.tracker import AcceleratorTracker, LiveTensorTracker, Sampler, clock_reader, device_memory_reader
 
         self.device = device
         self.on_cpu = device.type == "cpu"
@@ -80,7 +80,7 @@ class Measurement:
                 total = torch.cuda.get_device_properties(device).total_memory
                 usable = emulated_card_bytes - (self.context_bytes or 0)
                 torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, usable / total)), device)
-        self.sampler = Sampler(reader)
+        self.sampler = Sampler(reader, clock_reader=clock_reader(device))
 
     def __enter__(self):
         self.sampler.__enter__()
@@ -406,6 +406,7 @@ def run(args) -> int:
     from harness import compile_cache
     from harness.cases import load_case
     from harness.dsconfig import deepspeed_config
+    from harness.gpu_clocks import host_cpu
     from harness.modelbuild import build_model, prepare_checkpoint
     from harness.platform import Platform, detect, dist_backend, parse_oom
     from harness.report import ErrorInfo, Failure, RankReport, Zero
@@ -441,6 +442,7 @@ def run(args) -> int:
         tokens_per_step=shape.tokens_per_step,
         versions=_versions(),
         cpu_threads=torch.get_num_threads(),
+        host_cpu=host_cpu(),
     )
     out_path = Path(args.out_dir) / (f"rank{rank}" + (f"-slot{args.slot}" if args.slot else "") + ".json")
     t_start = time.perf_counter()
@@ -524,6 +526,7 @@ def run(args) -> int:
                 report.losses.append(statistics.fmean(losses))
                 progress(f"step {len(report.step_times_s)}/{shape.steps} in {report.step_times_s[-1]:.2f} s")
             report.step = meas.figures()
+            report.clocks = meas.sampler.clocks()  # over the timed steps: reset() came before them
             report.weights = _weights(model)
             from harness.flops import flops_per_token, linear_weight_count
 

@@ -31,6 +31,16 @@ def test_repetitions_pool_their_timed_steps_and_warmup_is_dropped():
     info = entries["003-a"]["extra_info"]
     assert info["per_card_peak_bytes"] == [int(10 * GIB)] * 2
     assert info["tokens_per_s_per_gpu"] == [pytest.approx(4096 / 1.1), pytest.approx(4096 / 1.2)]
+    assert info["sm_clock_mhz_median"] == [None, None]  # not read (no NVML here)
+
+
+def test_the_cards_clock_goes_with_each_repetition():
+    from harness.report import Clocks
+
+    run = _run("003-a", [9.0, 1.0, 1.2])
+    run.ranks[0].clocks = Clocks(samples=100, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980)
+    (entry,) = benchmark_entries([run], {})
+    assert entry["extra_info"]["sm_clock_mhz_median"] == [1410]
 
 
 def test_pytest_benchmark_compare_reads_the_files(tmp_path):

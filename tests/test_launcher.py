@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from harness.cases import CASES_DIR, load_case
+from harness.gpu_clocks import host_cpu
 from harness.launcher import Job, plan_jobs, run_case, run_jobs
 from harness.platform import Platform
 from harness.report import Failure, RankReport
@@ -123,6 +124,8 @@ def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path):
     assert rank.error.phase == "load"
     assert "emulated card" in rank.error.message
     assert rank.step.allocated > 64 * 1024
+    assert rank.host_cpu == host_cpu() and rank.host_cpu  # speed depends on the host; Linux names its CPU
+    assert rank.clocks is None  # a CPU run has no card clock
     assert Path(run.run_dir, "log.txt").is_file()
 
 

@@ -112,3 +112,53 @@ def test_host_memory_tells_reclaimable_file_pages_from_anonymous_memory(tmp_path
     sampler.sample()
     assert sampler.host_anon_peak - anon0 > 0.9 * size
     del heap
+
+
+class _Clock:
+    """A card whose SM clock reads `mhz` with NVML's clock-event `reasons`, one reading per sample."""
+
+    max_mhz, power_limit_w = 1980, 700.0
+
+    def __init__(self, readings):
+        self.readings = iter(readings)
+
+    def read(self):
+        return next(self.readings)
+
+
+def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
+    from harness.tracker import Sampler
+
+    power_cap, idle = 0x4, 0x1
+    sampler = Sampler(clock_reader=_Clock([(1980, 0), (1980, 0), (1410, power_cap), (1395, power_cap | idle),
+                                           (1410, power_cap)]))
+    sampler.sample()  # a reading from before the steps
+    sampler.reset()  # the steps begin: (1980, 0)
+    for _ in range(3):
+        sampler.sample()
+    clocks = sampler.clocks()
+    assert (clocks.samples, clocks.sm_mhz_median, clocks.sm_mhz_min, clocks.sm_mhz_max) == (4, 1410, 1395, 1980)
+    assert clocks.slowed == {"power cap": 0.75}  # idle is not a slowdown
+    assert clocks.power_limit_w == 700.0
+
+
+def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
+    from harness.tracker import Sampler
+
+    class Refusing(_Clock):
+        def read(self):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    sampler = Sampler(clock_reader=Refusing([]))
+    sampler.sample()
+    assert sampler.clocks() is None and sampler.host_peak > 0
+
+
+def test_the_slowdown_bits_are_nvmls():
+    pynvml = pytest.importorskip("pynvml")
+    from harness.gpu_clocks import SLOWDOWNS
+
+    assert set(SLOWDOWNS) == {pynvml.nvmlClocksThrottleReasonSwPowerCap, pynvml.nvmlClocksThrottleReasonHwSlowdown,
+                              pynvml.nvmlClocksThrottleReasonSwThermalSlowdown,
+                              pynvml.nvmlClocksThrottleReasonHwThermalSlowdown,
+                              pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown}

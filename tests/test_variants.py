@@ -360,6 +360,30 @@ def test_a_wide_spread_is_bounded_by_the_slowest_repetition(tmp_path):
     assert limit([100.0, 101.0, 99.0], None, 0.05, upper=False).why.startswith("-5.0%: floor 5%")
 
 
+def test_a_slow_run_names_its_cards_clock_and_a_host_cpu_other_than_the_baselines(tmp_path):
+    """Peaks equal to the byte, speed a third lower (guide 003's r32 fixes on one H100 host): the
+    verdict shows whether the card was held down or the host differs, beside the numbers."""
+    from harness.report import Clocks
+
+    base = _baseline(tmp_path, [(10.0, 1.0), (10.0, 1.0)])
+    for r in base.runs:
+        r.clocks = Clocks(samples=300, sm_mhz_median=1980, sm_mhz_min=1755, sm_mhz_max=1980)
+        r.host_cpu = "Intel(R) Xeon(R) Platinum 8480+"
+    slow = _figures(10.0, 1.5)
+    slow.tokens_per_s_per_gpu = 2048 / 1.5
+    slow.clocks = Clocks(samples=2950, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980,
+                         slowed={"power cap": 0.64, "thermal (software)": 0.005})
+    slow.host_cpu = "AMD EPYC 9454 48-Core Processor"
+    speed = {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"]
+    assert speed.status == "refuted"
+    assert speed.detail.endswith(
+        "; SM clock 1,410 MHz (median of 2,950 samples; the card's maximum 1,980), the baseline's 1,980 MHz; "
+        "held down by power cap in 64% of them; this host's CPU is AMD EPYC 9454 48-Core Processor, "
+        "the baseline's Intel(R) Xeon(R) Platinum 8480+")
+    slow.clocks = slow.host_cpu = None  # runs from before either was recorded say nothing of them
+    assert {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"].detail.endswith("0.0%))")
+
+
 def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
     base = _baseline(tmp_path, [(10.0, 1.0)])
     base.runs[0].cpu_threads = 1
