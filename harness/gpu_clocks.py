@@ -19,8 +19,12 @@ from pathlib import Path
 
 from harness.report import Clocks
 
-# NVML's clock-event reasons that hold the clock down (nvml.h, nvmlClocksEventReason*); the others
-# (idle, application clock setting, display) are not a slowdown of a busy card.
+# NVML's clock-event reasons (nvml.h, nvmlClocksEventReason*). Idle: nothing runs on the card and
+# its clock drops; such samples (a step waiting on the host, as CPU Adam under offload makes it)
+# say nothing of the clock the kernels ran at, and their share is counted apart.
+IDLE = 0x1
+# the reasons that hold a busy card's clock down; the others (application clock setting, display)
+# are not a slowdown
 SLOWDOWNS = {
     0x4: "power cap",  # SwPowerCap: the board's power limit
     0x8: "hardware slowdown",  # HwSlowdown: thermal or power brake, by the hardware
@@ -63,24 +67,27 @@ class ClockSamples:
         self.samples = []
 
     def summary(self) -> Clocks | None:
-        if not self.samples:
+        busy = [(mhz, reasons) for mhz, reasons in self.samples if not reasons & IDLE]
+        if not busy:  # no sample, or the card idle throughout: no clock the kernels ran at
             return None
-        mhz = [m for m, _ in self.samples]
+        mhz = [m for m, _ in busy]
         slowed = {}
         for bit, name in SLOWDOWNS.items():
-            hits = sum(1 for _, reasons in self.samples if reasons & bit)
+            hits = sum(1 for _, reasons in busy if reasons & bit)
             if hits:
-                slowed[name] = hits / len(self.samples)
-        return Clocks(samples=len(self.samples), sm_mhz_median=int(statistics.median(mhz)), sm_mhz_min=min(mhz),
-                      sm_mhz_max=self.reader.max_mhz, power_limit_w=self.reader.power_limit_w, slowed=slowed)
+                slowed[name] = hits / len(busy)
+        return Clocks(samples=len(busy), idle=1 - len(busy) / len(self.samples),
+                      sm_mhz_median=int(statistics.median(mhz)), sm_mhz_min=min(mhz), sm_mhz_max=self.reader.max_mhz,
+                      power_limit_w=self.reader.power_limit_w, slowed=slowed)
 
 
 def clock_note(clocks: Clocks | None, baseline_mhz: list[int] | None = None) -> str:
-    """'; SM clock 1,410 MHz (median of 2,950 samples; the card's maximum 1,980), held down by the
-    power cap in 64% of them': the card's side of a speed, for a speed verdict."""
+    """'; SM clock 1,410 MHz while busy (median of 2,950 samples; the card's maximum 1,980), the
+    baseline's 1,980 MHz; held down by power cap in 64% of them; the card idle in 12% of all
+    samples': the card's side of a speed, for a speed verdict."""
     if clocks is None:
         return ""
-    note = (f"; SM clock {clocks.sm_mhz_median:,} MHz (median of {clocks.samples:,} samples; "
+    note = (f"; SM clock {clocks.sm_mhz_median:,} MHz while busy (median of {clocks.samples:,} samples; "
             f"the card's maximum {clocks.sm_mhz_max:,})")
     if baseline_mhz:
         note += f", the baseline's {int(statistics.median(baseline_mhz)):,} MHz"
@@ -88,6 +95,8 @@ def clock_note(clocks: Clocks | None, baseline_mhz: list[int] | None = None) -> 
             if share >= 0.01]
     if held:
         note += f"; held down by {', '.join(held)} of them"
+    if clocks.idle >= 0.01:
+        note += f"; the card idle in {clocks.idle:.0%} of all samples"
     return note
 
 

@@ -75,7 +75,8 @@ class Probes(BaseModel):
 class Clocks(BaseModel):
     """The card's SM clock while the steps were timed, sampled with its memory (harness.gpu_clocks)."""
 
-    samples: int
+    samples: int  # those taken while the card was busy; the clock figures are theirs
+    idle: float = 0.0  # the share of all samples in which the card was idle (waiting on the host)
     sm_mhz_median: int
     sm_mhz_min: int
     sm_mhz_max: int  # the card's maximum SM clock

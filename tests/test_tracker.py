@@ -137,9 +137,19 @@ def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
     for _ in range(3):
         sampler.sample()
     clocks = sampler.clocks()
-    assert (clocks.samples, clocks.sm_mhz_median, clocks.sm_mhz_min, clocks.sm_mhz_max) == (4, 1410, 1395, 1980)
-    assert clocks.slowed == {"power cap": 0.75}  # idle is not a slowdown
-    assert clocks.power_limit_w == 700.0
+    # the idle sample (the card waiting on the host) is counted apart, not as a clock the kernels ran at
+    assert (clocks.samples, clocks.idle, clocks.sm_mhz_median, clocks.sm_mhz_min) == (3, 0.25, 1410, 1410)
+    assert clocks.sm_mhz_max == 1980 and clocks.power_limit_w == 700.0
+    assert clocks.slowed == {"power cap": pytest.approx(2 / 3)}
+
+
+def test_a_card_idle_throughout_has_no_clock_to_report():
+    from harness.tracker import Sampler
+
+    sampler = Sampler(clock_reader=_Clock([(345, 0x1)] * 3))
+    sampler.sample()
+    sampler.sample()
+    assert sampler.clocks() is None
 
 
 def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
