@@ -22,7 +22,16 @@ from harness.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.report import CaseRun
 from harness.schema import Case
 from harness.variants import Variant, parse_variant
-from harness.verdicts import NotRun, Verdict, as_recorded, check_claims, check_outcome, judge_on_variant
+from harness.verdicts import (
+    NotRun,
+    Series,
+    Verdict,
+    as_recorded,
+    check_claims,
+    check_outcome,
+    judge_on_variant,
+    lower_peak_on_variants,
+)
 
 
 @dataclass
@@ -111,6 +120,13 @@ class _Lookup:
         case = self._session.cases[case_id][0]
         variant = replace(self._session.plan(case_id, self._fidelity)[-1], uncapped=uncapped)
         return variant.apply(case), self._session.run(case_id, self._fidelity, variant)
+
+    def series(self, case_id: str) -> Series:
+        """Every variant of the other case as measured here, and its depth fit."""
+        only = self._session.selected_only
+        if only is not None and (case_id, self._fidelity) not in only:
+            raise NotRun(f"needs a run of {case_id}, which was not selected (--harness-selected-only)")
+        return self._session.series(case_id, self._fidelity)
 
     def family(self, name: str, uncapped: bool = False):
         ids = sorted(cid for cid, (c, _) in self._session.cases.items() if c.family == name)
@@ -223,33 +239,31 @@ class Session:
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
         from harness.baselines import PlatformInfo, figures_of
-        from harness.extrapolate import depth_check, extrapolate_figures
         from harness.regression import against_baseline, find_baseline
 
         case, _ = self.cases[case_id]
-        variants = self.plan(case_id, fidelity)
-        runs = [self.run(case_id, fidelity, v) for v in variants]
+        series = self.series(case_id, fidelity)
+        variants, runs, extrapolation = series.variants, series.runs, series.extrapolation
         measured_case, run = variants[-1].apply(case), runs[-1]
         lookup = _Lookup(self, fidelity)
-        extrapolation = None
-        platform_key = PlatformInfo.of_run(run).key if run.ranks else ""
         if len(variants) > 1:
-            figures = {v.layers: [figures_of(r, case.launch.procs_per_card)]
-                       for v, r in zip(variants, runs, strict=True)}
-            ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
-            if len(ok) >= 2:
-                extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
-                extrapolation.check = depth_check(case.model, self._depth_checks)
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
         outcome = as_recorded(outcome, case.expect.finding, fidelity)
         host_ram = check_host_ram(case, variants[-1], run, extrapolation)
         claims = check_claims(measured_case, run, lookup)
-        dropped = [c for c in case.claims if c not in measured_case.claims]
-        claims += [Verdict(c.kind, "not_checkable",
-                           f"stated for the case as written; measured {variants[-1].label(case)}",
-                           c.quote) for c in dropped]
+        for c in case.claims:
+            if c in measured_case.claims:
+                continue
+            if c.kind == "lower_peak_than":  # two configs measured alike compare (harness.verdicts)
+                try:
+                    claims.append(lower_peak_on_variants(c, case, series, self.cases[c.case][0], lookup.series(c.case)))
+                except NotRun as exc:
+                    claims.append(Verdict(c.kind, "not_checkable", str(exc), c.quote))
+                continue
+            claims.append(Verdict(c.kind, "not_checkable",
+                                  f"stated for the case as written; measured {variants[-1].label(case)}", c.quote))
         regression: list[Verdict] = []
         if fidelity == "real":
             # every measured variant against its own baseline: a depth series regresses at one depth
@@ -261,6 +275,26 @@ class Session:
                 regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
                                for v in verdicts]
         return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression, host_ram)
+
+    def series(self, case_id: str, fidelity: str) -> Series:
+        """The runs of every variant the case is measured on here, and their depth fit (two depths or
+        more that finished)."""
+        from harness.baselines import PlatformInfo, figures_of
+        from harness.extrapolate import depth_check, extrapolate_figures
+
+        case, _ = self.cases[case_id]
+        variants = self.plan(case_id, fidelity)
+        runs = [self.run(case_id, fidelity, v) for v in variants]
+        extrapolation = None
+        if len(variants) > 1:
+            figures = {v.layers: [figures_of(r, case.launch.procs_per_card)]
+                       for v, r in zip(variants, runs, strict=True)}
+            ok = {L: f for L, f in figures.items() if f[0].outcome == "ok"}
+            if len(ok) >= 2:
+                platform_key = PlatformInfo.of_run(runs[-1]).key if runs[-1].ranks else ""
+                extrapolation = extrapolate_figures(case, Variant(ranks=variants[-1].ranks).text, platform_key, ok)
+                extrapolation.check = depth_check(case.model, self._depth_checks)
+        return Series(variants, runs, extrapolation)
 
     def judged(self) -> list[Judgement]:
         return list(self._judged.values())

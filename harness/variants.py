@@ -83,7 +83,9 @@ class Variant:
             if self.grad_accum > case.train.grad_accum:
                 raise ValueError(f"{case.id}: a variant may only lower grad_accum ({case.train.grad_accum})")
             data["train"]["grad_accum"] = self.grad_accum
-        # memory claims are about the case as written; a variant checks only the relative ones
+        # memory claims are about the case as written; a variant checks only the relative ones here.
+        # `lower_peak_than` comes back in the session: two configs measured alike compare at every
+        # depth and at the full depth (harness.verdicts.lower_peak_on_variants)
         data["claims"] = [c for c in data["claims"] if c["kind"] not in ("memory_range", "oom_tried_to_allocate",
                                                                           "speed_rank", "lower_peak_than",
                                                                           "checkpointing_saving")]

@@ -404,6 +404,67 @@ def _lower_peak(claim, case, run, lookup, uncapped: bool = False):
                    f"{claim.case}{where}", claim.quote)
 
 
+@dataclass
+class Series:
+    """A case as measured on this host: its variants (harness.session.plan), their runs, and the
+    depth fit of the runs (harness.extrapolate.Extrapolation) where there are two depths or more."""
+
+    variants: list
+    runs: list[CaseRun]
+    extrapolation: object | None = None
+
+
+def _shards_alike(case: Case, other: Case) -> bool:
+    """Same model, method, ZeRO stage and offload: every rank holds the same share of the same
+    states in both, so fewer ranks raise both peaks by the same bytes."""
+    def sharding(c: Case):
+        ds = c.deepspeed
+        return None if ds is None else (ds.stage, ds.offload_optimizer, ds.offload_param)
+
+    return case.model == other.model and case.method == other.method and sharding(case) == sharding(other)
+
+
+def lower_peak_on_variants(claim, case: Case, mine: Series, other: Case, theirs: Series) -> Verdict:
+    """`lower_peak_than` for a case measured on variants (fewer ranks, fewer layers, capped
+    accumulation; harness.variants): the two configs compare where both were measured alike, at every
+    depth, and at the full depth where both have a depth fit (the verdict is the full depth's then:
+    the claim is about the case as written). On fewer ranks only where they shard alike."""
+    def no(why: str) -> Verdict:
+        return Verdict(claim.kind, "not_checkable", why, claim.quote)
+
+    variants = [v.text for v in mine.variants]
+    label = mine.variants[-1].label(case)
+    if variants != [v.text for v in theirs.variants]:
+        return no(f"measured {label}; {claim.case} {theirs.variants[-1].label(other)}: not alike")
+    if mine.variants[-1].fewer_ranks(case) and not _shards_alike(case, other):
+        return no(f"measured {label}, and {claim.case} shards other states (model, method, ZeRO stage or "
+                  f"offload differ): fewer ranks need not raise both peaks alike")
+    pairs, lower = [], []
+    for v, run, their_run in zip(mine.variants, mine.runs, theirs.runs, strict=True):
+        where = f"{v.layers} layers" if v.layers else label
+        err, their_err = run.first_error(), their_run.first_error()
+        if err is not None:
+            return no(f"this config failed at {where}: {err.kind.value}")
+        mine_peak = per_card_peak(case, run)
+        if their_err is not None and their_err.kind == Failure.oom:
+            pairs.append(f"at {where} {_size(mine_peak, run.fidelity)} vs out of memory")
+            lower.append(True)
+            continue
+        theirs_peak = per_card_peak(other, their_run)
+        if their_err is not None or mine_peak is None or theirs_peak is None:
+            return no(f"no pair of peaks to compare at {where}")
+        pairs.append(f"at {where} {_size(mine_peak, run.fidelity)} vs {_size(theirs_peak, run.fidelity)}")
+        lower.append(mine_peak < theirs_peak)
+    ok = all(lower)
+    fits = [s.extrapolation.values.get("per_card_peak") if s.extrapolation else None for s in (mine, theirs)]
+    if None not in fits:
+        pairs.append(f"extrapolated to the full depth {fmt_gib(fits[0])} vs {fmt_gib(fits[1])}")
+        ok = fits[0] < fits[1]
+    ranks = f" ({mine.variants[-1].ranks} of {case.launch.ranks} ranks)" if mine.variants[-1].fewer_ranks(case) else ""
+    return Verdict(claim.kind, "confirmed" if ok else "refuted",
+                   f"per-card peak vs {claim.case}{ranks}: {'; '.join(pairs)}", claim.quote)
+
+
 def _memory_range(claim, case, run, lookup):
     r_peak = per_card_peak(case, run)
     if claim.metric == "load_footprint":

@@ -307,8 +307,10 @@ def test_a_depth_series_on_fewer_ranks_is_judged_on_its_extrapolation(monkeypatc
     assert [r.variant for r in j.runs] == ["2r4L2ga", "2r8L2ga"]
     assert j.extrapolation is not None and j.extrapolation.from_layers == (4, 8)
     assert j.outcome.status == "confirmed" and "extrapolated from 4, 8 layers to 64, on 2 ranks" in j.outcome.detail
+    # the comparison with the failing config is judged on its series, measured alike (here with the
+    # same synthetic peaks, so not lower)
     lower = next(v for v in j.claims if v.what == "lower_peak_than")
-    assert lower.status == "not_checkable" and "measured 2 of 8 ranks, 8 of 64 layers" in lower.detail
+    assert lower.status == "refuted" and "(2 of 8 ranks): at 4 layers" in lower.detail
     growing = _session_with(monkeypatch, tmp_path / "g", per_layer_gib=0.93)
     j = growing.judge(FIX_32B.id, "real")
     # 66 GiB extrapolated on 2 ranks: does not fit there, which says nothing of 8 ranks
@@ -435,3 +437,66 @@ def test_an_uncapped_variant_runs_on_the_whole_card(monkeypatch, tmp_path):
     assert parse_variant("2r8Lu") == Variant(ranks=2, layers=8, uncapped=True)
     assert Variant(uncapped=True).apply(s.cases[rung1][0]) is s.cases[rung1][0]  # the case itself is unchanged
     assert Variant(uncapped=True).label(s.cases[rung1][0]) == "full depth, on the whole card, not its target's"
+
+
+# --- claims comparing two configs, both measured on variants -----------------------------------
+
+MEASURED_002 = CASES_DIR.parent / "results" / "runs" / "2026-11-26-h100x2-002-pytest-gpu.json"
+MEASURED_000 = CASES_DIR.parent / "results" / "runs" / "2026-11-26-h100x2-000-pytest-gpu.json"
+
+
+def _judged_on(tmp_path, monkeypatch, measured, case_id):
+    """A session on two H100s (accumulation capped at 2) that judges the runs measured there."""
+    from harness import platform as plat
+    from harness.session import Session
+
+    entries = json.loads(measured.read_text())
+    runs = {(e["case"], e["run"]["variant"]): CaseRun.model_validate(e["run"]) for e in entries}
+    monkeypatch.setattr(Session, "_execute", lambda self, cid, fid, v, rep: runs[(cid, v.text)])
+    session = Session(case_dir=CASES_DIR, run_root=tmp_path, grad_accum_cap=2)
+    session.platform, session.accelerators = plat.Platform.cuda, 2
+    return {v.what: v for v in session.judge(case_id, "real").claims}
+
+
+def test_a_lower_peak_is_judged_at_every_depth_and_at_the_full_depth_of_two_alike_series(tmp_path, monkeypatch):
+    """Guide 002's 'lower max_length from 4096 to 2048': both configs measured at 6 and 12 of 62 layers
+    on 2 of 4 ranks; they shard alike, so the comparison carries to 4 ranks."""
+    lower = _judged_on(tmp_path, monkeypatch, MEASURED_002, "002-gemma27b-full-z3-offload-len2048")["lower_peak_than"]
+    assert lower.status == "confirmed"
+    assert lower.detail == ("per-card peak vs 002-gemma27b-full-z3-offload-len4096 (2 of 4 ranks): at 6 layers "
+                            "21.78 GiB vs 28.50 GiB; at 12 layers 21.68 GiB vs 28.83 GiB; extrapolated to the full "
+                            "depth 21.78 GiB vs 31.60 GiB")
+
+
+def test_the_full_depth_decides_and_a_higher_peak_refutes():
+    from harness.verdicts import Series, lower_peak_on_variants
+
+    case, other = load_case(CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"), load_case(
+        CASES_DIR / "002-gemma27b-full-z3-offload-len4096.yaml")
+    variants = [Variant(ranks=2, layers=6, grad_accum=2), Variant(ranks=2, layers=12, grad_accum=2)]
+
+    def series(peaks, full):
+        runs = [CaseRun(case_id=case.id, fidelity="real", command=[], returncode=0, wall_s=1,
+                        ranks=[_rank_report(case.id, 2, p, 1.0)]) for p in peaks]
+        return Series(variants, runs, extrapolate_figures(case, "2r2ga", "k", {
+            6: [_figures(peaks[0], 1.0)], 12: [_figures(full, 1.0)]}) if full else None)
+
+    claim = next(c for c in case.claims if c.kind == "lower_peak_than")
+    # lower at both depths, but the lines cross before the full depth: the case as written decides
+    crossing = lower_peak_on_variants(claim, case, series([20.0, 22.0], 22.0), other, series([21.0, 22.5], 22.5))
+    assert crossing.status == "refuted" and "extrapolated to the full depth" in crossing.detail
+    # no depth fit on one side: every measured depth decides
+    higher = lower_peak_on_variants(claim, case, series([22.0, 22.0], None), other, series([21.0, 21.0], None))
+    assert higher.status == "refuted" and higher.detail.endswith("at 12 layers 22.00 GiB vs 21.00 GiB")
+
+
+def test_configs_that_shard_differently_are_not_compared_on_fewer_ranks(tmp_path, monkeypatch):
+    """Guide 000's 4-bit ZeRO-2 fix against the bf16 ZeRO-3 failing config: on 2 of 8 ranks ZeRO-3's
+    shards are 4 times what they are on 8, ZeRO-2's weights are not sharded at all."""
+    lower = _judged_on(tmp_path, monkeypatch, MEASURED_000, "000-qlora4bit-z2-cutoff512")["lower_peak_than"]
+    assert lower.status == "not_checkable"
+    assert "shards other states (model, method, ZeRO stage or offload differ)" in lower.detail
+    alike = _judged_on(tmp_path / "b", monkeypatch, MEASURED_000,
+                       "000-lora-z3-offload-cutoff1024-ga16-nonreentrant")["lower_peak_than"]
+    assert alike.status == "confirmed"
+    assert alike.detail.endswith("extrapolated to the full depth 10.50 GiB vs 67.07 GiB")
