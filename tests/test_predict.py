@@ -185,3 +185,16 @@ def test_pinned_parameter_offload_rounds_each_partition_for_full_fine_tunes_too(
     pinned_host, plain_host = (predict(full).terms["host_zero3_param_partition"],
                                predict(unpinned).terms["host_zero3_param_partition"])
     assert plain_host < pinned_host < 2 * plain_host  # torch's pinned allocator rounds each block to a power of two
+
+
+def test_a_mistakes_baselines_do_not_calibrate_the_predictor(tmp_path):
+    """Guide 002's model materialised before DeepSpeed keeps its blocks cached (reserved 2.9 times
+    allocated on two H100s): that is the mistake's cost, not the allocator's habit."""
+    from harness.baselines import RESULTS_DIR, bless
+    from harness.calibration import calibrate
+
+    bless(RESULTS_DIR.parent / "runs" / "2026-11-26-h100x2-002-pytest-gpu.json", root=tmp_path, recorded="2026-11-26")
+    cal = calibrate("nvidia-h100-80gb-hbm3-x2", root=tmp_path)
+    assert cal.used["zero3_cached_gathers"] == ["002-gemma27b-full-z3-offload-len2048",
+                                                "002-gemma27b-full-z3-offload-len4096"]
+    assert "002-gemma27b-wrong-model-before-deepspeed" not in cal.calibrated_on
