@@ -164,9 +164,15 @@ def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
     assert sampler.clocks() is None and sampler.host_peak > 0
 
 
-def test_the_slowdown_bits_are_nvmls():
+def test_the_slowdown_bits_and_the_clock_queries_are_nvmls():
+    """The clock reader cannot run without a GPU here: at least its bits and calls are nvidia-ml-py's."""
     pynvml = pytest.importorskip("pynvml")
-    from harness.gpu_clocks import SLOWDOWNS
+    from harness.gpu_clocks import IDLE, SLOWDOWNS
+
+    for name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetEnforcedPowerLimit",
+                 "nvmlDeviceGetCurrentClocksThrottleReasons", "NVML_CLOCK_SM"):
+        assert hasattr(pynvml, name), name
+    assert IDLE == pynvml.nvmlClocksThrottleReasonGpuIdle
 
     assert set(SLOWDOWNS) == {pynvml.nvmlClocksThrottleReasonSwPowerCap, pynvml.nvmlClocksThrottleReasonHwSlowdown,
                               pynvml.nvmlClocksThrottleReasonSwThermalSlowdown,
