@@ -237,9 +237,28 @@ def _cmd_bless(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from harness.baselines import load_baselines, report_markdown
+    """The committed baselines as a table; with run files, those runs instead (a night's measurement,
+    in the same table, blessed into a scratch folder), and the verdicts that failed in them."""
+    from harness.baselines import BlessError, bless, load_baselines, report_markdown
 
-    print(report_markdown(load_baselines()))
+    if not args.runs:
+        print(report_markdown(load_baselines()))
+        return 0
+    paths = [Path(r) for r in args.runs]
+    with tempfile.TemporaryDirectory(prefix="oom-harness-report-") as scratch:
+        try:
+            bless(paths, root=Path(scratch))
+        except BlessError as exc:
+            print(f"report: {exc}", file=sys.stderr)
+            return 2
+        table = report_markdown(load_baselines(Path(scratch)))
+    print(f"Measured in {', '.join(map(str, paths))} (these runs, not the committed baselines):\n")
+    print(table or "(no full-size run in them)")
+    failed = [f"- {e['case']}{'@' + e['variant'] if e.get('variant') else ''}: [REFUTED] {v['what']}: {v['detail']}"
+              for path in paths if path.is_file()
+              for e in json.loads(path.read_text()) if isinstance(e, dict)
+              for v in e.get("verdicts", []) if v.get("status") == "refuted"]
+    print("\nVerdicts that failed:\n" + ("\n".join(failed) if failed else "none"))
     return 0
 
 
@@ -282,7 +301,9 @@ def main(argv=None) -> int:
     bl.add_argument("--append", action="store_true",
                     help="add the runs as further repetitions of existing baselines (same platform and software)")
     bl.set_defaults(func=_cmd_bless)
-    rep = sub.add_parser("report", help="print the baselines as a markdown table")
+    rep = sub.add_parser("report", help="print the baselines (or the runs given) as a markdown table")
+    rep.add_argument("runs", nargs="*", help="`run --fidelity real --json` files or run folders: report these "
+                                              "runs and their failed verdicts instead of the committed baselines")
     rep.set_defaults(func=_cmd_report)
     val = sub.add_parser("validate", help="check case files")
     val.add_argument("paths", nargs="*")

@@ -204,3 +204,26 @@ def test_a_cards_tokens_per_s_adds_up_the_jobs_sharing_it_and_takes_the_slowest_
     sharded = CaseRun(case_id="x", fidelity="real", command=[], returncode=0, wall_s=1.0,
                       ranks=[rank(0, 2, 0, 1.0), rank(1, 2, 0, 0.8)])
     assert figures_of(sharded, procs_per_card=1).tokens_per_s_per_gpu == pytest.approx(2048)
+
+
+def test_report_of_a_nights_runs_shows_them_and_what_failed(tmp_path, capsys):
+    """The nightly job publishes its own runs in the report's table, not only the baselines."""
+    from harness.cli import main
+
+    entry = _run(10.5, 7.0)
+    entry["verdicts"] = [{"what": "baseline_speed", "status": "refuted", "quote": "",
+                          "detail": "2,341 tokens/s per GPU vs baseline 2,379 (floor 2,360)"},
+                         {"what": "outcome", "status": "confirmed", "quote": "", "detail": "fits"}]
+    runs = tmp_path / "single-0.json"
+    runs.write_text(json.dumps([entry]))
+    from harness.baselines import RESULTS_DIR
+
+    committed = RESULTS_DIR / "nvidia-h100-80gb-hbm3-x1" / "003-qlora-fix-r32-seq1024-gc.json"
+    before = committed.read_text()
+    assert main(["report", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Measured in {runs} (these runs, not the committed baselines)")
+    assert "| 003-qlora-fix-r32-seq1024-gc | NVIDIA H100 80GB HBM3 x1, full depth |" in out
+    assert out.rstrip().endswith("Verdicts that failed:\n- 003-qlora-fix-r32-seq1024-gc: [REFUTED] baseline_speed: "
+                                 "2,341 tokens/s per GPU vs baseline 2,379 (floor 2,360)")
+    assert committed.read_text() == before  # reported, not blessed
