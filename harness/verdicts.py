@@ -10,11 +10,15 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from harness.report import CaseRun, Failure
 from harness.schema import TINY_CLAIMS, Case
 from harness.units import fmt_gib, fmt_mib
+
+if TYPE_CHECKING:  # for annotations only: nothing more is imported at run time
+    from harness.extrapolate import Extrapolation
+    from harness.variants import Variant
 
 # "finding": refuted, as the case records (`finding` of a claim or of `expect`): the guide is wrong
 # and the measurement still says so; shown beside the failures, never failing a test.
@@ -409,9 +413,9 @@ class Series:
     """A case as measured on this host: its variants (harness.session.plan), their runs, and the
     depth fit of the runs (harness.extrapolate.Extrapolation) where there are two depths or more."""
 
-    variants: list
+    variants: list[Variant]
     runs: list[CaseRun]
-    extrapolation: object | None = None
+    extrapolation: Extrapolation | None = None
 
 
 def _shards_alike(case: Case, other: Case) -> bool:
