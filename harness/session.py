@@ -114,19 +114,20 @@ class _Lookup:
         """The other case as measured here (the same kind of variant as this one) and its run;
         `uncapped`: on the whole card instead of its emulated one. NotRun where the session runs
         only the selected cases and this is not one of them."""
-        only = self._session.selected_only
-        if only is not None and (case_id, self._fidelity) not in only:
-            raise NotRun(f"needs a run of {case_id}, which was not selected (--harness-selected-only)")
+        self._may_run(case_id)
         case = self._session.cases[case_id][0]
         variant = replace(self._session.plan(case_id, self._fidelity)[-1], uncapped=uncapped)
         return variant.apply(case), self._session.run(case_id, self._fidelity, variant)
 
     def series(self, case_id: str) -> Series:
         """Every variant of the other case as measured here, and its depth fit."""
+        self._may_run(case_id)
+        return self._session.series(case_id, self._fidelity)
+
+    def _may_run(self, case_id: str) -> None:
         only = self._session.selected_only
         if only is not None and (case_id, self._fidelity) not in only:
             raise NotRun(f"needs a run of {case_id}, which was not selected (--harness-selected-only)")
-        return self._session.series(case_id, self._fidelity)
 
     def family(self, name: str, uncapped: bool = False):
         ids = sorted(cid for cid, (c, _) in self._session.cases.items() if c.family == name)
