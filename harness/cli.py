@@ -165,8 +165,9 @@ def _cmd_run(args) -> int:
     consulted = session.consulted()
     if consulted:
         print(consulted_line(consulted, "--selected-only"))
-    if session.whole_card():
-        print(whole_card_line(session.whole_card()))
+    whole_card = session.whole_card()
+    if whole_card:
+        print(whole_card_line(whole_card))
     for cid, reason in skipped:
         print(f"skipped {cid}: {reason}")
     found = findings(judged)
@@ -254,12 +255,21 @@ def _cmd_report(args) -> int:
         table = report_markdown(load_baselines(Path(scratch)))
     print(f"Measured in {', '.join(map(str, paths))} (these runs, not the committed baselines):\n")
     print(table or "(no full-size run in them)")
-    failed = [f"- {e['case']}{'@' + e['variant'] if e.get('variant') else ''}: [REFUTED] {v['what']}: {v['detail']}"
-              for path in paths if path.is_file()
-              for e in json.loads(path.read_text()) if isinstance(e, dict)
-              for v in e.get("verdicts", []) if v.get("status") == "refuted"]
-    print("\nVerdicts that failed:\n" + ("\n".join(failed) if failed else "none"))
+    print("\nVerdicts that failed:\n" + ("\n".join(_failed_verdicts(paths)) or "none"))
     return 0
+
+
+def _failed_verdicts(paths: list[Path]) -> list[str]:
+    """The refuted verdicts kept in `run --json` files (run folders and run.json files hold none)."""
+    from harness.verdicts import Verdict
+
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text()) if path.is_file() else []
+        for e in data if isinstance(data, list) else []:
+            name = e["case"] + (f"@{e['variant']}" if e.get("variant") else "")
+            lines += [f"- {name}: {Verdict(**v).line()}" for v in e.get("verdicts", []) if v["status"] == "refuted"]
+    return lines
 
 
 def main(argv=None) -> int:

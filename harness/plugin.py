@@ -161,8 +161,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     consulted = session.consulted()
     if consulted:
         terminalreporter.write_line(consulted_line(consulted, "--harness-selected-only"))
-    if session.whole_card():
-        terminalreporter.write_line(whole_card_line(session.whole_card()))
+    whole_card = session.whole_card()
+    if whole_card:
+        terminalreporter.write_line(whole_card_line(whole_card))
     found = findings(judged)
     if found:
         terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")
