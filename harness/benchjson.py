@@ -54,6 +54,7 @@ def benchmark_entries(runs: list[CaseRun], procs_per_card: dict[str, int]) -> li
                 "reserved_peak_bytes": [f.reserved_peak for f in figs],
                 # the slowest card's SM clock while the steps were timed (harness.gpu_clocks)
                 "sm_clock_mhz_median": [f.clocks.sm_mhz_median if f.clocks else None for f in figs],
+                "gpu_utilization": [f.clocks.utilization if f.clocks else None for f in figs],
                 "device": r0.device_name,
                 "ranks": r0.world_size,
                 "emulated_card_bytes": r0.emulated_card_bytes,

@@ -19,12 +19,10 @@ from pathlib import Path
 
 from harness.report import Clocks
 
-# NVML's clock-event reasons (nvml.h, nvmlClocksEventReason*). Idle: nothing runs on the card and
-# its clock drops; such samples (a step waiting on the host, as CPU Adam under offload makes it)
-# say nothing of the clock the kernels ran at, and their share is counted apart.
-IDLE = 0x1
-# the reasons that hold a busy card's clock down; the others (application clock setting, display)
-# are not a slowdown
+# NVML's clock-event reasons (nvml.h, nvmlClocksEventReason*) that hold a busy card's clock down;
+# the others (application clock setting, display) are not a slowdown. A bit can be set while the
+# clock stands at its maximum (power cap, seen on an H100 at 1,980 MHz): a sample counts as held
+# down only where its clock is below the card's maximum.
 SLOWDOWNS = {
     0x4: "power cap",  # SwPowerCap: the board's power limit
     0x8: "hardware slowdown",  # HwSlowdown: thermal or power brake, by the hardware
@@ -35,7 +33,12 @@ SLOWDOWNS = {
 
 
 class NvmlClockReader:
-    """The SM clock (MHz) and clock-event reasons of one NVIDIA card."""
+    """The SM clock (MHz), clock-event reasons and utilization (%) of one NVIDIA card.
+
+    Whether the card is running kernels comes from NVML's utilization (the share of its last sample
+    period, 1/6 s to 1 s, in which a kernel ran), not from the GpuIdle clock-event reason: on an H100
+    with a CUDA context that bit stayed clear and the clock at 1,980 MHz through 491 s of Triton
+    compilation with no kernel to run (2026-11-26)."""
 
     def __init__(self, nvml, handle) -> None:
         self._nvml, self._handle = nvml, handle
@@ -48,9 +51,10 @@ class NvmlClockReader:
         self._reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                          or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
 
-    def read(self) -> tuple[int, int]:
+    def read(self) -> tuple[int, int, int]:
         return (int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM)),
-                int(self._reasons(self._handle)))
+                int(self._reasons(self._handle)),
+                int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
 
 
 class ClockSamples:
@@ -58,7 +62,7 @@ class ClockSamples:
 
     def __init__(self, reader) -> None:
         self.reader = reader
-        self.samples: list[tuple[int, int]] = []
+        self.samples: list[tuple[int, int, int]] = []  # (SM MHz, clock-event reasons, utilization %)
 
     def sample(self) -> None:
         self.samples.append(self.reader.read())
@@ -67,36 +71,42 @@ class ClockSamples:
         self.samples = []
 
     def summary(self) -> Clocks | None:
-        busy = [(mhz, reasons) for mhz, reasons in self.samples if not reasons & IDLE]
-        if not busy:  # no sample, or the card idle throughout: no clock the kernels ran at
+        # the clock the kernels ran at: samples whose utilization window saw a kernel
+        busy = [(mhz, reasons) for mhz, reasons, util in self.samples if util > 0]
+        if not busy:  # no sample, or no kernel throughout: no clock the kernels ran at
             return None
         mhz = [m for m, _ in busy]
+        top = self.reader.max_mhz
         slowed = {}
         for bit, name in SLOWDOWNS.items():
-            hits = sum(1 for _, reasons in busy if reasons & bit)
+            hits = sum(1 for m, reasons in busy if reasons & bit and m < top)
             if hits:
                 slowed[name] = hits / len(busy)
-        return Clocks(samples=len(busy), idle=1 - len(busy) / len(self.samples),
-                      sm_mhz_median=int(statistics.median(mhz)), sm_mhz_min=min(mhz), sm_mhz_max=self.reader.max_mhz,
+        return Clocks(samples=len(busy), utilization=statistics.fmean(u for _, _, u in self.samples) / 100,
+                      sm_mhz_median=int(statistics.median(mhz)), sm_mhz_min=min(mhz), sm_mhz_max=top,
                       power_limit_w=self.reader.power_limit_w, slowed=slowed)
 
 
-def clock_note(clocks: Clocks | None, baseline_mhz: list[int] | None = None) -> str:
+def clock_note(clocks: Clocks | None, baseline: list[Clocks] | None = None) -> str:
     """'; SM clock 1,410 MHz while busy (median of 2,950 samples; the card's maximum 1,980), the
-    baseline's 1,980 MHz; held down by power cap in 64% of them; the card idle in 12% of all
-    samples': the card's side of a speed, for a speed verdict."""
+    baseline's 1,980 MHz; held down by power cap in 64% of them; kernels running 58% of the time,
+    the baseline's 91%': the card's side of a speed, for a speed verdict. A card that runs kernels
+    a small share of the time waits on its host (launches, the CPU's part of the step)."""
     if clocks is None:
         return ""
     note = (f"; SM clock {clocks.sm_mhz_median:,} MHz while busy (median of {clocks.samples:,} samples; "
             f"the card's maximum {clocks.sm_mhz_max:,})")
-    if baseline_mhz:
-        note += f", the baseline's {int(statistics.median(baseline_mhz)):,} MHz"
+    if baseline:
+        note += f", the baseline's {int(statistics.median(c.sm_mhz_median for c in baseline)):,} MHz"
     held = [f"{name} in {share:.0%}" for name, share in sorted(clocks.slowed.items(), key=lambda kv: -kv[1])
             if share >= 0.01]
     if held:
         note += f"; held down by {', '.join(held)} of them"
-    if clocks.idle >= 0.01:
-        note += f"; the card idle in {clocks.idle:.0%} of all samples"
+    if clocks.utilization is not None:
+        note += f"; kernels running {clocks.utilization:.0%} of the time"
+        theirs = [c.utilization for c in baseline or [] if c.utilization is not None]
+        if theirs:
+            note += f", the baseline's {statistics.median(theirs):.0%}"
     return note
 
 

@@ -96,7 +96,7 @@ def _under_condition(baseline: Baseline, attr: str, value, what: str, figure: st
 def _host_side(figures: Figures, baseline: Baseline) -> str:
     """What the host contributed to a speed: the card's clock and what held it down, and a host CPU
     other than the baseline's (speed moves with both; memory does not)."""
-    note = clock_note(figures.clocks, [r.clocks.sm_mhz_median for r in baseline.runs if r.clocks])
+    note = clock_note(figures.clocks, [r.clocks for r in baseline.runs if r.clocks])
     theirs = sorted({r.host_cpu for r in baseline.runs if r.host_cpu})
     if figures.host_cpu and theirs and figures.host_cpu not in theirs:
         note += f"; this host's CPU is {figures.host_cpu}, the baseline's {' and '.join(theirs)}"

@@ -75,8 +75,10 @@ class Probes(BaseModel):
 class Clocks(BaseModel):
     """The card's SM clock while the steps were timed, sampled with its memory (harness.gpu_clocks)."""
 
-    samples: int  # those taken while the card was busy; the clock figures are theirs
-    idle: float = 0.0  # the share of all samples in which the card was idle (waiting on the host)
+    samples: int  # those whose utilization window saw a kernel run; the clock figures are theirs
+    # the mean of NVML's utilization over all samples (0-1): the share of the time kernels ran;
+    # None in runs from before it was read (2026-11-26), whose `idle` (the GpuIdle bit) never fired
+    utilization: float | None = None
     sm_mhz_median: int
     sm_mhz_min: int
     sm_mhz_max: int  # the card's maximum SM clock

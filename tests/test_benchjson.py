@@ -38,9 +38,10 @@ def test_the_cards_clock_goes_with_each_repetition():
     from harness.report import Clocks
 
     run = _run("003-a", [9.0, 1.0, 1.2])
-    run.ranks[0].clocks = Clocks(samples=100, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980)
+    run.ranks[0].clocks = Clocks(samples=100, utilization=0.62, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980)
     (entry,) = benchmark_entries([run], {})
     assert entry["extra_info"]["sm_clock_mhz_median"] == [1410]
+    assert entry["extra_info"]["gpu_utilization"] == [0.62]
 
 
 def test_pytest_benchmark_compare_reads_the_files(tmp_path):

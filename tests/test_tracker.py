@@ -115,7 +115,8 @@ def test_host_memory_tells_reclaimable_file_pages_from_anonymous_memory(tmp_path
 
 
 class _Clock:
-    """A card whose SM clock reads `mhz` with NVML's clock-event `reasons`, one reading per sample."""
+    """A card whose SM clock reads `mhz` with NVML's clock-event `reasons` and utilization (%), one
+    reading per sample."""
 
     max_mhz, power_limit_w = 1980, 700.0
 
@@ -129,24 +130,28 @@ class _Clock:
 def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
     from harness.tracker import Sampler
 
-    power_cap, idle = 0x4, 0x1
-    sampler = Sampler(clock_reader=_Clock([(1980, 0), (1980, 0), (1410, power_cap), (1395, power_cap | idle),
-                                           (1410, power_cap)]))
+    power_cap = 0x4
+    sampler = Sampler(clock_reader=_Clock([(1410, power_cap, 100),  # before the steps
+                                           (1980, power_cap, 100),  # the bit at the maximum clock: not held down
+                                           (1410, power_cap, 100), (1980, 0, 0),  # no kernel in its window
+                                           (1395, power_cap, 60)]))
     sampler.sample()  # a reading from before the steps
-    sampler.reset()  # the steps begin: (1980, 0)
+    sampler.reset()  # the steps begin (reset takes the first of their readings)
     for _ in range(3):
         sampler.sample()
     clocks = sampler.clocks()
-    # the idle sample (the card waiting on the host) is counted apart, not as a clock the kernels ran at
-    assert (clocks.samples, clocks.idle, clocks.sm_mhz_median, clocks.sm_mhz_min) == (3, 0.25, 1410, 1410)
+    # the sample whose window saw no kernel (the card waiting on the host) gives no clock, and lowers
+    # the share of the time kernels ran
+    assert (clocks.samples, clocks.sm_mhz_median, clocks.sm_mhz_min) == (3, 1410, 1395)
+    assert clocks.utilization == pytest.approx((100 + 100 + 0 + 60) / 400)
     assert clocks.sm_mhz_max == 1980 and clocks.power_limit_w == 700.0
     assert clocks.slowed == {"power cap": pytest.approx(2 / 3)}
 
 
-def test_a_card_idle_throughout_has_no_clock_to_report():
+def test_a_card_running_no_kernel_has_no_clock_to_report():
     from harness.tracker import Sampler
 
-    sampler = Sampler(clock_reader=_Clock([(345, 0x1)] * 3))
+    sampler = Sampler(clock_reader=_Clock([(1980, 0, 0)] * 3))
     sampler.sample()
     sampler.sample()
     assert sampler.clocks() is None
@@ -167,12 +172,11 @@ def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
 def test_the_slowdown_bits_and_the_clock_queries_are_nvmls():
     """The clock reader cannot run without a GPU here: at least its bits and calls are nvidia-ml-py's."""
     pynvml = pytest.importorskip("pynvml")
-    from harness.gpu_clocks import IDLE, SLOWDOWNS
+    from harness.gpu_clocks import SLOWDOWNS
 
     for name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetEnforcedPowerLimit",
-                 "nvmlDeviceGetCurrentClocksThrottleReasons", "NVML_CLOCK_SM"):
+                 "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetUtilizationRates", "NVML_CLOCK_SM"):
         assert hasattr(pynvml, name), name
-    assert IDLE == pynvml.nvmlClocksThrottleReasonGpuIdle
 
     assert set(SLOWDOWNS) == {pynvml.nvmlClocksThrottleReasonSwPowerCap, pynvml.nvmlClocksThrottleReasonHwSlowdown,
                               pynvml.nvmlClocksThrottleReasonSwThermalSlowdown,

@@ -369,18 +369,18 @@ def test_a_slow_run_names_its_cards_clock_and_a_host_cpu_other_than_the_baseline
 
     base = _baseline(tmp_path, [(10.0, 1.0), (10.0, 1.0)])
     for r in base.runs:
-        r.clocks = Clocks(samples=300, sm_mhz_median=1980, sm_mhz_min=1755, sm_mhz_max=1980)
+        r.clocks = Clocks(samples=300, utilization=0.91, sm_mhz_median=1980, sm_mhz_min=1755, sm_mhz_max=1980)
         r.host_cpu = "Intel(R) Xeon(R) Platinum 8480+"
     slow = _figures(10.0, 1.5)
     slow.tokens_per_s_per_gpu = 2048 / 1.5
-    slow.clocks = Clocks(samples=2950, idle=0.12, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980,
+    slow.clocks = Clocks(samples=2950, utilization=0.58, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980,
                          slowed={"power cap": 0.64, "thermal (software)": 0.005})
     slow.host_cpu = "AMD EPYC 9454 48-Core Processor"
     speed = {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"]
     assert speed.status == "refuted"
     assert speed.detail.endswith(
         "; SM clock 1,410 MHz while busy (median of 2,950 samples; the card's maximum 1,980), the baseline's "
-        "1,980 MHz; held down by power cap in 64% of them; the card idle in 12% of all samples; "
+        "1,980 MHz; held down by power cap in 64% of them; kernels running 58% of the time, the baseline's 91%; "
         "this host's CPU is AMD EPYC 9454 48-Core Processor, the baseline's Intel(R) Xeon(R) Platinum 8480+")
     slow.clocks = slow.host_cpu = None  # runs from before either was recorded say nothing of them
     assert {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"].detail.endswith("0.0%))")
