@@ -54,6 +54,22 @@ def find_baseline(case_id: str, variant: str, platform_key: str,
     return None
 
 
+def no_baseline(case_id: str, variant: str, platform_key: str, baselines: list[Baseline] | None = None) -> str:
+    """Why a run has no baseline, and what would give it one: a baseline blessed under another
+    variant (guide 002's plain-python launch was blessed from `pytest --harness-grad-accum-cap 2`
+    as 6L2ga, and the nightly job's single-rank step measures it as 6L) or on another platform."""
+    mine = [b for b in (baselines if baselines is not None else load_baselines()) if b.case_id == case_id]
+    here = sorted({b.variant or "as written" for b in mine if b.platform.key == platform_key})
+    measured = variant or "as written"
+    if here:
+        return (f"no baseline for this case measured {measured} on {platform_key}; it has one measured "
+                f"{' and '.join(here)}: measure it that way (layers, ranks and --grad-accum-cap make the "
+                f"variant) or `oom-harness bless` this run's JSON")
+    elsewhere = sorted({b.platform.key for b in mine})
+    return (f"no baseline for this case on {platform_key}" + (f" (only on {', '.join(elsewhere)})" if elsewhere else "")
+            + ": `oom-harness bless` this run's JSON once it is reviewed")
+
+
 @dataclass(frozen=True)
 class Limit:
     value: float  # the most (memory) or the least (speed) a run may show
@@ -103,9 +119,11 @@ def _host_side(figures: Figures, baseline: Baseline) -> str:
     return note
 
 
-def against_baseline(case: Case, figures: Figures, baseline: Baseline | None) -> list[Verdict]:
+def against_baseline(case: Case, figures: Figures, baseline: Baseline | None, missing: str = "") -> list[Verdict]:
+    """`missing`: why there is no baseline (`no_baseline`), where `baseline` is None."""
     if baseline is None:
-        return [Verdict("baseline", "not_checkable", "no baseline for this case on this platform (oom-harness bless)")]
+        return [Verdict("baseline", "not_checkable", missing or "no baseline for this case on this platform "
+                                                             "(oom-harness bless)")]
     if figures.outcome != "ok" or any(r.outcome != "ok" for r in baseline.runs):
         return [Verdict("baseline", "not_checkable", f"run {figures.outcome}, baseline "
                         f"{baseline.runs[0].outcome}: only finished runs are compared")]

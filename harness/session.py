@@ -240,7 +240,7 @@ class Session:
 
     def _judge(self, case_id: str, fidelity: str) -> Judgement:
         from harness.baselines import PlatformInfo, figures_of
-        from harness.regression import against_baseline, find_baseline
+        from harness.regression import against_baseline, find_baseline, no_baseline
 
         case, _ = self.cases[case_id]
         series = self.series(case_id, fidelity)
@@ -271,8 +271,10 @@ class Session:
             for variant, measured in zip(variants, runs, strict=True):
                 if not measured.ranks:
                     continue
-                found = find_baseline(case_id, variant.text, PlatformInfo.of_run(measured).key, self._baselines)
-                verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found)
+                key = PlatformInfo.of_run(measured).key
+                found = find_baseline(case_id, variant.text, key, self._baselines)
+                verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found,
+                                            "" if found else no_baseline(case_id, variant.text, key, self._baselines))
                 regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
                                for v in verdicts]
         return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression, host_ram)

@@ -16,7 +16,7 @@ from harness.extrapolate import (
     extrapolate_figures,
     fit_line,
 )
-from harness.regression import against_baseline, limit, tolerance
+from harness.regression import against_baseline, limit, no_baseline, tolerance
 from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
 from harness.session import plan
 from harness.units import GIB
@@ -249,6 +249,21 @@ def _baseline(tmp_path, peaks_and_steps):
     bless(tmp_path / "r.json", root=tmp_path / "b", recorded="2026-11-26")
     (b,) = load_baselines(tmp_path / "b")
     return b
+
+
+def test_a_run_without_a_baseline_is_told_which_measurement_has_one(tmp_path):
+    """Guide 002's plain-python launch was blessed as 6L2ga (pytest with --harness-grad-accum-cap 2)
+    and the nightly job's single-rank step measures it as 6L: the verdict says how to match it."""
+    base = _baseline(tmp_path, [(10.0, 1.0)])  # blessed as written
+    key = base.platform.key
+    why = no_baseline(FIX_7B.id, "8L", key, [base])
+    assert why.startswith(f"no baseline for this case measured 8L on {key}; it has one measured as written:")
+    (verdict,) = against_baseline(FIX_7B, _figures(10.0, 1.0), None, why)
+    assert (verdict.status, verdict.detail) == ("not_checkable", why)
+    assert no_baseline(FIX_7B.id, "", "amd-instinct-mi300x-x1", [base]) == (
+        f"no baseline for this case on amd-instinct-mi300x-x1 (only on {key}): `oom-harness bless` this run's "
+        "JSON once it is reviewed")
+    assert "(only on" not in no_baseline("999-unknown", "", key, [base])
 
 
 def test_a_run_is_held_to_its_baseline(tmp_path):
