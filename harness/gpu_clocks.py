@@ -98,8 +98,10 @@ def clock_note(clocks: Clocks | None, baseline: list[Clocks] | None = None) -> s
             f"the card's maximum {clocks.sm_mhz_max:,})")
     if baseline:
         note += f", the baseline's {int(statistics.median(c.sm_mhz_median for c in baseline)):,} MHz"
+    # a clock that never fell below the maximum was held down by nothing (runs recorded before
+    # `summary` required it counted a power-cap bit set at 1,980 MHz)
     held = [f"{name} in {share:.0%}" for name, share in sorted(clocks.slowed.items(), key=lambda kv: -kv[1])
-            if share >= 0.01]
+            if share >= 0.01 and clocks.sm_mhz_min < clocks.sm_mhz_max]
     if held:
         note += f"; held down by {', '.join(held)} of them"
     if clocks.utilization is not None:

@@ -397,6 +397,9 @@ def test_a_slow_run_names_its_cards_clock_and_a_host_cpu_other_than_the_baseline
         "; SM clock 1,410 MHz while busy (median of 2,950 samples; the card's maximum 1,980), the baseline's "
         "1,980 MHz; held down by power cap in 64% of them; kernels running 58% of the time, the baseline's 91%; "
         "this host's CPU is AMD EPYC 9454 48-Core Processor, the baseline's Intel(R) Xeon(R) Platinum 8480+")
+    # a record from before a slowdown needed a clock below the maximum: at 1,980 MHz throughout, nothing held it
+    slow.clocks = Clocks(samples=999, sm_mhz_median=1980, sm_mhz_min=1980, sm_mhz_max=1980, slowed={"power cap": 0.14})
+    assert "held down" not in {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"].detail
     slow.clocks = slow.host_cpu = None  # runs from before either was recorded say nothing of them
     assert {v.what: v for v in against_baseline(FIX_7B, slow, base)}["baseline_speed"].detail.endswith("0.0%))")
 
