@@ -35,6 +35,7 @@ GiB = 2**30
 CUBLAS_WORKSPACE = 2 * (32 * 2**20 + 128 * 2**10)  # two handles (forward, autograd thread)
 HALF = {Precision.bf16: 2, Precision.fp16: 2, Precision.fp32: 4}
 DS_DEFAULT_MAX_LIVE = 1_000_000_000
+DS_DEFAULT_MAX_REUSE = 1_000_000_000
 DS_DEFAULT_PERSISTENCE = 100_000
 DS_DEFAULT_PREFETCH = 50_000_000
 
@@ -174,6 +175,18 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
             dev["zero3_gathered_params"] = live * half
             if ds.offload_param == Offload.cpu:  # the partition is copied to the device before the all-gather
                 dev["zero3_offload_staging"] = max(inv.head, inv.largest_layer_module) * half // W
+                # Not modelled: what DeepSpeed keeps gathered for reuse. A module's parameters stay on
+                # the device after its forward when the trace reuses them within
+                # stage3_max_reuse_distance elements. On guide 001's rung 4 (one H100, 2026-11-26,
+                # results/runs/2026-11-26-h100-001-rung4-reuse-distance-experiment.json), the
+                # default 1e9 held 1.89 GiB more through the forward than 0 did, and peaked
+                # 1.91 GiB higher on the device; this model predicts one figure for both, between them.
+                reuse = ds.stage3_max_reuse_distance
+                if reuse is None or reuse > 0:
+                    notes.append(f"not modelled: stage3_max_reuse_distance "
+                                 f"({DS_DEFAULT_MAX_REUSE if reuse is None else reuse:.0e} elements): under parameter "
+                                 "offload the gathered parameters reused within it stay on the device; on a 1.8B "
+                                 "model the default kept 1.9 GiB more than 0 (guide 001's rung 4, one H100)")
             notes.append("ZeRO-3 gathered live set: max(output head, a layer's largest module + prefetch bucket "
                          "capped by stage3_max_live_parameters)")
             retained = zero3_reentrant_retention(case, inv, hidden)

@@ -152,6 +152,16 @@ def test_retention_needs_zero3_checkpointing_and_frozen_weights():
         assert "zero3_reentrant_retained_weights" not in p.terms
 
 
+def test_a_prediction_under_parameter_offload_says_the_reuse_distance_is_not_modelled():
+    """Rung 4 peaked 1.91 GiB lower on an H100 with stage3_max_reuse_distance 0 than with the
+    default; the model predicts one figure for both, so `check` must say what it leaves out."""
+    rung4 = case("001-ladder-rung4-zero3-offload")
+    said = lambda c: [n for n in predict(c).notes if "stage3_max_reuse_distance" in n]  # noqa: E731
+    assert said(rung4) and "1e+09" in said(rung4)[0]
+    assert not said(changed(rung4, **{"deepspeed.stage3_max_reuse_distance": 0}))  # nothing kept for reuse
+    assert not said(case("001-ladder-rung3-zero3"))  # no parameter offload
+
+
 def test_variant_predicts_the_case_as_measured():
     c = case("000-qlora4bit-z2-cutoff512")
     from harness.variants import parse_variant
