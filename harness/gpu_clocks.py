@@ -5,9 +5,9 @@ r32 QLoRA fixes ran about 33% below their baselines on one H100 host whose peaks
 byte, while the r16 fix (more, smaller kernels) ran at its usual speed there. A slower host CPU, a
 card held below its clock by a power cap or heat, and a regression in the code all read as the
 same refuted speed. So the sampler (`harness.tracker.Sampler`) reads, beside the device memory,
-NVML's current SM clock and its clock-event reasons (the bits `nvidia-smi -q -d PERFORMANCE`
-prints), and the run keeps their summary (`report.Clocks`); the speed verdict names it
-(`clock_note`). The host's CPU model is kept beside it (`host_cpu`).
+NVML's current SM clock, its clock-event reasons (the bits `nvidia-smi -q -d PERFORMANCE`
+prints) and the card's utilization, and the run keeps their summary (`report.Clocks`); the speed
+verdict names it (`clock_note`). The host's CPU model is kept beside it (`host_cpu`).
 
 NVIDIA only: ROCm's amdsmi reports clocks differently and is not read here (the run records none).
 """
