@@ -316,8 +316,14 @@ class Sampler:
                 self._clocks = None
 
     def clocks(self):
-        """The card's clock since the last reset (`report.Clocks`), or None where it was not read."""
+        """The card's clock since `reset_clocks` (`report.Clocks`), or None where it was not read."""
         return None if self._clocks is None else self._clocks.summary()
+
+    def reset_clocks(self) -> None:
+        """Start the clock's window anew (the worker: after the warm-up steps, so the clock and the
+        share of the time kernels ran cover the steps tokens/s is timed on, not a compilation)."""
+        if self._clocks is not None:
+            self._clocks.reset()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -327,8 +333,6 @@ class Sampler:
         self.device_peak = None
         self.host_peak = 0
         self.host_anon_peak = None
-        if self._clocks is not None:
-            self._clocks.reset()
         self.sample()
 
     def __enter__(self):

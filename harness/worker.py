@@ -525,8 +525,10 @@ def run(args) -> int:
                 report.step_times_s.append(time.perf_counter() - t0)
                 report.losses.append(statistics.fmean(losses))
                 progress(f"step {len(report.step_times_s)}/{shape.steps} in {report.step_times_s[-1]:.2f} s")
+                if len(report.step_times_s) == report.warmup_steps:
+                    meas.sampler.reset_clocks()  # the clock of the timed steps, not of the warm-up's compilation
             report.step = meas.figures()
-            report.clocks = meas.sampler.clocks()  # over the timed steps: reset() came before them
+            report.clocks = meas.sampler.clocks()
             report.weights = _weights(model)
             from harness.flops import flops_per_token, linear_weight_count
 

@@ -131,13 +131,16 @@ def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
     from harness.tracker import Sampler
 
     power_cap = 0x4
-    sampler = Sampler(clock_reader=_Clock([(1410, power_cap, 100),  # before the steps
+    sampler = Sampler(clock_reader=_Clock([(1980, 0, 0),  # the warm-up step compiling: no kernel
+                                           (1410, power_cap, 100),  # the warm-up step running
                                            (1980, power_cap, 100),  # the bit at the maximum clock: not held down
                                            (1410, power_cap, 100), (1980, 0, 0),  # no kernel in its window
                                            (1395, power_cap, 60)]))
-    sampler.sample()  # a reading from before the steps
-    sampler.reset()  # the steps begin (reset takes the first of their readings)
-    for _ in range(3):
+    sampler.reset()  # the memory peaks start before the warm-up step (reset takes a reading)...
+    sampler.sample()
+    assert sampler.clocks().utilization == pytest.approx(0.5)  # ...and leave the clock's window alone
+    sampler.reset_clocks()  # the timed steps begin
+    for _ in range(4):
         sampler.sample()
     clocks = sampler.clocks()
     # the sample whose window saw no kernel (the card waiting on the host) gives no clock, and lowers
