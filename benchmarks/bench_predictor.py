@@ -21,7 +21,7 @@ Beside it, where they apply, two reference estimators of the same peak:
 Their errors are against the measured device peak.
 
 Last, the wall time of `predict()` on guide 000's 32B case in a fresh interpreter (imports included),
-with an empty trace cache and with the trace cached on disk (harness.predict_trace).
+with an empty trace cache and with the trace cached on disk (harness.predict.trace).
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ def ds_estimate(case, params: int, largest_layer: int) -> float | None:
 def issue6() -> None:
     """Guide 000 (issue #6): per-rank device peak predicted at 8 ranks (as written, full depth)
     beside the 2-rank prediction and the 2-rank measurement or depth extrapolation."""
-    from harness.baselines import load_baselines
-    from harness.cases import CASES_DIR, load_case
-    from harness.extrapolate import extrapolate
-    from harness.predict import predict
+    from harness.baselines.store import load_baselines
+    from harness.judge.extrapolation import extrapolate
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
 
     baselines = load_baselines()
     print()
@@ -122,10 +122,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-timing", action="store_true")
     args = parser.parse_args(argv)
 
-    from harness.baselines import load_baselines
-    from harness.cases import CASES_DIR, load_case
-    from harness.predict import predict
-    from harness.variants import parse_variant
+    from harness.baselines.store import load_baselines
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
+    from harness.spec.variants import parse_variant
 
     rows = []
     host_rows = []
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
 
     if not args.no_timing:
         code = ("import time; t=time.perf_counter()\n"
-                "from harness.cases import load_case, CASES_DIR\n"
-                "from harness.predict import predict\n"
+                "from harness.spec.cases import load_case, CASES_DIR\n"
+                "from harness.predict.predictor import predict\n"
                 "c = load_case(CASES_DIR / '000-lora-z3-offload-cutoff1024-ga16.yaml')\n"
                 "p = predict(c)\n"
                 "print(f'{time.perf_counter()-t:.2f} {p.seconds:.2f}')\n")

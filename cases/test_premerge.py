@@ -3,12 +3,12 @@
     pytest -m premerge
     pytest -m premerge --premerge-dir configs/team-a --premerge-files configs/team-a/ds_z3.json
 
-The tests come from harness/premerge_plugin.py; a folder's premerge.yaml says what each config runs on.
+The tests come from harness/pytest_plugin/premerge.py; a folder's premerge.yaml says what each config runs on.
 """
 
 import pytest
 
-from harness.premerge_plugin import check_entry
+from harness.pytest_plugin.premerge import check_entry
 
 pytestmark = pytest.mark.premerge
 

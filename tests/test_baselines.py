@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from harness.baselines import BlessError, bless, extrapolation_markdown, load_baselines, report_markdown, spread
-from harness.report import CaseRun, Memory, RankReport
-from harness.units import GIB
+from harness.baselines.store import BlessError, bless, load_baselines, spread
+from harness.measure.records import CaseRun, Memory, RankReport
+from harness.report.markdown import extrapolation_markdown, report_markdown
+from harness.spec.units import GIB
 
 
 def _run(device_peak: float, step_s: float) -> dict:
@@ -189,7 +190,7 @@ def test_a_pytest_run_folder_blesses_directly(tmp_path):
 
 
 def test_a_cards_tokens_per_s_adds_up_the_jobs_sharing_it_and_takes_the_slowest_rank_of_a_sharded_job():
-    from harness.baselines import figures_of
+    from harness.baselines.store import figures_of
 
     def rank(r, world, slot, step_s):
         return RankReport(case_id="x", fidelity="real", rank=r, world_size=world,
@@ -208,7 +209,7 @@ def test_a_cards_tokens_per_s_adds_up_the_jobs_sharing_it_and_takes_the_slowest_
 
 def test_report_of_a_nights_runs_shows_them_and_what_failed(tmp_path, capsys):
     """The nightly job publishes its own runs in the report's table, not only the baselines."""
-    from harness.cli import main
+    from harness.cli.main import main
 
     entry = _run(10.5, 7.0)
     entry["verdicts"] = [{"what": "baseline_speed", "status": "refuted", "quote": "",
@@ -216,7 +217,7 @@ def test_report_of_a_nights_runs_shows_them_and_what_failed(tmp_path, capsys):
                          {"what": "outcome", "status": "confirmed", "quote": "", "detail": "fits"}]
     runs = tmp_path / "single-0.json"
     runs.write_text(json.dumps([entry]))
-    from harness.baselines import RESULTS_DIR
+    from harness.baselines.store import RESULTS_DIR
 
     committed = RESULTS_DIR / "nvidia-h100-80gb-hbm3-x1" / "003-qlora-fix-r32-seq1024-gc.json"
     before = committed.read_text()

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from harness.benchjson import benchmark_entries, write_benchmark_json
-from harness.report import CaseRun, Memory, RankReport
-from harness.units import GIB
+from harness.baselines.benchjson import benchmark_entries, write_benchmark_json
+from harness.measure.records import CaseRun, Memory, RankReport
+from harness.spec.units import GIB
 
 
 def _run(case_id, steps, variant="", fidelity="real", ok=True):
@@ -35,7 +35,7 @@ def test_repetitions_pool_their_timed_steps_and_warmup_is_dropped():
 
 
 def test_the_cards_clock_goes_with_each_repetition():
-    from harness.report import Clocks
+    from harness.measure.records import Clocks
 
     run = _run("003-a", [9.0, 1.0, 1.2])
     run.ranks[0].clocks = Clocks(samples=100, utilization=0.62, sm_mhz_median=1410, sm_mhz_min=1395, sm_mhz_max=1980)

@@ -7,14 +7,14 @@ import types
 
 import pytest
 
-from harness import compile_cache
-from harness.baselines import bless, figures_of, load_baselines
-from harness.cases import CASES_DIR, load_case
-from harness.launcher import COLD_TRITON_CACHE, plan_jobs
-from harness.platform import Platform
-from harness.regression import against_baseline
-from harness.report import CaseRun, Memory, RankReport
-from harness.units import GIB
+from harness.baselines.store import bless, figures_of, load_baselines
+from harness.judge.regression import against_baseline
+from harness.measure.records import CaseRun, Memory, RankReport
+from harness.runtime import compile_cache
+from harness.runtime.launcher import COLD_TRITON_CACHE, plan_jobs
+from harness.runtime.platform import Platform
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.units import GIB
 
 FAILING_GLA = CASES_DIR / "004-gla-failing-bs4-2procs.yaml"
 PLAN_B = CASES_DIR / "004-gla-plan-b-bs2.yaml"
@@ -73,7 +73,7 @@ def test_peaks_are_compared_only_between_runs_with_the_same_cache_state(tmp_path
 
 
 def test_the_predictors_device_overhead_is_fitted_on_warm_runs_only(tmp_path):
-    from harness.calibration import calibrate
+    from harness.predict.calibration import calibrate
 
     def entry(case_id, reserved_gib, device_gib, cache):
         rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=1, platform="cuda",
@@ -92,7 +92,7 @@ def test_the_predictors_device_overhead_is_fitted_on_warm_runs_only(tmp_path):
 
 
 def test_a_cold_gla_case_is_predicted_with_what_compiling_held_on_measured_cold_runs():
-    from harness.predict import predict
+    from harness.predict.predictor import predict
 
     cold = load_case(FAILING_GLA)
     warm = cold.model_copy(update={"launch": cold.launch.model_copy(update={"triton_cache": "shared"})})

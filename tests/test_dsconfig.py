@@ -1,8 +1,8 @@
 """DeepSpeed configs: 'auto' values resolved as the HF integration resolves them, and scaled in tiny mode."""
 
-from harness.cases import CASES_DIR, load_case
-from harness.dsconfig import deepspeed_config
-from harness.shape import run_shape
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.dsconfig import deepspeed_config
+from harness.spec.shape import run_shape
 
 FAILING = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml")
 AGGRESSIVE = load_case(CASES_DIR / "000-lora-z3-offload-aggressive-cutoff512-ga32.yaml")

@@ -2,12 +2,12 @@
 
 import json
 
-from harness import platform as plat
-from harness.baselines import RESULTS_DIR
-from harness.cases import CASES_DIR
-from harness.report import CaseRun
-from harness.session import Session
-from harness.summary import consulted_line, whole_card_line
+from harness.baselines.store import RESULTS_DIR
+from harness.judge.session import Session
+from harness.measure.records import CaseRun
+from harness.report.summary import consulted_line, whole_card_line
+from harness.runtime import platform as plat
+from harness.spec.cases import CASES_DIR
 
 # guide 001's four rungs on one H100, each on its tier's card and on the whole card (`@u`)
 MEASURED = RESULTS_DIR.parent / "runs" / "2026-11-26-h100-001-003-004-pytest-gpu-one-host.json"

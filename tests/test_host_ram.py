@@ -1,15 +1,16 @@
-"""Full-size runs judge the node's host RAM against the case's `target.host_ram` (harness.host_ram)."""
+"""Full-size runs judge the node's host RAM against the case's `target.host_ram` (harness.judge.host_ram)."""
 
 import json
 
-from harness.baselines import Figures, bless, load_baselines, report_markdown
-from harness.cases import CASES_DIR, load_case
-from harness.extrapolate import extrapolate_figures
-from harness.host_ram import HOST_RAM_FRACTION, check_host_ram
-from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
-from harness.schema import Case
-from harness.units import GIB
-from harness.variants import Variant
+from harness.baselines.store import Figures, bless, load_baselines
+from harness.judge.extrapolation import extrapolate_figures
+from harness.judge.host_ram import HOST_RAM_FRACTION, check_host_ram
+from harness.measure.records import CaseRun, ErrorInfo, Failure, Memory, RankReport
+from harness.report.markdown import report_markdown
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.schema import Case
+from harness.spec.units import GIB
+from harness.spec.variants import Variant
 
 PLAN_B = load_case(CASES_DIR / "004-gla-plan-b-bs2.yaml")  # 7 cards x 2 jobs on a 251 GiB host, expect fits
 FAILING_GLA = load_case(CASES_DIR / "004-gla-failing-bs4-2procs.yaml")  # expect oom
@@ -104,9 +105,9 @@ def test_no_host_ram_no_verdict_and_no_figure_not_checkable():
 
 
 def test_the_session_fails_the_case_and_the_table_shows_the_node(monkeypatch, tmp_path):
-    from harness import session as session_mod
-    from harness.platform import Platform
-    from harness.summary import table
+    from harness.judge import session as session_mod
+    from harness.report.summary import table
+    from harness.runtime.platform import Platform
 
     monkeypatch.setattr(session_mod.plat, "detect", lambda: Platform.cuda)
     monkeypatch.setattr(session_mod.plat, "accelerator_count", lambda: 1)

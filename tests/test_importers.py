@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.architectures import load_architecture
-from harness.importers import ConfigError, JobSpec, import_config, scan_init_order
-from harness.model_source import ModelSourceError, architecture_from_config_json, registry_name_for, resolve_model
-from harness.schema import Offload
-from harness.units import parse_size
+from harness.models.registry import load_architecture
+from harness.models.source import ModelSourceError, architecture_from_config_json, registry_name_for, resolve_model
+from harness.premerge.importers import ConfigError, JobSpec, import_config, scan_init_order
+from harness.spec.schema import Offload
+from harness.spec.units import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "configs" / "examples"

@@ -9,12 +9,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.cases import CASES_DIR, load_case
-from harness.gpu_clocks import host_cpu
-from harness.launcher import Job, plan_jobs, run_case, run_jobs
-from harness.platform import Platform
-from harness.report import Failure, RankReport
-from harness.units import GIB
+from harness.measure.clocks import host_cpu
+from harness.measure.records import Failure, RankReport
+from harness.runtime.launcher import Job, free_port, plan_jobs, run_case, run_jobs
+from harness.runtime.platform import Platform
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.units import GIB
 
 
 def _job(code: str) -> Job:
@@ -90,7 +90,7 @@ def test_several_ranks_go_through_torchrun_on_a_cpu(tmp_path):
 
 
 def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, monkeypatch):
-    import harness.launcher as launcher
+    import harness.runtime.launcher as launcher
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(16)))
@@ -160,7 +160,7 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path):
         import _thread
         _thread.interrupt_main()
 
-    import harness.launcher as launcher
+    import harness.runtime.launcher as launcher
 
     launcher.subprocess.Popen, saved = spy, launcher.subprocess.Popen
     try:
@@ -197,7 +197,7 @@ def test_a_timeout_kills_torchruns_ranks_too(tmp_path):
                       ".write(str(os.getpid()))\n"
                       "time.sleep(600)\n")
     job = Job([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(__import__("harness.launcher").launcher.free_port()),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                str(script)])
     run = run_jobs([job], tmp_path / "run", 10, "x", "tiny", 2)
     assert run.error.kind == Failure.timeout
@@ -211,10 +211,10 @@ def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
     case_path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
     code = """
         import sys, threading, time
-        import harness.worker as worker
+        import harness.runtime.worker as worker
 
         def wait_for_a_lock_nobody_releases(args):
-            print('[harness.worker] 003 rank 0 slot 0: loaded, 3.48 GiB peak allocated (1.0 s)', flush=True)
+            print('[harness.runtime.worker] 003 rank 0 slot 0: loaded, 3.48 GiB peak allocated (1.0 s)', flush=True)
             threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a sampler-like thread
             while True:
                 time.sleep(0.1)
@@ -226,17 +226,17 @@ def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
     run = run_jobs([job], tmp_path, 8, "x", "tiny", 1)
     assert run.error.kind == Failure.timeout
     assert "in wait_for_a_lock_nobody_releases" in run.error.message
-    assert "last progress: '[harness.worker] 003 rank 0 slot 0: loaded" in run.error.message
+    assert "last progress: '[harness.runtime.worker] 003 rank 0 slot 0: loaded" in run.error.message
     assert "most recent call first" in Path(run.run_dir, "log.txt").read_text()
 
 
 def test_where_stuck_reads_the_main_thread_among_the_dumped_threads():
-    from harness.process_tree import where_stuck
+    from harness.runtime.process_tree import where_stuck
 
     dump = textwrap.dedent('''\
         Current thread 0x00007f26614496c0 (most recent call first):
           File "/usr/lib/python3.12/threading.py", line 359 in wait
-          File "/work/harness/tracker.py", line 270 in _run
+          File "/work/harness/measure/trackers.py", line 270 in _run
           File "/usr/lib/python3.12/threading.py", line 1012 in run
           File "/usr/lib/python3.12/threading.py", line 1045 in _bootstrap_inner
           File "/usr/lib/python3.12/threading.py", line 1002 in _bootstrap
@@ -244,10 +244,10 @@ def test_where_stuck_reads_the_main_thread_among_the_dumped_threads():
         Thread 0x00007f266228bb80 (most recent call first):
           File "/site/lib/python3.12/site-packages/torch/utils/file_baton.py", line 49 in wait
           File "/site/lib/python3.12/site-packages/torch/utils/cpp_extension.py", line 2380 in _jit_compile
-          File "/work/harness/worker.py", line 383 in run
+          File "/work/harness/runtime/worker.py", line 383 in run
           File "/usr/lib/python3.12/runpy.py", line 88 in _run_code
         ''')
-    assert where_stuck(dump) == "torch/utils/file_baton.py:49 in wait (from harness/worker.py:383 in run)"
+    assert where_stuck(dump) == "torch/utils/file_baton.py:49 in wait (from harness/runtime/worker.py:383 in run)"
     assert where_stuck("no dump in this log\n") is None
 
 
@@ -308,12 +308,12 @@ def test_jobs_exit_when_the_harness_that_launched_them_is_killed(tmp_path):
     """A harness stopped without cleaning up (`timeout` SIGTERMs its own group; SIGKILL runs no
     handler) must not leave its jobs, which live in sessions of their own, holding the card."""
     pid_file = tmp_path / "job.pid"
-    job_code = (f"import os, time; from harness.process_tree import exit_with_owner; "
+    job_code = (f"import os, time; from harness.runtime.process_tree import exit_with_owner; "
                 f"exit_with_owner(0.1); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     harness_code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from harness.launcher import Job, run_jobs
+        from harness.runtime.launcher import Job, run_jobs
         run_jobs([Job([sys.executable, "-c", {job_code!r}])], Path({str(tmp_path / 'run')!r}), 120, "x", "tiny", 1)
     """)
     harness = __import__("subprocess").Popen([sys.executable, "-c", harness_code])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.importers import JobSpec, import_config
-from harness.lints import RULES, lint
-from harness.units import GIB, parse_size
+from harness.premerge.importers import JobSpec, import_config
+from harness.premerge.lints import RULES, lint
+from harness.spec.units import GIB, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT / "cases"

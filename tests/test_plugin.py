@@ -2,7 +2,7 @@
 
 import shutil
 
-from harness.cases import CASES_DIR
+from harness.spec.cases import CASES_DIR
 
 pytest_plugins = ["pytester"]
 
@@ -19,12 +19,12 @@ def _case_dir(pytester):
         "id: 003-qlora-fix-r16-seq512-gc", "id: 003-broken").replace("seq_len: 512", "seq_len: 0")
     (cases / "003-broken.yaml").write_text(bad.replace("micro_batch: 1", "micro_batch: 1\n  gradient_acumulation: 4"))
     pytester.makepyfile(test_cases="""
-        from harness.plugin import check_case
+        from harness.pytest_plugin.cases import check_case
 
         def test_case(harness_case, harness_session):
             check_case(harness_case, harness_session)
     """)
-    pytester.makeconftest('pytest_plugins = ["harness.plugin"]')
+    pytester.makeconftest('pytest_plugins = ["harness.pytest_plugin.cases"]')
     return cases
 
 
@@ -82,7 +82,7 @@ def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_on
     result.assert_outcomes(passed=1)
     assert not (only / "tiny" / fix_1).exists()
     assert "also run" not in result.stdout.str()
-    from harness.session import Session
+    from harness.judge.session import Session
 
     session = Session(case_dir=cases, run_root=only, selected_only={(GOOD, "tiny")})
     lower = next(v for v in session.judge(GOOD, "tiny").claims if v.what == "lower_peak_than")

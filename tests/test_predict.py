@@ -1,4 +1,4 @@
-"""Behaviour of the predictor (harness.predict): the directions its terms must move in, the
+"""Behaviour of the predictor (harness.predict.predictor): the directions its terms must move in, the
 interface the importers and `oom-harness check` rely on, and leave-one-out calibration.
 No timings here (benchmarks/bench_predictor.py has them)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.baselines import load_baselines
-from harness.cases import CASES_DIR, load_case
-from harness.predict import Prediction, predict
-from harness.schema import Case
+from harness.baselines.store import load_baselines
+from harness.predict.predictor import Prediction, predict
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.schema import Case
 
 GiB = 2**30
 
@@ -164,7 +164,7 @@ def test_a_prediction_under_parameter_offload_says_the_reuse_distance_is_not_mod
 
 def test_variant_predicts_the_case_as_measured():
     c = case("000-qlora4bit-z2-cutoff512")
-    from harness.variants import parse_variant
+    from harness.spec.variants import parse_variant
 
     assert predict(c, variant="2r4L2ga").allocated == predict(parse_variant("2r4L2ga").apply(c)).allocated
     assert predict(c, variant="2r8L2ga").allocated > predict(c, variant="2r4L2ga").allocated
@@ -200,8 +200,8 @@ def test_pinned_parameter_offload_rounds_each_partition_for_full_fine_tunes_too(
 def test_a_mistakes_baselines_do_not_calibrate_the_predictor(tmp_path):
     """Guide 002's model materialised before DeepSpeed keeps its blocks cached (reserved 2.9 times
     allocated on two H100s): that is the mistake's cost, not the allocator's habit."""
-    from harness.baselines import RESULTS_DIR, bless
-    from harness.calibration import calibrate
+    from harness.baselines.store import RESULTS_DIR, bless
+    from harness.predict.calibration import calibrate
 
     bless(RESULTS_DIR.parent / "runs" / "2026-11-26-h100x2-002-pytest-gpu.json", root=tmp_path, recorded="2026-11-26")
     cal = calibrate("nvidia-h100-80gb-hbm3-x2", root=tmp_path)

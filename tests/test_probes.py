@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness import worker
-from harness.cases import CASES_DIR, load_case
+from harness.runtime import worker
+from harness.spec.cases import CASES_DIR, load_case
 
 PLAN_A = load_case(CASES_DIR / "004-gla-plan-a-minimal.yaml")  # checkpointing, logits_to_keep, speed cost
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from harness.cases import CASES_DIR
-from harness.cli import _slice, main
-from harness.session import Session
+from harness.cli.main import main
+from harness.cli.run import _slice
+from harness.judge.session import Session
+from harness.spec.cases import CASES_DIR
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.cases import CASES_DIR, CaseError, case_files, load_case, load_cases, parse_case
-from harness.schema import Case
+from harness.spec.cases import CASES_DIR, CaseError, case_files, load_case, load_cases, parse_case
+from harness.spec.schema import Case
 
 BASE_FILE = CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml"
 BASE = yaml.safe_load(BASE_FILE.read_text())

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.architectures import TINY_VOCAB, known_architectures, load_architecture, tiny_config, truncated_config
-from harness.modelbuild import _hf_config
+from harness.models.registry import TINY_VOCAB, known_architectures, load_architecture, tiny_config, truncated_config
+from harness.runtime.build import _hf_config
 
 ARCHS = known_architectures()
 
@@ -63,7 +63,7 @@ def test_tiny_models_build_and_compute_a_loss(name):
 
     cfg = tiny_config(load_architecture(name), 32)
     if cfg["model_type"] == "gla":
-        from harness import fla_cpu
+        from harness.models import fla_cpu
 
         fla_cpu.apply()
     model = AutoModelForCausalLM.from_config(_hf_config(cfg))

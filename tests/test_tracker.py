@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.tracker import LiveTensorTracker
+from harness.measure.trackers import LiveTensorTracker
 
 MIB = 2**20
 
@@ -69,7 +69,7 @@ def test_backward_activations_are_counted_and_released():
 
 
 def test_amdsmi_records_give_this_process_vram_in_either_layout():
-    from harness.tracker import amdsmi_process_vram
+    from harness.measure.trackers import amdsmi_process_vram
 
     records = [{"pid": 11, "memory_usage": {"vram_mem": 5 * 2**30, "gtt_mem": 1}},
                {"pid": 12, "mem": 7 * 2**30}]  # older amdsmi releases
@@ -79,7 +79,7 @@ def test_amdsmi_records_give_this_process_vram_in_either_layout():
 
 
 def test_rocm_smi_and_hy_smi_json_give_the_cards_used_vram():
-    from harness.tracker import smi_card_used_vram
+    from harness.measure.trackers import smi_card_used_vram
 
     text = ('{"card0": {"VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "1073741824"},'
             ' "card1": {"VRAM Total Memory (B)": "68702699520", "VRAM Total Used Memory (B)": "42"}}')
@@ -95,7 +95,7 @@ def test_host_memory_tells_reclaimable_file_pages_from_anonymous_memory(tmp_path
     heap memory counts in both."""
     import mmap
 
-    from harness.tracker import Sampler
+    from harness.measure.trackers import Sampler
 
     size = 256 * 2**20
     path = tmp_path / "checkpoint.bin"
@@ -128,7 +128,7 @@ class _Clock:
 
 
 def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
-    from harness.tracker import Sampler
+    from harness.measure.trackers import Sampler
 
     power_cap = 0x4
     sampler = Sampler(clock_reader=_Clock([(1980, 0, 0),  # the warm-up step compiling: no kernel
@@ -152,7 +152,7 @@ def test_the_sampler_keeps_the_cards_clock_and_what_held_it_down():
 
 
 def test_a_card_running_no_kernel_has_no_clock_to_report():
-    from harness.tracker import Sampler
+    from harness.measure.trackers import Sampler
 
     sampler = Sampler(clock_reader=_Clock([(1980, 0, 0)] * 3))
     sampler.sample()
@@ -161,7 +161,7 @@ def test_a_card_running_no_kernel_has_no_clock_to_report():
 
 
 def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
-    from harness.tracker import Sampler
+    from harness.measure.trackers import Sampler
 
     class Refusing(_Clock):
         def read(self):
@@ -175,7 +175,7 @@ def test_a_clock_the_card_will_not_report_leaves_the_memory_sampled():
 def test_the_slowdown_bits_and_the_clock_queries_are_nvmls():
     """The clock reader cannot run without a GPU here: at least its bits and calls are nvidia-ml-py's."""
     pynvml = pytest.importorskip("pynvml")
-    from harness.gpu_clocks import SLOWDOWNS
+    from harness.measure.clocks import SLOWDOWNS
 
     for name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetEnforcedPowerLimit",
                  "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetUtilizationRates", "NVML_CLOCK_SM"):

@@ -1,7 +1,7 @@
 import pytest
 
-from harness.platform import parse_oom
-from harness.units import GIB, MIB, parse_size
+from harness.runtime.platform import parse_oom
+from harness.spec.units import GIB, MIB, parse_size
 
 
 @pytest.mark.parametrize(

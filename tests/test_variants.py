@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from harness.baselines import Figures, bless, load_baselines
-from harness.cases import CASES_DIR, load_case
-from harness.extrapolate import (
+from harness.baselines.store import Figures, bless, load_baselines
+from harness.judge.extrapolation import (
     DepthCheck,
     depth_check,
     depth_checks,
@@ -16,12 +15,13 @@ from harness.extrapolate import (
     extrapolate_figures,
     fit_line,
 )
-from harness.regression import against_baseline, limit, no_baseline, tolerance
-from harness.report import CaseRun, ErrorInfo, Failure, Memory, RankReport
-from harness.session import plan
-from harness.units import GIB
-from harness.variants import Variant, parse_variant
-from harness.verdicts import Verdict, judge_on_variant
+from harness.judge.regression import against_baseline, limit, no_baseline, tolerance
+from harness.judge.session import plan
+from harness.judge.verdicts import Verdict, judge_on_variant
+from harness.measure.records import CaseRun, ErrorInfo, Failure, Memory, RankReport
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.units import GIB
+from harness.spec.variants import Variant, parse_variant
 
 FAILING_32B = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml")  # 8 ranks, 64 GiB, oom
 FIX_32B = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")  # expect fits
@@ -285,7 +285,7 @@ def test_a_run_is_held_to_its_baseline(tmp_path):
 
 
 def _depth_run(case, variant, per_layer_gib, base_gib=4.0, oom=False):
-    from harness.report import Offload, Weights, Zero
+    from harness.measure.records import Offload, Weights, Zero
 
     layers = variant.layers
     ranks = []
@@ -305,8 +305,8 @@ def _depth_run(case, variant, per_layer_gib, base_gib=4.0, oom=False):
 
 
 def _session_with(monkeypatch, tmp_path, per_layer_gib, baseline_root=None):
-    from harness import session as session_mod
-    from harness.platform import Platform
+    from harness.judge import session as session_mod
+    from harness.runtime.platform import Platform
 
     monkeypatch.setattr(session_mod.plat, "detect", lambda: Platform.cuda)
     monkeypatch.setattr(session_mod.plat, "accelerator_count", lambda: 2)
@@ -349,8 +349,8 @@ def test_each_depth_of_a_series_is_held_to_its_own_baseline(monkeypatch, tmp_pat
 
 
 def test_the_summary_shows_the_peak_a_fit_was_judged_on():
-    from harness.session import Judgement
-    from harness.summary import table
+    from harness.judge.session import Judgement
+    from harness.report.summary import table
 
     e = extrapolate_figures(FIX_32B, "2r2ga", "k", {4: [_figures(5.0, 1.0)], 8: [_figures(8.5, 1.5)]})  # 57.50 GiB
     e.check = DepthCheck(FIX_32B.id, FIX_32B.model, "h200-x2", extrapolated=10.0 * GIB, measured=10.5 * GIB)
@@ -380,7 +380,7 @@ def test_a_wide_spread_is_bounded_by_the_slowest_repetition(tmp_path):
 def test_a_slow_run_names_its_cards_clock_and_a_host_cpu_other_than_the_baselines(tmp_path):
     """Peaks equal to the byte, speed a third lower (guide 003's r32 fixes on one H100 host): the
     verdict shows whether the card was held down or the host differs, beside the numbers."""
-    from harness.report import Clocks
+    from harness.measure.records import Clocks
 
     base = _baseline(tmp_path, [(10.0, 1.0), (10.0, 1.0)])
     for r in base.runs:
@@ -432,8 +432,8 @@ def test_speeds_measured_on_other_thread_counts_are_not_compared(tmp_path):
 
 
 def test_an_uncapped_variant_runs_on_the_whole_card(monkeypatch, tmp_path):
-    from harness import session as session_mod
-    from harness.platform import Platform
+    from harness.judge import session as session_mod
+    from harness.runtime.platform import Platform
 
     rung1 = "001-ladder-rung1-zero2"
     seen = []
@@ -465,8 +465,8 @@ MEASURED_000 = CASES_DIR.parent / "results" / "runs" / "2026-11-26-h100x2-000-py
 
 def _judged_on(tmp_path, monkeypatch, measured, case_id):
     """A session on two H100s (accumulation capped at 2) that judges the runs measured there."""
-    from harness import platform as plat
-    from harness.session import Session
+    from harness.judge.session import Session
+    from harness.runtime import platform as plat
 
     entries = json.loads(measured.read_text())
     runs = {(e["case"], e["run"]["variant"]): CaseRun.model_validate(e["run"]) for e in entries}
@@ -487,7 +487,7 @@ def test_a_lower_peak_is_judged_at_every_depth_and_at_the_full_depth_of_two_alik
 
 
 def test_the_full_depth_decides_and_a_higher_peak_refutes():
-    from harness.verdicts import Series, lower_peak_on_variants
+    from harness.judge.verdicts import Series, lower_peak_on_variants
 
     case, other = load_case(CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"), load_case(
         CASES_DIR / "002-gemma27b-full-z3-offload-len4096.yaml")

@@ -2,11 +2,11 @@
 
 import math
 
-from harness.cases import CASES_DIR, load_case
-from harness.report import CaseRun, ErrorInfo, Failure, Memory, Probes, RankReport, Weights, Zero
-from harness.schema import CheckpointingClaim, TrainsClaim
-from harness.units import GIB
-from harness.verdicts import check_claim, check_outcome, detections
+from harness.judge.verdicts import check_claim, check_outcome, detections
+from harness.measure.records import CaseRun, ErrorInfo, Failure, Memory, Probes, RankReport, Weights, Zero
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.schema import CheckpointingClaim, TrainsClaim
+from harness.spec.units import GIB
 
 FIX = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")  # 16 GB card, 90% headroom
 FAILING = load_case(CASES_DIR / "003-qlora-failing-bs2-seq2048-r64.yaml")
@@ -100,7 +100,7 @@ def test_the_guides_figure_for_the_checkpointing_saving_is_checked_at_full_size(
     import pytest
     from pydantic import ValidationError
 
-    from harness.schema import CheckpointingSavingClaim
+    from harness.spec.schema import CheckpointingSavingClaim
 
     share = next(c for c in FIX.claims if c.kind == "checkpointing_saving")  # guide 003: 30-50% of the memory
     probes = Probes(activation_bytes=int(1.5 * GIB), activation_bytes_without_checkpointing=int(13.5 * GIB))
@@ -119,7 +119,7 @@ def test_the_guides_figure_for_the_checkpointing_saving_is_checked_at_full_size(
     with pytest.raises(ValidationError, match="fractions of the peak"):
         CheckpointingSavingClaim(kind="checkpointing_saving", metric="peak_fraction", low=30, high=50, quote="q")
     # a figure about the case as written: measured on fewer layers it is not judged
-    from harness.variants import Variant
+    from harness.spec.variants import Variant
 
     deep = Variant(layers=8).apply(SHARED)
     assert not [c for c in deep.claims if c.kind == "checkpointing_saving"]
@@ -254,7 +254,7 @@ def test_a_rung_that_runs_out_of_memory_on_its_card_is_held_to_its_memory_order_
 
 
 def test_where_an_oom_rung_keeps_its_optimizer_state_is_read_from_its_run_on_the_whole_card():
-    from harness.report import Offload
+    from harness.measure.records import Offload
 
     rung4 = load_case(CASES_DIR / "001-ladder-rung4-zero3-offload.yaml")
     claim = next(c for c in rung4.claims if c.kind == "optimizer_state_offloaded")
@@ -287,7 +287,7 @@ def _with_findings(case_id, tmp_path, outcome_finding=None, claim_finding=None, 
 
 
 def _device_claims(case, run):
-    from harness.verdicts import as_recorded
+    from harness.judge.verdicts import as_recorded
 
     return [as_recorded(check_claim(c, case, run, None), c.finding, run.fidelity) for c in case.claims
             if c.kind == "memory_range" and c.metric == "device_peak"]
@@ -309,7 +309,7 @@ def test_a_recorded_finding_that_no_longer_reproduces_fails_asking_for_an_update
 
 
 def test_findings_are_full_size_truths_and_leave_tiny_verdicts_alone():
-    from harness.verdicts import Verdict, as_recorded
+    from harness.judge.verdicts import Verdict, as_recorded
 
     confirmed = Verdict("lower_peak_than", "confirmed", "1.0 MiB < 2.0 MiB")
     assert as_recorded(confirmed, "refuted on an H100", "tiny") is confirmed
@@ -322,8 +322,8 @@ def test_findings_are_full_size_truths_and_leave_tiny_verdicts_alone():
 def test_an_outcome_finding_turns_the_refuted_fit_into_a_finding_in_the_session(tmp_path, monkeypatch):
     """A rung of guide 001 that runs out of memory on its card: the case records it, so the run is
     a finding; the summary says so and pytest would not fail it."""
-    from harness.session import Session
-    from harness.summary import findings, table
+    from harness.judge.session import Session
+    from harness.report.summary import findings, table
 
     cases = tmp_path / "cases"
     cases.mkdir()

@@ -1,0 +1,1 @@
+"""The `oom-harness` command line: one module per command, assembled by `main`."""

@@ -1,0 +1,77 @@
+"""`oom-harness check`: does a training config fit its cards? Predicted on a CPU, with lints.
+
+    oom-harness check llamafactory.yaml --gpu-memory 64GiB --gpus 8
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
+from harness.premerge.importers import LAUNCHERS, ConfigError, JobSpec, parse_size_arg
+
+
+def add_parser(subparsers) -> None:
+    chk = subparsers.add_parser(
+        "check", help="pre-merge: predict whether a training config fits its cards, and lint it")
+    add_arguments(chk)
+    chk.set_defaults(func=run)
+
+
+def add_arguments(parser) -> None:
+    """The check's options (also read by `pytest -m premerge`'s premerge.yaml)."""
+    parser.add_argument("config", help="LLaMA-Factory YAML, TrainingArguments JSON or harness case YAML")
+    parser.add_argument("--deepspeed", help="DeepSpeed JSON (replaces the config's own `deepspeed`)")
+    parser.add_argument("--gpu-memory", help="memory per GPU with a unit, e.g. 64GiB, 80GB (case files: optional)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the job (case files: optional)")
+    parser.add_argument("--procs-per-gpu", type=int, help="independent training processes sharing each GPU (default 1)")
+    parser.add_argument("--headroom", type=float, help="fraction of a card a job may use (default 0.9)")
+    parser.add_argument("--host-ram", help="host memory per node with a unit, for the pinned-offload lint")
+    parser.add_argument("--vendor", choices=["nvidia", "hygon", "amd"], help="card vendor (default nvidia)")
+    parser.add_argument("--launcher", choices=list(LAUNCHERS),
+                        help="how the job is started (default: llamafactory-cli for LLaMA-Factory YAML, else torchrun "
+                             "on several GPUs, python on one)")
+    parser.add_argument("--model", help="registry name, hub id or local directory with a config.json "
+                                        "(replaces model_name_or_path)")
+    parser.add_argument("--stack", choices=["peft", "llamafactory", "plain"], help="the training stack (see README)")
+    parser.add_argument("--script", help="the training script, scanned for building the model before DeepSpeed")
+    parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def spec_from_args(args) -> JobSpec:
+    return JobSpec(
+        gpus=args.gpus,
+        gpu_memory=None if args.gpu_memory is None else parse_size_arg(args.gpu_memory, "--gpu-memory"),
+        procs_per_gpu=args.procs_per_gpu,
+        headroom=args.headroom,
+        host_ram=None if args.host_ram is None else parse_size_arg(args.host_ram, "--host-ram"),
+        vendor=args.vendor,
+        launcher=args.launcher,
+        model=args.model,
+        deepspeed=None if args.deepspeed is None else Path(args.deepspeed),
+        stack=args.stack,
+        script=None if args.script is None else Path(args.script),
+    )
+
+
+def run(args, predict: PredictFn | None = None) -> int:
+    """`oom-harness check`: print the table (or JSON); return the exit code."""
+    try:
+        result = run_check(args.config, spec_from_args(args), platform=args.platform, predict=predict)
+    except ConfigError as exc:
+        _bad_input(str(exc), args.json)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(as_json(result), indent=1))
+    else:
+        print(table(result))
+    return result.exit_code
+
+
+def _bad_input(message: str, as_json_output: bool) -> None:
+    if as_json_output:
+        print(json.dumps({"error": message}))
+    print(f"oom-harness check: {message}", file=sys.stderr)

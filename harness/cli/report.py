@@ -1,0 +1,51 @@
+"""`oom-harness report`: the baselines, or a night's runs, as a markdown table."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    rep = subparsers.add_parser("report", help="print the baselines (or the runs given) as a markdown table")
+    rep.add_argument("runs", nargs="*", help="`run --fidelity real --json` files or run folders: report these "
+                                              "runs and their failed verdicts instead of the committed baselines")
+    rep.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """The committed baselines as a table; with run files, those runs instead (a night's measurement,
+    in the same table, blessed into a scratch folder), and the verdicts that failed in them."""
+    from harness.baselines.store import BlessError, bless, load_baselines
+    from harness.report.markdown import report_markdown
+
+    if not args.runs:
+        print(report_markdown(load_baselines()))
+        return 0
+    paths = [Path(r) for r in args.runs]
+    with tempfile.TemporaryDirectory(prefix="oom-harness-report-") as scratch:
+        try:
+            bless(paths, root=Path(scratch))
+        except BlessError as exc:
+            print(f"report: {exc}", file=sys.stderr)
+            return 2
+        table = report_markdown(load_baselines(Path(scratch)))
+    print(f"Measured in {', '.join(map(str, paths))} (these runs, not the committed baselines):\n")
+    print(table or "(no full-size run in them)")
+    print("\nVerdicts that failed:\n" + ("\n".join(_failed_verdicts(paths)) or "none"))
+    return 0
+
+
+def _failed_verdicts(paths: list[Path]) -> list[str]:
+    """The refuted verdicts kept in `run --json` files (run folders and run.json files hold none)."""
+    from harness.judge.verdicts import Verdict
+
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text()) if path.is_file() else []
+        for e in data if isinstance(data, list) else []:
+            name = e["case"] + (f"@{e['variant']}" if e.get("variant") else "")
+            lines += [f"- {name}: {Verdict(**v).line()}" for v in e.get("verdicts", []) if v["status"] == "refuted"]
+    return lines

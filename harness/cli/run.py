@@ -1,0 +1,220 @@
+"""`oom-harness run`: run cases at a fidelity, judge them, print the summary table.
+
+    oom-harness run                    every case at tiny size (on a GPU host: --fidelity real)
+    oom-harness run -k 003 --json out.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.spec.cases import CASES_DIR
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run cases and print a summary table")
+    p.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
+    p.add_argument("-k", action="append", help="run only cases whose id contains this (repeatable)")
+    p.add_argument("--case-dir", default=str(CASES_DIR))
+    p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
+    p.add_argument("--json", help="also write every run and verdict to this JSON file")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
+    p.add_argument("--variant", action="append",
+                     help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
+                          "(grad accum cap), combined '2r8L2ga'; repeatable")
+    p.add_argument("--select", choices=["all", "single", "multi"], default="all",
+                     help="only single-rank or only multi-rank cases")
+    p.add_argument("--shard", help="K/N: the K-th of N slices of the selected cases (one per GPU)")
+    p.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
+    p.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
+    p.add_argument("--grad-accum-cap", type=int, default=None,
+                     help="full-size runs accumulate at most N micro steps (peaks do not change past 2; "
+                          "saves time; labelled in every figure)")
+    p.add_argument("--full-depth", action="store_true",
+                     help="measure cases with depth_points at full depth (a host that holds them)")
+    p.add_argument("--jobs", type=int, default=None,
+                     help="training processes at once for tiny runs (default: one per CPU core)")
+    p.add_argument("--selected-only", action="store_true",
+                     help="run only the selected cases: a claim about another case (a fix's peak against its "
+                          "failing config, a family's speed order) is not checkable instead of running it")
+    p.set_defaults(func=run)
+
+
+def _write_json(path: Path, session) -> None:
+    """Every run of the session (each variant and repetition), the judged ones with their verdicts."""
+    verdicts = {id(j.run): [v.__dict__ for v in j.verdicts] for j in session.judged()}
+    entries = [{"case": r.case_id, "fidelity": r.fidelity, "variant": r.variant,
+                "run": json.loads(r.model_dump_json()), "verdicts": verdicts.get(id(r), [])}
+               for r in session.all_runs()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1))
+    tmp.replace(path)
+
+
+def _related(selected: list[str], session) -> list[list[str]]:
+    """The selected cases in groups whose claims consult each other (a claim naming another case, a
+    family's speed order): a group's cases run in one session, so a consulted case is run once."""
+    group = {cid: cid for cid in selected}
+
+    def root(cid):
+        while group[cid] != cid:
+            cid = group[cid]
+        return cid
+
+    def join(a, b):
+        if a in group and b in group:
+            group[root(a)] = root(b)
+
+    by_family: dict[str, str] = {}
+    for cid in selected:
+        case = session.cases[cid][0]
+        for claim in case.claims:
+            if getattr(claim, "case", None):
+                join(cid, claim.case)
+        if case.family:
+            join(cid, by_family.setdefault(case.family, cid))
+    groups: dict[str, list[str]] = {}
+    for cid in selected:
+        groups.setdefault(root(cid), []).append(cid)
+    return list(groups.values())
+
+
+def _slice(selected: list[str], session, select: str, shard: str | None) -> list[str]:
+    """`--select single|multi` and `--shard K/N`: one slice of the single-rank cases per GPU (each
+    run pinned to its GPU with CUDA_VISIBLE_DEVICES), the multi-rank cases in a run of their own.
+    Cases whose claims consult each other stay in one slice (`_related`), so no shard runs another
+    shard's case again; the groups are dealt out largest first to the slice with the fewest cases."""
+    def ranks(cid):
+        return session.cases[cid][0].launch.ranks
+
+    if select != "all":
+        selected = [cid for cid in selected if (ranks(cid) == 1) == (select == "single")]
+    if shard:
+        k, _, n = shard.partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise ValueError(f"'{shard}': write K/N with 0 <= K < N, e.g. 0/8")
+        slices: list[list[str]] = [[] for _ in range(int(n))]
+        for members in sorted(_related(selected, session), key=lambda g: (-len(g), g[0])):
+            min(slices, key=len).extend(members)
+        selected = sorted(slices[int(k)])
+    return selected
+
+
+def _measure_line(run) -> str:
+    from harness.baselines.store import figures_of
+    from harness.spec.units import fmt_gib, fmt_mib
+
+    f = figures_of(run, 1)
+    size = fmt_mib if run.fidelity == "tiny" else fmt_gib
+    rate = "-" if f.tokens_per_s_per_gpu is None else f"{f.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+    return f"{f.outcome}, peak {size(f.per_card_peak)} (worst process), {rate}"
+
+
+def run(args) -> int:
+    from harness.judge.session import Session, skip_reason
+    from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
+
+    run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
+    session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
+                      full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap)
+    for err in session.errors:
+        print(str(err), file=sys.stderr)
+    matched = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
+    if not matched:
+        print("no case matches" + (f" {' or '.join(args.k)}" if args.k else f" (none in {args.case_dir})"),
+              file=sys.stderr)
+        return 2
+    try:
+        selected = _slice(matched, session, args.select, args.shard)
+    except ValueError as exc:
+        print(f"--shard: {exc}", file=sys.stderr)
+        return 2
+    if not selected:
+        # Not an error: a runner with more GPUs than groups of related cases (the nightly job gives
+        # each GPU a shard) has shards with nothing to run.
+        kind = {"single": "single-rank ", "multi": "multi-rank ", "all": ""}[args.select]
+        where = f" in shard {args.shard}" if args.shard else ""
+        print(f"nothing to run: none of the {len(matched)} matching cases is a {kind}case{where}")
+        return 0
+    started = time.monotonic()
+    if args.variant:
+        return _measure_variants(args, session, selected, run_root)
+    skipped = []
+    if args.selected_only:
+        session.selected_only = {(cid, args.fidelity) for cid in selected}
+    session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
+    for i, cid in enumerate(selected, 1):
+        case, _ = session.cases[cid]
+        reason = skip_reason(case, args.fidelity, session.platform, session.accelerators)
+        if reason:
+            skipped.append((cid, reason))
+            continue
+        j = session.judge(cid, args.fidelity)
+        status = "FAILED" if j.failed else "ok"
+        print(f"[{i}/{len(selected)}] {cid} {args.fidelity}: {status} ({j.run.wall_s:.1f} s)", flush=True)
+        for rep in range(1, args.repeat):  # repetitions: the spread the tolerances come from
+            for variant in session.plan(cid, args.fidelity):
+                extra = session.run(cid, args.fidelity, variant, rep)
+                print(f"    repetition {rep + 1}{variant.suffix}: {_measure_line(extra)}", flush=True)
+        if args.json:  # rewritten after every case, so an interrupted run keeps what it measured
+            _write_json(Path(args.json), session)
+    judged = session.judged()
+    if args.benchmark_json:
+        _write_benchmark(Path(args.benchmark_json), session)
+    print()
+    print(table(judged))
+    consulted = session.consulted()
+    if consulted:
+        print(consulted_line(consulted, "--selected-only"))
+    whole_card = session.whole_card()
+    if whole_card:
+        print(whole_card_line(whole_card))
+    for cid, reason in skipped:
+        print(f"skipped {cid}: {reason}")
+    found = findings(judged)
+    if found:
+        print(f"\n{FINDINGS_TITLE.capitalize()}:\n" + found)
+    print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
+    failed = any(j.failed for j in judged) or bool(session.errors)
+    return 1 if failed else 0
+
+
+def _measure_variants(args, session, selected: list[str], run_root: Path) -> int:
+    """`--variant`: measure (no verdicts) each selected case under each variant, e.g. the depths
+    of a depth extrapolation, for `oom-harness bless`."""
+    from harness.spec.variants import parse_variant
+
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        for cid in selected:
+            for v in variants:
+                v.apply(session.cases[cid][0])
+    except ValueError as exc:
+        print(f"--variant: {exc}", file=sys.stderr)
+        return 2
+    failed = False
+    for cid in selected:
+        for v in variants:
+            for rep in range(args.repeat):
+                run = session.run(cid, args.fidelity, v, rep)
+                failed |= not run.ok
+                print(f"{cid}{v.suffix} rep {rep + 1}: {_measure_line(run)} ({run.wall_s:.0f} s)", flush=True)
+                if args.json:
+                    _write_json(Path(args.json), session)
+    if args.benchmark_json:
+        _write_benchmark(Path(args.benchmark_json), session)
+    print(f"reports in {run_root}")
+    return 1 if failed else 0
+
+
+def _write_benchmark(path: Path, session) -> None:
+    from harness.baselines.benchjson import write_benchmark_json
+
+    n = write_benchmark_json(path, session.all_runs(),
+                             {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
+    print(f"wrote {n} benchmarks in pytest-benchmark's format to {path}")

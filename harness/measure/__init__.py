@@ -1,0 +1,1 @@
+"""What a run measures: run records, memory trackers, clocks and FLOPs."""

@@ -1,0 +1,194 @@
+"""Where an imported config's model comes from: a name the registry knows, or a local config.json.
+
+Configs name their model by `model_name_or_path`: a Hugging Face hub id
+(`deepseek-ai/DeepSeek-R1-Distill-Qwen-32B`), or a local directory. Nothing is downloaded, so a hub
+id must match an architecture kept in `harness/architectures/` (case-insensitively, on the last path
+component, with or without an instruction-tuning suffix such as `-it`, `-chat`, `-instruct`), and a
+local directory must hold the model's `config.json` (the weights are not needed: memory depends on
+shapes only).
+
+`resolve_model` returns the `Architecture` to predict with and, where the registry holds the same
+shapes, the registry name a `Case` can carry.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.models.registry import ARCH_DIR, Architecture, known_architectures, load_architecture
+
+# Keys whose values decide parameter and activation memory; two configs equal on these are one model.
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim", "num_heads", "expand_k",
+    "expand_v", "hidden_ratio",
+)
+# Keys a config.json must have for the predictor to size the model (GLA-style models name heads
+# `num_heads` and may derive the MLP width from `hidden_ratio`).
+_REQUIRED = {
+    "default": ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "vocab_size"),
+    "gla": ("model_type", "hidden_size", "num_hidden_layers", "num_heads", "vocab_size"),
+}
+# Multimodal configs keep the language model in a nested block (Gemma 3: Gemma3ForConditionalGeneration).
+_NESTED_TEXT_KEYS = ("text_config", "language_config", "llm_config")
+_TUNING_SUFFIXES = ("-instruct", "-chat", "-it", "-pt", "-base", "-hf")
+
+
+class ModelSourceError(ValueError):
+    """A model reference the harness cannot turn into an architecture; `fix` says what to do."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    arch: Architecture
+    registry_name: str | None  # the registry entry with the same shapes, if any
+    closest_registry_name: str  # the registry entry nearest in shape (same model type first)
+    local_dir: Path | None  # where the config.json came from, for a local model
+
+
+def _stem(name: str) -> str:
+    stem = name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    for suffix in _TUNING_SUFFIXES:
+        if stem.endswith(suffix):
+            return stem[: -len(suffix)]
+    return stem
+
+
+def _hub_ids() -> dict[str, str]:
+    """Each registry entry's hub id, as its `_source` names it first (`org/Name ...`)."""
+    ids: dict[str, str] = {}
+    for path in sorted(ARCH_DIR.glob("*.json")):
+        source = json.loads(path.read_text(encoding="utf-8")).get("_source", "")
+        match = re.match(r"\s*([\w.-]+/[\w.-]+?)[.:,]?(?:\s|$)", source)
+        if match:
+            ids[path.stem] = match.group(1)
+    return ids
+
+
+def registry_name_for(reference: str) -> str | None:
+    """The registry entry a hub id or a registry name refers to, else None."""
+    known = known_architectures()
+    last = reference.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    if last in known:
+        return last
+    wanted = _stem(reference)
+    for name in known:
+        if _stem(name) == wanted:
+            return name
+    for name, hub_id in _hub_ids().items():
+        if _stem(hub_id) == wanted:
+            return name
+    return None
+
+
+def _text_config(data: dict) -> dict:
+    for key in _NESTED_TEXT_KEYS:
+        nested = data.get(key)
+        if isinstance(nested, dict) and "hidden_size" in nested:
+            merged = dict(nested)
+            if "tie_word_embeddings" not in merged and "tie_word_embeddings" in data:
+                merged["tie_word_embeddings"] = data["tie_word_embeddings"]
+            merged.setdefault("torch_dtype", data.get("torch_dtype") or data.get("dtype"))
+            return merged
+    return data
+
+
+def architecture_from_config_json(path: Path | str) -> Architecture:
+    """An `Architecture` from a Hugging Face config.json (a file, or the directory holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelSourceError(
+            f"no config.json in {path.parent}",
+            "put the model's config.json in that directory (the weights are not needed)",
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+                               "copy the model's config.json again") from None
+    if not isinstance(data, dict):
+        raise ModelSourceError(f"{path} must hold a JSON object", "copy the model's config.json again")
+    config = _text_config(data)
+    required = _REQUIRED["gla" if config.get("model_type") == "gla" else "default"]
+    missing = [k for k in required if config.get(k) in (None, "")]
+    if missing:
+        raise ModelSourceError(
+            f"{path} lacks {', '.join(missing)}",
+            "use the model's full config.json as published with the model",
+        )
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    name = path.parent.name or path.parent.resolve().name
+    return Architecture(name=f"local:{name}", source=str(path.resolve()), config=config)
+
+
+def same_shapes(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in SHAPE_KEYS)
+
+
+def _distance(a: dict, b: dict) -> float:
+    score = 0.0 if a.get("model_type") == b.get("model_type") else 1e6
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        x, y = a.get(key) or 1, b.get(key) or 1
+        score += abs(float(x) - float(y)) / max(float(x), float(y))
+    return score
+
+
+def closest_registry_name(arch: Architecture) -> str:
+    return min(known_architectures(), key=lambda n: _distance(arch.config, load_architecture(n).config))
+
+
+def _local_dir(reference: str, base_dirs: tuple[Path, ...]) -> Path | None:
+    ref = Path(reference).expanduser()
+    candidates = [ref] if ref.is_absolute() else [d / ref for d in base_dirs]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _looks_like_path(reference: str) -> bool:
+    return reference.startswith(("/", "./", "../", "~")) or reference.count("/") > 1 or "\\" in reference
+
+
+def resolve_model(reference: str, base_dirs: tuple[Path, ...] = (Path.cwd(),)) -> ResolvedModel:
+    """A registry name, a hub id the registry knows, or a local directory with a config.json.
+
+    A local directory is looked up in `base_dirs` in order (the config's folder, then the working
+    directory). A directory wins over a registry name of the same spelling: it is what the training
+    job would load."""
+    reference = str(reference).strip()
+    if not reference:
+        raise ModelSourceError("the model is empty", "name a local directory with a config.json or a known model")
+    local = _local_dir(reference, base_dirs)
+    if local is not None:
+        arch = architecture_from_config_json(local)
+        matches = [n for n in known_architectures() if same_shapes(arch.config, load_architecture(n).config)]
+        registry = matches[0] if matches else None
+        return ResolvedModel(arch=arch, registry_name=registry,
+                             closest_registry_name=registry or closest_registry_name(arch), local_dir=local)
+    name = registry_name_for(reference)
+    if name is not None:
+        return ResolvedModel(arch=load_architecture(name), registry_name=name, closest_registry_name=name,
+                             local_dir=None)
+    if _looks_like_path(reference):
+        raise ModelSourceError(
+            f"'{reference}' is not a directory (looked in {', '.join(str(d) for d in base_dirs)})",
+            "point it at a local directory holding the model's config.json",
+        )
+    raise ModelSourceError(
+        f"'{reference}' is neither a local directory nor a model the harness knows "
+        f"(known: {', '.join(known_architectures())})",
+        "point it at a local directory holding the model's config.json (no weights needed), "
+        "or add the architecture to harness/architectures/",
+    )

@@ -1,0 +1,1 @@
+"""Predicting full-size peaks on a CPU: fake-tensor traces, closed-form model states, calibration."""

@@ -1,0 +1,326 @@
+"""Fake-tensor execution of one training micro-step (the heavy half of `harness.predict.trace`).
+
+Builds the truncated model on `meta` as the case's stack does, moves it to fake `cpu` storage
+inside `FakeTensorMode` and runs forward + backward under `harness.measure.trackers.LiveTensorTracker`.
+See `harness.predict.trace` for what is reproduced and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import torch
+
+from harness.models.registry import Architecture, truncated_config
+from harness.predict.step import ParamInfo, TraceResult, TraceSpec
+from harness.spec.schema import Precision, Stack
+
+DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
+
+
+def _hf_model(config: dict, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    if cfg["model_type"] == "gla":
+        import fla  # noqa: F401  registers GLA with the Auto classes
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf, dtype=dtype)
+
+
+class _Fake4bitMatmul(torch.autograd.Function):
+    """bitsandbytes' MatMul4Bit, memory-wise: nothing of the input is saved; the weight is
+    dequantized into a transient (out x in, compute dtype) in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        w = torch.empty(weight.shape, dtype=x.dtype, device=x.device)
+        ctx.shape, ctx.dtype = weight.shape, x.dtype
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return grad @ w, None, None
+
+
+class _Fake4bitLinear(torch.nn.Linear):
+    """bitsandbytes' Linear4bit forward: cast to the compute dtype, 4-bit matmul, cast back."""
+
+    compute_dtype = torch.bfloat16
+
+    def forward(self, x):
+        inp = x.dtype
+        x = x.to(self.compute_dtype)
+        return _Fake4bitMatmul.apply(x, self.weight, self.bias).to(inp)
+
+
+@contextlib.contextmanager
+def _without_bitsandbytes():
+    """peft without bitsandbytes' import (it pulls in torch's compiler stack: seconds of CPU). The
+    adapters traced here wrap plain `nn.Linear` layers; no bitsandbytes class is needed. While the
+    trace runs, bitsandbytes reads as not installed (unless this process imported it already);
+    afterwards peft's cached answers are cleared, so a real QLoRA build later in the process still
+    finds it."""
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get("bitsandbytes", 0) is None:
+            del sys.modules["bitsandbytes"]
+        _clear_peft_caches()
+
+
+def _clear_peft_caches() -> None:
+    for modname in ("peft.import_utils", "transformers.utils.import_utils"):
+        mod = sys.modules.get(modname)
+        if mod is None:
+            continue
+        for name in dir(mod):
+            fn = getattr(mod, name, None)
+            if "bnb" in name.lower() or "bitsandbytes" in name.lower():
+                if callable(getattr(fn, "cache_clear", None)):
+                    fn.cache_clear()
+
+
+def _set_checkpointing(model, reentrant: bool) -> None:
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if reentrant:
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+
+
+def _build(spec: TraceSpec, layers: int):
+    """The truncated model, prepared as the case's stack prepares it, on meta."""
+    arch = Architecture(name="trace", source="", config=json.loads(spec.config_json))
+    dtype = DTYPES[Precision(spec.dtype)]
+    model = _hf_model(truncated_config(arch, layers), dtype)
+    head = model.get_output_embeddings()
+    quantized: set[int] = set()
+    if spec.kind == "qlora":
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module is not head:
+                module.__class__ = _Fake4bitLinear
+                quantized.add(id(module.weight))
+    if spec.kind in ("lora", "qlora"):
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if spec.kind == "qlora" and spec.stack == Stack.peft.value:
+        for p in model.parameters():  # prepare_model_for_kbit_training: non-4-bit params to fp32
+            if id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.to(torch.float32)
+    if spec.checkpointing:
+        _set_checkpointing(model, spec.reentrant)
+    info = ParamInfo()
+    for p in model.parameters():
+        n = p.numel()
+        info.sizes.append(n)
+        if id(p) in quantized:
+            info.quantizable += n
+        else:
+            info.other += n
+    info.head = head.weight.numel() if head is not None else 0
+    if spec.kind in ("lora", "qlora"):
+        import peft
+        targets = "all-linear" if spec.lora_targets == "all" else list(spec.lora_targets)
+        config = peft.LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=spec.lora_dropout,
+                                 target_modules=targets, task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, config)
+    if spec.engine_casts:  # the engine casts the module (adapters included) to the half dtype
+        half = DTYPES[Precision(spec.dtype)]
+        for p in model.parameters():
+            if p.is_floating_point() and id(p) not in quantized:
+                p.data = p.data.to(half)
+    info.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    info.bytes_total = sum(
+        (p.numel() // 2 if id(p) in quantized else p.numel() * p.element_size()) for p in model.parameters()
+    )
+    layer_leaves = [
+        sum(p.numel() for p in m.parameters(recurse=False))
+        for name, m in model.named_modules() if ".layers." in name
+    ]
+    info.largest_layer_module = max(layer_leaves, default=0)
+    model.train()
+    return model, info
+
+
+def trace(spec: TraceSpec, layers: int) -> TraceResult:
+    import time
+
+
+    t0 = time.perf_counter()
+    config = json.loads(spec.config_json)
+    with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes():
+        return _trace_patched(spec, layers, config, t0)
+
+
+def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> TraceResult:
+    import time
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.measure.trackers import LiveTensorTracker
+
+    model, info = _build(spec, layers)
+    vocab = int(config["vocab_size"])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if spec.deepspeed:
+            for p in trainable:  # DeepSpeed copies each gradient into its bucket at once
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        elif spec.accumulated_grads:
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+        tracker = LiveTensorTracker()
+        tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
+                                                                             if p.grad is not None])
+        with tracker:
+            ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
+            base = tracker.current()
+            out = model(input_ids=ids, labels=ids)
+            held = tracker.current() - base
+            logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
+            out.loss.backward()
+            peak = tracker.peak_bytes() - base
+            del out
+    return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
+                       seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _fla_fake_kernels(active: bool):
+    """Replace fla_cpu's reference kernels (which save every intermediate of a recurrent loop) by
+    autograd functions that save what fla's Triton kernels save:
+    * chunk_gla: q, k, v, g, the fp32 cumulative gate (shape of g) and the intra-chunk attention
+      A (B, T, H, 64) in fp32; it returns o and the final state.
+    * fused RMSNorm (optionally gated): x (and the gate), and the fp32 reciprocal std per row.
+    * fused SwiGLU: its two inputs.
+    * fused cross entropy (inplace_backward): the logits and an fp32 log-sum-exp are kept; the
+      gradient is written into the logits' storage.
+    """
+    if not active:
+        yield
+        return
+    import fla.layers.gla as gla_layer
+    import fla.modules.mlp as mlp
+    from fla.modules import FusedRMSNormGated, RMSNorm
+
+    class ChunkGLA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, g):
+            B, T, H, _ = q.shape
+            g_cumsum = torch.empty(g.shape, dtype=torch.float32, device=q.device)
+            A = torch.empty((B, T, H, 64), dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, g, g_cumsum, A)
+            return torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, g, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
+
+    def chunk_gla(q, k, v, g=None, gk=None, initial_state=None, output_final_state=False, scale=None,
+                  cu_seqlens=None, **_):
+        gate = gk if gk is not None else g
+        o = ChunkGLA.apply(q, k, v, gate)
+        state = None
+        if output_final_state:
+            B, _, H, K = q.shape
+            state = torch.empty((B, H, K, v.shape[-1]), dtype=torch.float32, device=q.device)
+        return o, state
+
+    class Norm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, gate):
+            rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+            ctx.save_for_backward(x, weight, gate if gate is not None else x, rstd)
+            ctx.gated = gate is not None
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, gate, _ = ctx.saved_tensors
+            dw = None if weight is None or not weight.requires_grad else torch.empty_like(weight)
+            return torch.empty_like(x), dw, (torch.empty_like(gate) if ctx.gated else None)
+
+    def rms_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        if residual is not None:
+            x = x + residual
+        y = Norm.apply(x, self.weight, None)
+        return (y, x) if prenorm else y
+
+    def gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+        if residual is not None:
+            x = x + residual
+        y = Norm.apply(x, self.weight, g)
+        return (y, x) if prenorm else y
+
+    class SwiGLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+        @staticmethod
+        def backward(ctx, do):
+            x, y = ctx.saved_tensors
+            return torch.empty_like(x), torch.empty_like(y)
+
+    def swiglu(x, y):
+        return SwiGLU.apply(x, y)
+
+    def swiglu_linear(x, y, weight, bias):
+        return torch.nn.functional.linear(SwiGLU.apply(x, y), weight, bias)
+
+    import fla.models.modeling_utils as modeling_utils
+
+    class CrossEntropy(torch.autograd.Function):
+        """fla's FusedCrossEntropyLoss(inplace_backward=True): keeps the logits and an fp32
+        log-sum-exp per row; backward writes the gradient into the logits' storage."""
+
+        @staticmethod
+        def forward(ctx, logits, target):
+            lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+            ctx.save_for_backward(logits, lse)
+            return torch.empty((), dtype=torch.float32, device=logits.device)
+
+        @staticmethod
+        def backward(ctx, grad):
+            logits, _ = ctx.saved_tensors
+            return logits, None
+
+    class FusedCE(torch.nn.Module):
+        def __init__(self, inplace_backward: bool = False, reduction: str = "mean", **kwargs):
+            super().__init__()
+            self.reduction = reduction
+            self.ignore_index = kwargs.get("ignore_index", -100)
+
+        def forward(self, logits, target):
+            return CrossEntropy.apply(logits, target)
+
+    patches = [(gla_layer, "chunk_gla", chunk_gla), (gla_layer, "fused_chunk_gla", chunk_gla),
+               (mlp, "swiglu", swiglu), (mlp, "swiglu_linear", swiglu_linear),
+               (RMSNorm, "forward", rms_forward), (FusedRMSNormGated, "forward", gated_forward),
+               (modeling_utils, "FusedCrossEntropyLoss", FusedCE)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:  # only for the trace: the rest of the process keeps fla (or harness.models.fla_cpu) as it was
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)

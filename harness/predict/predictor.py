@@ -1,0 +1,183 @@
+"""The predictor: per-GPU peak memory and host memory of a case at full size, on a CPU.
+
+    from harness.predict.predictor import predict, Prediction
+    pred = predict(case, arch=None, platform="nvidia-h100-80gb-hbm3-x1", exclude={case.id})
+    pred = predict(case, platform="nvidia-h200-x2", exclude={case.id}, variant="2r4L2ga")  # as measured
+
+How a prediction is made (per GPU process; the worst rank of a sharded job):
+
+1. Trace (`harness.predict.trace`): one training micro-step of the real model code at full width
+   with 1 and 2 layers, on fake tensors, as the case's stack builds and trains it; extrapolated
+   affinely to the case's depth (its `layers` when set). Gives the step's transient peak above the
+   model states, the activations a forward keeps, the logits, and the parameter inventory. Traces
+   are cached in-process and on disk (keyed by spec, code and library versions), so a repeated
+   prediction imports neither torch nor transformers.
+2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3
+   partitions and persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state,
+   ZeRO buckets and the gathered ZeRO-3 live set, offload to host, cuBLAS workspaces.
+3. allocated = states + max(trace peak, optimizer-step transient).
+4. ZeRO-3 + reentrant checkpointing + frozen (LoRA) weights: every layer's gathered frozen weights
+   are held at once (`harness.predict.states.zero3_reentrant_retention`, evidence there);
+   allocated = max(step 3, states + that term).
+5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
+   reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
+   parameter's bytes under ZeRO-3); device = reserved + device_overhead (+ device_overhead_deepspeed
+   for DeepSpeed processes, + triton_cold_overhead for fla on a cold Triton cache).
+6. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
+   dataloader worker, plus offloaded optimizer state and parameters (pinned: each partition
+   rounded up to a power of two, as torch's pinned host allocator does). Not fitted.
+
+For `launch.procs_per_card > 1` every figure is per process; the caller multiplies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from harness.models.registry import Architecture, load_architecture
+from harness.spec.schema import Case
+
+GiB = 2**30
+# Priors, used only where results/ holds no baseline to fit a constant on (say so in notes).
+PRIORS = {"reserved_over_allocated": 1.05, "zero3_cached_gathers": 2.0, "device_overhead": 0.6 * GiB,
+          "device_overhead_deepspeed": 0.5 * GiB}
+# Host-memory assumptions (not fitted: the baselines hold no host figure yet).
+HOST_PROCESS_BASE = 3 * GiB  # torch + CUDA libraries + Python of one training process
+HOST_PER_WORKER = int(0.5 * GiB)  # one dataloader worker (forked, copy-on-write)
+
+
+@dataclass
+class Prediction:
+    allocated: int
+    reserved: int
+    device: int
+    host_ram: int
+    terms: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    calibrated_on: list[str] = field(default_factory=list)
+    fitted: list[str] = field(default_factory=list)
+    platform: str = "pooled"
+    seconds: float = 0.0
+    params_total: int = 0  # logical parameter count at the predicted depth (unquantized, unpartitioned)
+    largest_layer_params: int = 0  # largest single module (the head or a layer's biggest linear)
+
+    def gib(self) -> str:
+        return (f"allocated {self.allocated / GiB:.2f} GiB, reserved {self.reserved / GiB:.2f} GiB, "
+                f"device {self.device / GiB:.2f} GiB, host {self.host_ram / GiB:.2f} GiB")
+
+
+def _inventory(r1, r2, layers: int):
+    from harness.predict.states import Inventory
+    from harness.predict.trace import extrapolate
+
+    p1, p2 = r1.params, r2.params
+    c1, c2 = Counter(p1.sizes), Counter(p2.sizes)
+    per_layer = c2 - c1
+    fixed = c1 - per_layer
+    sizes = list((fixed + Counter({k: v * layers for k, v in per_layer.items()})).elements())
+    ex = lambda a, b: round(extrapolate(a, b, layers))  # noqa: E731
+    return Inventory(quantizable=ex(p1.quantizable, p2.quantizable), other=ex(p1.other, p2.other),
+                     trainable=ex(p1.trainable, p2.trainable), head=p1.head,
+                     largest_layer_module=p1.largest_layer_module, sizes=sizes,
+                     layer_sizes=list(per_layer.elements()), layers=layers)
+
+
+def predict(case: Case, arch: Architecture | None = None, *, platform: str | None = None,
+            exclude=frozenset(), variant=None) -> Prediction:
+    """`variant` (a harness.spec.variants.Variant or its text, e.g. '2r4L2ga'): predict the case as
+    measured on that variant (ranks, layers, grad accum applied), to compare with a baseline of it.
+    `exclude`: case ids left out of the calibration (a case id excludes every variant of it)."""
+    t0 = time.perf_counter()
+    if variant:
+        from harness.spec.variants import Variant, parse_variant
+
+        case = (variant if isinstance(variant, Variant) else parse_variant(variant)).apply(case)
+    from harness.predict.calibration import calibrate
+    from harness.predict.states import model_states
+    from harness.predict.trace import TraceSpec, extrapolate, trace_pair
+    from harness.spec.schema import Offload
+
+    arch = arch or load_architecture(case.model)
+    layers = case.layers or arch.layers
+    hidden = int(arch.config["hidden_size"])
+    notes: list[str] = []
+    if case.layers:
+        notes.append(f"predicted at {layers} of {arch.layers} layers (the case's `layers`)")
+
+    r1, r2 = trace_pair(TraceSpec.of(case, arch))
+    peak = int(extrapolate(r1.peak, r2.peak, layers))
+    held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
+    inv = _inventory(r1, r2, layers)
+    states = model_states(case, inv, hidden)
+    notes += states.notes
+
+    dev = dict(states.device)
+    resident = states.resident
+    grads_in_trace = case.deepspeed is None and case.train.grad_accum == 1
+    before_step = resident - (dev.get("grads", 0) if grads_in_trace else 0)
+    backward_peak = before_step + peak
+    optimizer_peak = resident + states.optimizer_step_extra
+    # ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered weights held at once
+    # (harness.predict.states.zero3_reentrant_retention), at the moment the next parameter is gathered
+    retained = states.step_only.get("zero3_reentrant_retained_weights", 0)
+    retention_peak = resident + retained if retained else 0
+    allocated = max(backward_peak, optimizer_peak, retention_peak)
+
+    terms = {k: int(v) for k, v in dev.items()}
+    terms.update({k: int(v) for k, v in states.step_only.items()})
+    terms["activations_held_after_forward"] = held
+    terms["logits"] = int(r1.logits)
+    terms["step_transient_peak"] = peak
+    terms["optimizer_step_transient"] = states.optimizer_step_extra
+    where = {backward_peak: "the forward/backward (loss and logits)", optimizer_peak: "the optimizer step",
+             retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)"}
+    notes.append("peak during " + where[allocated])
+
+    cal = calibrate(platform, frozenset(exclude))
+    notes += cal.notes
+    values = {k: cal.values.get(k, v) for k, v in PRIORS.items()}
+    ratio = values["reserved_over_allocated"]
+    reserved = int(allocated * ratio)
+    if case.deepspeed is not None and case.deepspeed.stage == 3:
+        from harness.predict.calibration import largest_gather_bytes
+
+        cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
+        reserved += cached
+        terms["zero3_cached_gather_blocks"] = cached
+    overhead = int(values["device_overhead"])
+    if case.deepspeed is not None:
+        overhead += int(values["device_overhead_deepspeed"])
+    terms["context_and_workspaces"] = overhead
+    if case.model.startswith("gla") and case.launch.triton_cache == "cold":
+        cold = cal.values.get("triton_cold_overhead")
+        if cold is None:
+            notes.append("fla/Triton on a cold cache: no cold run measured to fit what compiling adds; not included")
+        else:
+            overhead += int(cold)
+            terms["triton_cold_compile"] = int(cold)
+    elif case.model.startswith("gla"):
+        notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
+                     "during the first step (launch.triton_cache: cold predicts that)")
+    device = reserved + overhead
+    terms["allocator_fragmentation"] = reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
+
+    # --- host memory of the whole job on this node ---
+    ranks = case.launch.ranks * case.launch.procs_per_card
+    per_proc_host = HOST_PROCESS_BASE + case.train.dataloader_workers * HOST_PER_WORKER
+    per_proc_host += sum(states.host.values())
+    host = ranks * per_proc_host
+    for k, v in states.host.items():
+        terms["host_" + k] = int(v)
+    terms["host_process_base"] = HOST_PROCESS_BASE
+    if case.deepspeed is not None and case.deepspeed.offload_param == Offload.cpu:
+        notes.append("parameter offload: each rank holds its fp16/bf16 partition in host memory")
+    notes.append("host_ram: per-process base and per-worker figures are assumptions (not fitted)")
+
+    return Prediction(
+        allocated=int(allocated), reserved=reserved, device=device, host_ram=int(host), terms=terms,
+        notes=notes, calibrated_on=cal.calibrated_on, fitted=[k for k in cal.values],
+        platform=cal.platform, seconds=time.perf_counter() - t0,
+        params_total=inv.total, largest_layer_params=max(inv.head, inv.largest_layer_module),
+    )

@@ -1,0 +1,257 @@
+"""Closed-form model-state terms: what fake tensors cannot see.
+
+Per GPU process (worst rank) and per node, in bytes, from the parameter inventory of the traced
+model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and the case:
+
+* weights: the parameters as the stack holds them (bf16/fp16; peft's k-bit preparation makes
+  non-4-bit parameters fp32; LoRA adapters fp32 (peft's `autocast_adapter_dtype`), cast to the half
+  dtype by a DeepSpeed engine). 4-bit (bitsandbytes nf4/fp4): 0.5 B per element plus the
+  quantization state: one absmax per 64-element block, uint8 with double quantization (plus one
+  fp32 absmax per 256 blocks), fp32 without.
+* trainable gradients and AdamW state without DeepSpeed: gradients in the parameter dtype, two
+  moments in the parameter dtype (torch AdamW keeps state like its parameter).
+* DeepSpeed ZeRO-1/2/3 over W ranks: fp32 master + two fp32 moments (12 B per trainable element)
+  / W, on the device or, with optimizer offload, in host memory (with the fp32 gradient partition);
+  half gradient partitions; the reduce buckets (contiguous gradients: one bucket, two with
+  overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
+  persistence threshold kept whole on every rank, and the gathered live set (the largest of the
+  output head and one layer's largest module plus the prefetch bucket, capped by
+  stage3_max_live_parameters).
+* cuBLAS workspaces allocated through the caching allocator (torch's default size on Hopper for
+  the forward and the autograd threads): an assumption, not fitted.
+
+None of this is fitted; the fitted constants are in `harness.predict.calibration`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.predict.step import reentrant_checkpointing, zero_init
+from harness.spec.dsconfig import auto_sizes
+from harness.spec.schema import Case, Offload, Precision, Stack
+
+GiB = 2**30
+CUBLAS_WORKSPACE = 2 * (32 * 2**20 + 128 * 2**10)  # two handles (forward, autograd thread)
+HALF = {Precision.bf16: 2, Precision.fp16: 2, Precision.fp32: 4}
+DS_DEFAULT_MAX_LIVE = 1_000_000_000
+DS_DEFAULT_MAX_REUSE = 1_000_000_000
+DS_DEFAULT_PERSISTENCE = 100_000
+DS_DEFAULT_PREFETCH = 50_000_000
+
+
+@dataclass
+class Inventory:
+    """Element counts of the model at the case's depth."""
+
+    quantizable: int  # linear weights (not the head)
+    other: int  # everything else of the base model
+    trainable: int  # adapters, or every parameter for full fine-tuning
+    head: int
+    largest_layer_module: int
+    small_params: dict[int, int] = field(default_factory=dict)  # threshold -> elements of params <= it
+    sizes: list[int] = field(default_factory=list)  # element counts of every base parameter
+    layer_sizes: list[int] = field(default_factory=list)  # element counts of one decoder layer's base parameters
+    layers: int = 0  # decoder layers at the case's depth
+
+    @property
+    def total(self) -> int:
+        return self.quantizable + self.other
+
+
+@dataclass
+class States:
+    device: dict[str, int]  # per process
+    host: dict[str, int]  # per process
+    resident: int  # device bytes alive before a micro-step starts (states only)
+    optimizer_step_extra: int  # transient of the optimizer step above `resident`
+    notes: list[str]
+    step_only: dict[str, int] = field(default_factory=dict)  # device bytes alive only during forward + backward
+
+
+def quant_bytes(numel: int, double_quant: bool) -> int:
+    blocks = numel / 64
+    absmax = blocks * 1 + blocks / 256 * 4 if double_quant else blocks * 4
+    return int(numel / 2 + absmax)
+
+
+def _host_partition(sizes: list[int], world: int, half: int, pinned: bool) -> int:
+    """Host bytes of one rank's offloaded parameter partitions. Pinned (pin_memory), every
+    partition is its own page-locked block from torch's pinned host allocator, which rounds each
+    request up to a power of two (guide 000's 32B: ~1.83x the plain partition, a per-rank RSS slope
+    of 0.83 GiB per layer against 0.85 measured with pin_memory and 0.45 without)."""
+    total = 0
+    for n in sizes:
+        b = -(-n // world) * half
+        total += (1 << (b - 1).bit_length()) if pinned and b > 0 else b
+    return total
+
+
+def ds_value(case: Case, name: str, hidden: int, default: int | None) -> int | None:
+    ds = case.deepspeed
+    value = getattr(ds, name, None)
+    if value is not None:
+        return value
+    return auto_sizes(hidden).get(name, default)
+
+
+def model_states(case: Case, inv: Inventory, hidden: int) -> States:
+    half = HALF[case.precision]
+    kind = case.method.kind
+    ds = case.deepspeed
+    W = case.launch.ranks
+    dev: dict[str, int] = {}
+    host: dict[str, int] = {}
+    notes: list[str] = []
+    T = inv.trainable
+
+    # --- base weights ---
+    if kind == "qlora":
+        q = case.method.quantization
+        dev["weights_4bit"] = quant_bytes(inv.quantizable, q.double_quant)
+        other_bytes = 4 if case.stack == Stack.peft else half
+        if case.stack == Stack.peft:
+            notes.append("peft prepare_model_for_kbit_training: embeddings, head, norms, biases in fp32")
+        dev["weights_other"] = inv.other * other_bytes
+    else:  # full or LoRA: the base weights in the half dtype, partitioned alike under ZeRO-3
+        base = inv.total * half
+        if ds is not None and ds.stage == 3:
+            thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
+            persistent = sum(n for n in inv.sizes if n <= thr) * half
+            part = base // W
+            if ds.offload_param == Offload.cpu:
+                host["zero3_param_partition"] = _host_partition(inv.sizes, W, half, ds.pin_memory) or part
+            else:
+                dev["zero3_param_partition"] = part
+            dev["zero3_persistent_params"] = persistent
+        else:
+            dev["weights"] = base
+
+    # --- trainable parameters, gradients, optimizer ---
+    step_extra = 0
+    step_only: dict[str, int] = {}
+    if ds is None:
+        pbytes = 4 if kind in ("lora", "qlora") else half  # peft adapters fp32
+        if kind in ("lora", "qlora"):
+            dev["lora_params"] = T * pbytes
+        dev["grads"] = T * pbytes
+        dev["adam_states"] = 2 * T * pbytes
+        step_extra = T * pbytes  # foreach AdamW: one temporary list the size of the parameters
+        if case.train.grad_accum == 1:
+            notes.append("GA 1: gradients exist only from backward to the optimizer step")
+    else:
+        # adapters: cast to the half dtype by the engine, except in a ZeRO-Init model (peft's fp32)
+        tbytes = 4 if (kind in ("lora", "qlora") and zero_init(case)) else half
+        if kind in ("lora", "qlora"):
+            dev["lora_params"] = T * tbytes  # small; under ZeRO-3 mostly below the persistence threshold
+        shard = W if ds.stage >= 1 else 1
+        opt = 12 * T // shard
+        if ds.offload_optimizer == Offload.cpu:
+            host["optimizer_fp32_master_adam"] = opt
+            host["fp32_grad_partition"] = 4 * T // shard
+        else:
+            dev["optimizer_fp32_master_adam"] = opt
+            step_extra = 4 * T // shard  # fp32 gradient partition built at the step
+        if ds.stage == 3 and ds.offload_optimizer == Offload.cpu:
+            # ZeRO-3 puts its gradient partitions in a buffer on the optimizer's device: the host
+            # (DeepSpeed 0.19 stage3.py, grad_partitions_flat_buffer on self.device), counted above.
+            # Guide 002's full fine-tune on 2 H200s shows it: allocated 11.15 GiB at 6 and 12 layers.
+            # ZeRO-2's offload path may keep a compact partition on the device: left counted there.
+            pass
+        elif ds.stage >= 2:
+            dev["grad_partition"] = tbytes * T // shard
+        else:
+            dev["grads"] = tbytes * T
+        bucket = ds_value(case, "reduce_bucket_size", hidden, 500_000_000)
+        n_buckets = 2 if (ds.overlap_comm and ds.stage in (1, 2)) else 1
+        if ds.contiguous_gradients or ds.stage == 3:
+            dev["reduce_buckets"] = n_buckets * min(bucket, max(T, 1)) * tbytes
+        if ds.stage == 3:
+            prefetch = ds_value(case, "stage3_prefetch_bucket_size", hidden, DS_DEFAULT_PREFETCH)
+            max_live = ds.stage3_max_live_parameters or DS_DEFAULT_MAX_LIVE
+            # a module's parameters are gathered whole whatever the limits (the head included);
+            # stage3_max_live_parameters caps only what prefetching adds on top
+            live = max(inv.head, min(max_live, inv.largest_layer_module + prefetch))
+            dev["zero3_gathered_params"] = live * half
+            if ds.offload_param == Offload.cpu:  # the partition is copied to the device before the all-gather
+                dev["zero3_offload_staging"] = max(inv.head, inv.largest_layer_module) * half // W
+                # Not modelled: what DeepSpeed keeps gathered for reuse. A module's parameters stay on
+                # the device after its forward when the trace reuses them within
+                # stage3_max_reuse_distance elements. On guide 001's rung 4 (one H100, 2026-11-26,
+                # results/runs/2026-11-26-h100-001-rung4-reuse-distance-experiment.json), the
+                # default 1e9 held 1.89 GiB more through the forward than 0 did, and peaked
+                # 1.91 GiB higher on the device; this model predicts one figure for both, between them.
+                reuse = ds.stage3_max_reuse_distance
+                if reuse is None or reuse > 0:
+                    notes.append(f"not modelled: stage3_max_reuse_distance "
+                                 f"({DS_DEFAULT_MAX_REUSE if reuse is None else reuse:.0e} elements): under parameter "
+                                 "offload the gathered parameters reused within it stay on the device; on a 1.8B "
+                                 "model the default kept 1.9 GiB more than 0 (guide 001's rung 4, one H100)")
+            notes.append("ZeRO-3 gathered live set: max(output head, a layer's largest module + prefetch bucket "
+                         "capped by stage3_max_live_parameters)")
+            retained = zero3_reentrant_retention(case, inv, hidden)
+            if retained:
+                step_only["zero3_reentrant_retained_weights"] = retained
+                notes.append("ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered frozen "
+                             f"weights held at once ({retained / GiB:.2f} GiB at {inv.layers} layers); "
+                             "non-reentrant checkpointing (use_reentrant_gc: false) avoids it")
+        if ds.offload_param == Offload.cpu or ds.offload_optimizer == Offload.cpu:
+            notes.append("offloaded state is counted in host_ram, pinned or not")
+    dev["cublas_workspaces"] = CUBLAS_WORKSPACE
+    resident = sum(dev.values())
+    return States(device=dev, host=host, resident=resident, optimizer_step_extra=step_extra, notes=notes,
+                  step_only=step_only)
+
+
+def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
+    """Bytes of gathered frozen weights ZeRO-3 keeps on the device through the forward when the
+    layers are checkpointed reentrantly; 0 where it does not apply.
+
+    Applies only when all of these hold: ZeRO-3; gradient checkpointing on; reentrant
+    (`train.checkpointing_reentrant`, else the stack's default: LLaMA-Factory's use_reentrant_gc:
+    true, peft's k-bit preparation); frozen parameters exist (LoRA/QLoRA: the base weights). Then
+    the gathered frozen parameters of every layer, at full size (not 1/world), are resident at
+    once: the term is one layer's frozen parameters above the persistence threshold (the
+    persistent ones are counted already) x half bytes x layers. The predicted peak is then
+    max(the usual forward/backward peak, states + gathered live set + offload staging + this
+    term) (harness.predict.predictor): the retained weights coincide with the next parameter gather, not
+    with the loss and logits.
+
+    Why: DeepSpeed's module hooks gather a parameter before its module's forward and release it
+    (swap its data for an empty tensor) after; the reentrant checkpoint re-runs each layer's
+    forward in backward and keeps references to the gathered tensors, so the release frees
+    nothing, and frozen weights have no gradient hook that would return them to their partition
+    earlier. This matches the DeepSpeed discussions of ZeRO-3 with activation checkpointing and
+    frozen (requires_grad=False) parameters, where gathered frozen parameters were found held.
+    With non-reentrant checkpointing (saved-tensor hooks) the releases take effect.
+
+    Evidence (guide 000, DeepSeek-R1-Distill-Qwen-32B, LoRA r8 all linear, ZeRO-3 with optimizer
+    and parameter offload, 2 ranks on two H200s; results/baselines/nvidia-h200-x2/, raw per-rank
+    reports in results/runs/2026-11-26-h200x2-000-*.json):
+    * reentrant (LLaMA-Factory's default): the step peak grows 0.93 GiB per layer between 4 and 8
+      layers (one whole layer's bf16 weights: 487.6 M elements, 0.91 GiB, not 1/world), and the
+      full-depth run OOMed at 65.16 GiB on the 64 GiB emulated card with 60.0 GiB allocated (about
+      the whole 32B in bf16), trying to allocate 744 MiB: one rank's partition of the 152064 x 5120
+      embedding / head being staged for its all-gather (000-lora-z3-offload-cutoff1024-ga16@2r2ga;
+      -lora-reentrant-depths, -failing-full-depth). The aggressive buckets and thresholds of
+      000-lora-z3-offload-aggressive-cutoff512-ga32 do not change the slope, and the peak hardly
+      depends on the sequence length (intercepts 2.44 GiB at 512 tokens, 2.60 at 1024), so the
+      retained weights do not coincide with the loss. The forward probe (bytes a forward adds,
+      `probes.activation_bytes`) is 3.19 GiB at 4 layers and 3.23 at 8 in both the reentrant and
+      the non-reentrant runs: the weights are not what a forward adds; they accumulate in the
+      backward's recomputation and are still held when the next micro-step gathers.
+    * non-reentrant (000-lora-z3-offload-cutoff1024-ga16-nonreentrant): flat, 10.22 GiB at 4 layers,
+      10.24 at 8 (-nonreentrant-repeats, -checkpointing-experiment);
+    * without checkpointing (-checkpointing-experiment, case ids ending -nogc): 13.09 -> 14.48 GiB,
+      the activations' slope only.
+    Nothing here is fitted to those figures: the term is structural and the benchmark
+    (benchmarks/bench_predictor.py) checks it against them.
+    """
+    ds = case.deepspeed
+    if ds is None or ds.stage != 3 or not case.train.gradient_checkpointing:
+        return 0
+    if not reentrant_checkpointing(case) or case.method.kind not in ("lora", "qlora"):
+        return 0
+    thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
+    per_layer = sum(n for n in inv.layer_sizes if n > thr)
+    return per_layer * HALF[case.precision] * inv.layers

@@ -1,0 +1,105 @@
+"""One traced training micro-step: what of a case changes it (the spec), and what tracing it gives.
+
+Shared by the tracer (`harness.predict.fake`, which runs the model code) and its caches
+(`harness.predict.trace`), so neither imports the other's half.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from harness.models.registry import Architecture
+from harness.spec.schema import Case, Stack
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """Everything of a case that changes the traced step (hashable, the cache key)."""
+
+    config_json: str  # full-width architecture config
+    seq_len: int
+    micro_batch: int
+    kind: str  # lora, qlora, full
+    stack: str
+    dtype: str
+    lora_r: int | None
+    lora_targets: tuple[str, ...] | str | None
+    lora_dropout: float
+    checkpointing: bool
+    reentrant: bool
+    deepspeed: bool
+    accumulated_grads: bool  # earlier micro-steps' gradients are live (no DeepSpeed, GA > 1)
+    engine_casts: bool = False  # the DeepSpeed engine casts the module to the half dtype (not a ZeRO-Init model)
+
+    @classmethod
+    def of(cls, case: Case, arch: Architecture) -> TraceSpec:
+        lora = case.method.lora
+        targets = None
+        if lora is not None:
+            targets = "all" if lora.targets == "all" else tuple(lora.targets)
+        gc = case.train.gradient_checkpointing
+        reentrant = gc and reentrant_checkpointing(case)
+        ds = case.deepspeed
+        return cls(
+            config_json=json.dumps(arch.config, sort_keys=True),
+            seq_len=case.train.seq_len,
+            micro_batch=case.train.micro_batch,
+            kind=case.method.kind,
+            stack=case.stack.value,
+            dtype=case.precision.value,
+            lora_r=lora.r if lora else None,
+            lora_targets=targets,
+            lora_dropout=lora.dropout if lora else 0.0,
+            checkpointing=gc,
+            reentrant=reentrant,
+            deepspeed=ds is not None,
+            accumulated_grads=ds is None and case.train.grad_accum > 1,
+            engine_casts=ds is not None and not zero_init(case),
+        )
+
+
+def reentrant_checkpointing(case: Case) -> bool:
+    """torch.utils.checkpoint's use_reentrant as the case's stack sets it (harness.runtime.build): the
+    case's `train.checkpointing_reentrant` when given, else reentrant for QLoRA (peft's k-bit
+    preparation) and for LLaMA-Factory (use_reentrant_gc: true), non-reentrant otherwise."""
+    if case.train.checkpointing_reentrant is not None:
+        return case.train.checkpointing_reentrant
+    return case.method.kind == "qlora" or case.stack == Stack.llamafactory
+
+
+def zero_init(case: Case) -> bool:
+    """ZeRO-3 with the model built under zero.Init (init_order deepspeed_first). DeepSpeed's engine
+    then leaves parameter dtypes alone (`_cast_module_mixed_precision` skips a ZeRO-Init model), so
+    peft's fp32 LoRA adapters stay fp32 and every adapter casts its input to fp32 (saved for
+    backward); any other DeepSpeed engine casts the module, adapters included, to the half dtype."""
+    ds = case.deepspeed
+    return ds is not None and ds.stage == 3 and case.launch.init_order == "deepspeed_first"
+
+
+@dataclass
+class ParamInfo:
+    """Parameters of a truncated model, by kind (element counts)."""
+
+    quantizable: int = 0  # linear weights a 4-bit load quantizes (every Linear but the head)
+    trainable: int = 0  # LoRA adapters, or everything for full fine-tuning
+    other: int = 0  # embeddings, head, norms, biases, non-quantized rest
+    sizes: list[int] = field(default_factory=list)  # numel of every base parameter (ZeRO-3 terms)
+    head: int = 0  # output head (or tied embedding) elements
+    largest_layer_module: int = 0  # largest leaf module's parameter count inside a layer
+    bytes_total: int = 0  # bytes of every parameter as the stack holds it (before ZeRO)
+
+
+@dataclass
+class TraceResult:
+    layers: int
+    peak: int  # highest live bytes above the step's starting states, during forward + backward
+    held_after_forward: int  # bytes a forward leaves alive for backward (activations, logits, loss)
+    logits: int  # bytes of the logits tensor the model returns
+    params: ParamInfo
+    seconds: float
+    cached: bool = False
+
+
+def extrapolate(a1: float, a2: float, layers: int) -> float:
+    return a1 + (a2 - a1) * (layers - 1)

@@ -1,0 +1,137 @@
+"""Fake-tensor tracing of one training micro-step: activations, logits and the transient peak.
+
+The real model code (transformers / fla model classes, peft's LoRA layers, Hugging Face
+checkpointing) runs on fake tensors: the model is built on `meta` at full width with 1 and 2
+layers, moved to fake `cpu` storage inside `FakeTensorMode`, and one forward + backward runs under
+`harness.measure.trackers.LiveTensorTracker`, which counts the bytes of live storages. Parameters (and, for
+accumulation, the gradients of earlier micro-steps) are registered before the step, so the traced
+figures are what the step adds on top of the model's states. Depth is extrapolated affinely:
+``x(L) = x(1) + (x(2) - x(1)) * (L - 1)``.
+
+What the stack changes, and how it is reproduced here (see harness/runtime/build.py):
+* QLoRA: every `nn.Linear` but the output head stands for a bitsandbytes `Linear4bit`. Its matmul
+  (`_Fake4bitMatmul`) keeps what bitsandbytes' `MatMul4Bit` keeps: no input is saved, the weight is
+  dequantized into a transient in forward and again in backward; inputs are cast to the compute
+  dtype and outputs back to the input dtype, as `Linear4bit.forward` does.
+* peft stack: `prepare_model_for_kbit_training` makes every non-4-bit parameter fp32, so the residual
+  stream runs in fp32; reentrant checkpointing with input grads enabled.
+* LLaMA-Factory: parameters stay bf16; reentrant checkpointing.
+* LoRA adapters through peft itself (fp32 adapters, `autocast_adapter_dtype`, so each adapter saves
+  an fp32 copy of its input); under DeepSpeed the engine casts the whole model to the half dtype,
+  adapters included, except for a ZeRO-Init model (ZeRO-3, init_order deepspeed_first), which it
+  leaves as built (`zero_init`). Guide 000's measurements agree: without checkpointing, 0.52 GiB
+  per layer of activations at 1024 tokens (results/runs/2026-11-26-h200x2-000-checkpointing-
+  experiment.json, -nogc), of which 0.22 GiB are those fp32 input copies.
+* Checkpointing reentrant or not as the case's stack sets it (`reentrant_checkpointing`, the
+  rule of harness.runtime.build; `train.checkpointing_reentrant` overrides it).
+* DeepSpeed moves each gradient into its buckets as soon as it is produced: gradients are dropped by
+  a post-accumulate hook (the buckets are closed-form terms in `harness.predict.states`). Without
+  DeepSpeed, gradients stay; with accumulation the previous micro-step's gradients exist already.
+* GLA (flash-linear-attention): fla's Triton kernels have no CPU or fake implementation; the CPU
+  reference path (`harness.models.fla_cpu`) stands in, with fused-kernel emulations that save what the
+  Triton kernels save (`_fla_fake_kernels`).
+
+Nothing here reads measurements. The model code runs in `harness.predict.fake` (torch, transformers,
+peft); this module holds the spec, the results and their caches (in-process, and on disk keyed by
+the spec, this code and the library versions), so a cached prediction imports none of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from harness.predict.step import ParamInfo, TraceResult, TraceSpec, extrapolate, reentrant_checkpointing, zero_init
+
+__all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "reentrant_checkpointing", "trace_pair",
+           "zero_init"]
+
+
+# --- the on-disk cache ------------------------------------------------------------------------------
+# A trace is a pure function of its spec, of the code here and in harness.predict.fake, and of the
+# library versions that run the model code; the cache key holds all of them. Set
+# HARNESS_PREDICT_CACHE to a folder to move it, or to "off" to disable it.
+
+_LIBS = ("torch", "transformers", "peft", "flash-linear-attention", "fla-core")
+
+
+def _cache_dir() -> Path | None:
+    value = os.environ.get("HARNESS_PREDICT_CACHE", "")
+    if value.lower() in ("off", "0", "no", "false"):
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "oom-harness" / "predict-trace"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_key() -> str:
+    import importlib.metadata as md
+
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("step.py", "trace.py", "fake.py"):
+        h.update((here / name).read_bytes())
+    for lib in _LIBS:
+        try:
+            h.update(f"{lib}={md.version(lib)};".encode())
+        except md.PackageNotFoundError:
+            h.update(f"{lib}=none;".encode())
+    return h.hexdigest()
+
+
+def _key(spec: TraceSpec) -> str:
+    return hashlib.sha256((_code_key()
+                           + json.dumps(dataclasses.asdict(spec), sort_keys=True)).encode()).hexdigest()[:32]
+
+
+def _from_dict(d: dict) -> TraceResult:
+    d = dict(d)
+    d["params"] = ParamInfo(**d["params"])
+    return TraceResult(**d)
+
+
+def _load(spec: TraceSpec) -> tuple[TraceResult, TraceResult] | None:
+    folder = _cache_dir()
+    if folder is None:
+        return None
+    path = folder / f"{_key(spec)}.json"
+    try:
+        a, b = json.loads(path.read_text())
+        return _from_dict(a), _from_dict(b)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _store(spec: TraceSpec, pair) -> None:
+    folder = _cache_dir()
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{_key(spec)}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in pair]))
+        tmp.replace(path)
+    except OSError:  # a read-only home: the in-process cache still holds
+        pass
+
+
+@functools.lru_cache(maxsize=64)
+def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
+    """Traces at 1 and 2 layers: from the in-process cache, else the on-disk cache, else traced
+    (harness.predict.fake, which imports torch, transformers and peft)."""
+    cached = _load(spec)
+    if cached is not None:
+        for r in cached:
+            r.cached = True
+        return cached
+    from harness.predict.fake import trace
+
+    pair = (trace(spec, 1), trace(spec, 2))
+    _store(spec, pair)
+    return pair

@@ -1,0 +1,191 @@
+"""The pre-merge check: does a training config still fit its cards? CPU only, seconds.
+
+    oom-harness check CONFIG [--deepspeed DS.json] --gpu-memory 64GiB --gpus 8 [--procs-per-gpu 2] [--json]
+
+Import the config (`harness.premerge.importers`), predict its per-GPU peaks at full size (`harness.predict.predictor`),
+lint it (`harness.premerge.lints`), and judge: it fits when the predicted device peak of every process on a
+card, summed, stays within the card's memory times the headroom. Exit codes: 0 fits and no lint of
+severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.premerge.importers import ConfigError, ImportedConfig, JobSpec, import_config
+from harness.premerge.lints import Lint, lint
+from harness.spec.units import GIB, fmt_gib
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    config: ImportedConfig
+    prediction: Any | None  # harness.predict.predictor.Prediction; None where the config is outside the predictor
+    lints: tuple[Lint, ...]
+
+    @property
+    def budget(self) -> int:
+        """What one card may hold: its memory times the headroom."""
+        return int(self.config.gpu_memory * self.config.headroom)
+
+    @property
+    def card_peak(self) -> int | None:
+        """The predicted device peak of one card: every process sharing it, summed."""
+        return None if self.prediction is None else self.prediction.device * self.config.procs_per_gpu
+
+    @property
+    def node_host_ram(self) -> int | None:
+        """The predicted host RAM of the node with every card busy."""
+        return None if self.prediction is None else self.config.node_host_ram(self.prediction.host_ram)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.card_peak is None else self.card_peak <= self.budget
+
+    @property
+    def errors(self) -> list[Lint]:
+        return [f for f in self.lints if f.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.fits) and not self.errors
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.ok else EXIT_FAIL
+
+    @property
+    def verdict(self) -> str:
+        if self.fits is None:
+            return "NOT PREDICTED: " + (self.config.unpredictable or "no prediction")
+        head = "FITS" if self.fits else "DOES NOT FIT"
+        return head + (f", but {len(self.errors)} lint error(s)" if self.errors and self.fits else "")
+
+
+PredictFn = Callable[..., Any]
+
+
+def _predictor() -> PredictFn:
+    try:
+        from harness.predict.predictor import predict
+    except ImportError as exc:
+        raise ConfigError(None, None, f"the predictor is not available ({exc})",
+                          "install the harness with its predictor (harness/predict/predictor.py)") from None
+    return predict
+
+
+def run_check(path: Path | str, spec: JobSpec, *, platform: str | None = None,
+              predict: PredictFn | None = None) -> CheckResult:
+    """Import, predict, lint. Raises ConfigError on bad input."""
+    imported = import_config(path, spec)
+    prediction = None
+    if imported.case is not None:
+        predict = predict or _predictor()
+        try:
+            with warnings.catch_warnings():  # library deprecation chatter from the traced model code
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                prediction = predict(imported.case, imported.arch, platform=platform)
+        except Exception as exc:  # one message, not a traceback, unless asked for
+            if os.environ.get("OOM_HARNESS_DEBUG"):
+                raise
+            raise ConfigError(path, None, f"the predictor could not size this config: {type(exc).__name__}: {exc}",
+                              "report it with the config attached (OOM_HARNESS_DEBUG=1 shows the traceback)") from None
+    return CheckResult(config=imported, prediction=prediction, lints=tuple(lint(imported, prediction)))
+
+
+# --- Rendering ----------------------------------------------------------------------------------
+
+
+def _gib(nbytes: int | float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / GIB, 3)
+
+
+def as_json(result: CheckResult) -> dict[str, Any]:
+    c, p = result.config, result.prediction
+    return {
+        "fits": result.fits,
+        "ok": result.ok,
+        "verdict": result.verdict,
+        "peak_allocated_gib": _gib(p.allocated if p else None),
+        "peak_reserved_gib": _gib(p.reserved if p else None),
+        "device_peak_gib": _gib(p.device if p else None),
+        "card_peak_gib": _gib(result.card_peak),
+        "host_ram_gib": _gib(p.host_ram if p else None),
+        "host_ram_node_gib": _gib(result.node_host_ram),
+        "node_processes": result.config.node_processes,
+        "host_ram_available_gib": _gib(c.host_ram),
+        "gpu_memory_gib": _gib(c.gpu_memory),
+        "budget_gib": _gib(result.budget),
+        "headroom_gib": _gib(None if result.card_peak is None else result.budget - result.card_peak),
+        "headroom_fraction": c.headroom,
+        "gpus": c.gpus,
+        "procs_per_gpu": c.procs_per_gpu,
+        "world_size": c.world_size,
+        "launcher": c.launcher,
+        "model": c.arch.name,
+        "files": [str(s) for s in c.sources],
+        "format": c.training.format.value,
+        "lints": [f.as_dict() for f in result.lints],
+        "notes": list(c.notes) + (list(p.notes) if p else []),
+        "calibrated_on": list(p.calibrated_on) if p else [],
+        "platform": p.platform if p else None,
+    }
+
+
+def table(result: CheckResult) -> str:
+    c, p = result.config, result.prediction
+    t = c.training
+    ds = f", ZeRO-{c.deepspeed.stage} ({c.deepspeed.path.name})" if c.deepspeed else ""
+    lines = [
+        f"{t.path}: {c.arch.name}, {t.method}, micro batch {t.micro_batch} x accumulation {t.grad_accum}, "
+        f"{t.seq_len} tokens{ds}",
+        f"{c.gpus} x {fmt_gib(c.gpu_memory)} cards, {c.world_size} rank(s) per job, {c.procs_per_gpu} process(es) "
+        f"per card, launcher {c.launcher}",
+        "",
+    ]
+    rows = [("per GPU (one process)", "")]
+    if p is not None:
+        rows += [
+            ("  peak allocated", fmt_gib(p.allocated)),
+            ("  peak reserved", fmt_gib(p.reserved)),
+            ("  device peak", fmt_gib(p.device)),
+        ]
+        if c.procs_per_gpu > 1:
+            rows.append((f"  card peak ({c.procs_per_gpu} processes)", fmt_gib(result.card_peak)))
+        rows += [
+            (f"  budget ({c.headroom:g} of the card)", fmt_gib(result.budget)),
+            ("  headroom", fmt_gib(result.budget - result.card_peak)),
+        ]
+        of_host = f" of {fmt_gib(c.host_ram)}" if c.host_ram else ""
+        if c.node_processes > c.job_processes:
+            rows += [(f"host RAM (this job, {c.job_processes} processes)", fmt_gib(p.host_ram)),
+                     (f"host RAM (every card busy, {c.node_processes} processes)",
+                      fmt_gib(result.node_host_ram) + of_host)]
+        else:
+            rows.append((f"host RAM (the node, {c.job_processes} processes)", fmt_gib(p.host_ram) + of_host))
+    else:
+        rows.append(("  prediction", "-"))
+    width = max(len(label) for label, _ in rows)
+    lines += [f"{label:<{width}}  {value}".rstrip() for label, value in rows]
+    lines += ["", f"verdict: {result.verdict}"]
+    if result.lints:
+        lines += ["", "lints:"]
+        for f in result.lints:
+            lines += [f"  {f.one_line()}", f"      why: {f.reason}", f"      fix: {f.fix}"]
+    notes = list(c.notes) + (list(p.notes) if p else [])
+    if notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in notes]
+    if p is not None and p.calibrated_on:
+        lines.append(f"calibrated on: {', '.join(p.calibrated_on)} ({p.platform})")
+    return "\n".join(lines)
+
+
+# --- Command line -------------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""DeepSpeed JSON: "auto" values resolved as the Hugging Face integration resolves them, left-out keys at
+DeepSpeed's defaults, and which DeepSpeed config a job uses (--deepspeed, a path, or inline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.premerge.importers.detect import detect_format
+from harness.premerge.importers.errors import ConfigError
+from harness.premerge.importers.keys import (
+    DEEPSPEED_ALIASES,
+    DEEPSPEED_DEFAULTS,
+    DEEPSPEED_KEYS,
+    DEEPSPEED_OFFLOAD_KEYS,
+    DEEPSPEED_ZERO_KEYS,
+    check_keys,
+)
+from harness.premerge.importers.reading import Reader, read_mapping, resolve_path
+from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec
+from harness.spec.dsconfig import auto_sizes
+
+_STAGE3_SIZES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                 "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+def _auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefix: str = "") -> DeepSpeedFile:
+    """A DeepSpeed config with its "auto" buckets and thresholds resolved for this model's hidden size
+    (what transformers' HfTrainerDeepSpeedConfig writes) and left-out keys at DeepSpeed's defaults."""
+    check_keys(path, data, DEEPSPEED_KEYS, prefix=key_prefix)
+    top = Reader(path, data, key_prefix)
+    zero_raw = data.get("zero_optimization") or {}
+    if not isinstance(zero_raw, dict):
+        raise ConfigError(path, key_prefix + "zero_optimization", "must be a mapping")
+    zprefix = key_prefix + "zero_optimization."
+    check_keys(path, zero_raw, DEEPSPEED_ZERO_KEYS, prefix=zprefix)
+    zero = {DEEPSPEED_ALIASES.get(k, k): v for k, v in zero_raw.items()}
+    z = Reader(path, zero, zprefix)
+    stage = z.int("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise z.fail("stage", f"ZeRO stage {stage} does not exist", "use 0, 1, 2 or 3")
+
+    def offload(name: str) -> tuple[str, bool]:
+        block = zero.get(name)
+        if block is None:
+            return "none", False
+        if not isinstance(block, dict):
+            raise z.fail(name, "must be a mapping like {\"device\": \"cpu\", \"pin_memory\": false}")
+        check_keys(path, block, DEEPSPEED_OFFLOAD_KEYS, prefix=f"{zprefix}{name}.")
+        r = Reader(path, block, f"{zprefix}{name}.")
+        device = r.choice("device", ("none", "cpu", "nvme"), "none")
+        if device == "nvme":
+            raise r.fail("device", "NVMe offload is not modelled by the predictor", "offload to 'cpu' or 'none'")
+        return device, device != "none" and r.bool("pin_memory", False)
+
+    opt_dev, opt_pin = offload("offload_optimizer")
+    par_dev, par_pin = offload("offload_param")
+    if zero.get("cpu_offload") is True and opt_dev == "none":  # DeepSpeed's legacy spelling
+        opt_dev, opt_pin = "cpu", z.bool("cpu_offload_use_pin_memory", False)
+    if par_dev != "none" and stage != 3:
+        raise z.fail("offload_param", f"parameter offload needs ZeRO stage 3 (this config has stage {stage})",
+                     "set zero_optimization.stage to 3, or remove offload_param")
+    if opt_dev != "none" and stage == 0:
+        raise z.fail("offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3", "set a stage")
+
+    auto = auto_sizes(hidden_size)
+
+    def size(key: str) -> int | None:
+        value = zero.get(key)
+        if _auto(value):
+            return auto.get(key, DEEPSPEED_DEFAULTS.get(key))
+        if value is None:
+            return DEEPSPEED_DEFAULTS.get(key)
+        return z.int(key, None)
+
+    block: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": opt_dev,
+        "offload_param": par_dev,
+        "pin_memory": opt_pin or par_pin,
+        "overlap_comm": z.bool("overlap_comm", stage == 3),
+        "contiguous_gradients": z.bool("contiguous_gradients", True),
+        "reduce_bucket_size": size("reduce_bucket_size"),
+        "allgather_bucket_size": size("allgather_bucket_size"),
+        "sub_group_size": size("sub_group_size"),
+    }
+    if stage == 3:
+        block.update({key: size(key) for key in _STAGE3_SIZES})
+
+    def precision(name: str) -> bool | None:
+        sub = data.get(name)
+        if sub is None:
+            return None
+        enabled = sub.get("enabled") if isinstance(sub, dict) else sub
+        if enabled is None or _auto(enabled):
+            return None
+        return Reader(path, {"enabled": enabled}, f"{key_prefix}{name}.").bool("enabled", False)
+
+    def batch(key: str) -> int | None:
+        return None if _auto(data.get(key)) else top.int(key, None, minimum=1)
+
+    ac = data.get("activation_checkpointing") or {}
+    ac_on = tuple(k for k, v in ac.items() if v is True) if isinstance(ac, dict) else ()
+    return DeepSpeedFile(
+        path=path, key_prefix=key_prefix, keys=frozenset(data), stage=stage,
+        train_batch_size=batch("train_batch_size"), micro_batch=batch("train_micro_batch_size_per_gpu"),
+        grad_accum=batch("gradient_accumulation_steps"), fp16=precision("fp16"),
+        bf16=precision("bf16") if "bf16" in data else precision("bfloat16"),
+        offload_optimizer=opt_dev, offload_param=par_dev, offload_pin_memory=opt_pin or par_pin,
+        activation_checkpointing=ac_on, zero=block,
+    )
+
+
+def deepspeed_of(config_path: Path, ref: Any, spec: JobSpec,
+                 hidden_size: int) -> tuple[DeepSpeedFile | None, list[str]]:
+    """The DeepSpeed config of a job: --deepspeed, else the config's `deepspeed` (a path or inline)."""
+    if spec.deepspeed is not None:
+        path = Path(spec.deepspeed)
+        notes = []
+        if isinstance(ref, str) and resolve_path(ref, config_path).resolve() != path.resolve():
+            notes.append(f"--deepspeed {path} replaces the config's deepspeed: {ref}")
+        return read_deepspeed(path, _read_deepspeed_file(path, None, None), hidden_size), notes
+    if ref is None:
+        return None, []
+    if isinstance(ref, dict):
+        return read_deepspeed(config_path, ref, hidden_size, key_prefix="deepspeed."), []
+    path = resolve_path(str(ref), config_path)
+    return read_deepspeed(path, _read_deepspeed_file(path, config_path, "deepspeed"), hidden_size), []
+
+
+def _read_deepspeed_file(path: Path, referrer: Path | None, key: str | None) -> dict[str, Any]:
+    if not path.is_file():
+        if referrer is not None:
+            raise ConfigError(referrer, key, f"the DeepSpeed config {path} does not exist",
+                              "give a path relative to this config's folder, or pass --deepspeed")
+        raise ConfigError(path, None, "no such DeepSpeed config file", "check the --deepspeed path")
+    data = read_mapping(path)
+    if detect_format(path, data) != ConfigFormat.deepspeed and "zero_optimization" not in data:
+        raise ConfigError(path, None, "is not a DeepSpeed config (no zero_optimization or batch keys)",
+                          "pass a DeepSpeed JSON such as LLaMA-Factory's ds_z3_config.json")
+    return data

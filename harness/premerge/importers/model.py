@@ -1,0 +1,47 @@
+"""The model a config names (or --model names): the architecture to predict with and its registry name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.models.registry import Architecture
+from harness.models.source import ModelSourceError, resolve_model
+from harness.premerge.importers.errors import ConfigError
+from harness.premerge.importers.records import JobSpec
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    arch: Architecture
+    case_model: str  # the registry name a Case carries
+    note: str | None
+
+
+def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model_name_or_path") -> ModelRef:
+    """The model a config names (or --model names), as an architecture and a registry name."""
+    if spec.model is not None:
+        reference, where, base_dirs = spec.model, (None, "--model"), (Path.cwd(),)
+    else:
+        where, base_dirs = (path, key), (path.parent, Path.cwd())
+    if reference is None:
+        raise ConfigError(path, key, "no model named", "set model_name_or_path (or pass --model)")
+    try:
+        resolved = resolve_model(str(reference), base_dirs)
+    except ModelSourceError as exc:
+        raise ConfigError(*where, exc.problem, exc.fix) from None
+    note = None
+    if resolved.registry_name is None:
+        note = (f"model from {resolved.arch.source}: not in the registry; the case names its closest entry "
+                f"({resolved.closest_registry_name}) but the prediction uses the local config")
+    return ModelRef(arch=resolved.arch, case_model=resolved.closest_registry_name, note=note)
+
+
+def hidden_size(arch: Architecture) -> int:
+    return int(arch.config["hidden_size"])
+
+
+def model_precision(arch: Architecture) -> str:
+    """The dtype the model computes in when the config sets neither bf16 nor fp16."""
+    dtype = str(arch.config.get("torch_dtype") or arch.config.get("dtype") or "bfloat16")
+    return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")

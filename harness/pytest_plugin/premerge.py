@@ -1,0 +1,217 @@
+"""`pytest -m premerge`: every training config of a folder checked like `oom-harness check`.
+
+    pytest -m premerge                                  configs/examples/
+    pytest -m premerge --premerge-dir configs/team-a    another folder (repeatable)
+    pytest -m premerge --premerge-files configs/team-a/ds_z3.json   only what a pull request touched
+
+A folder's `premerge.yaml` says what each config runs on (the config files do not):
+
+    defaults: {gpus: 8, gpu_memory: 64GiB}              # for every config of the folder
+    configs:
+      sft-32b.yaml: {vendor: hygon, expect: fits}       # expect: fits (default) | oom
+      old-32b.yaml: {expect: oom}
+      plain-python.json: {launcher: python, lints: [deepspeed-plain-python]}   # mistakes it must show
+
+Each YAML/JSON training config in the folder is one test (DeepSpeed JSONs are checked through the
+configs that use them). It fails with the check's table when a config expected to fit does not, when
+a lint of severity error fires that the entry does not list, or when one it lists does not fire.
+`--premerge-files` keeps the configs whose own file, DeepSpeed file or premerge.yaml is listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from harness.premerge.check import CheckResult, run_check, table
+from harness.premerge.importers import ConfigError, ConfigFormat, JobSpec, detect_format, read_mapping, resolve_path
+from harness.spec.units import parse_size
+
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "configs" / "examples"
+SIDECAR = "premerge.yaml"
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class PremergeSettings(BaseModel):
+    """One config's job, or a folder's defaults: what `oom-harness check` takes as flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: int | None = Field(default=None, gt=0)
+    gpu_memory: int | None = None
+    procs_per_gpu: int | None = Field(default=None, gt=0)
+    headroom: float | None = Field(default=None, gt=0, le=1)
+    host_ram: int | None = None
+    vendor: Literal["nvidia", "hygon", "amd"] | None = None
+    launcher: Literal["python", "torchrun", "deepspeed", "accelerate", "llamafactory-cli"] | None = None
+    model: str | None = None
+    deepspeed: str | None = None
+    stack: Literal["peft", "llamafactory", "plain"] | None = None
+    script: str | None = None
+    platform: str | None = None
+    expect: Literal["fits", "oom"] | None = None
+    lints: list[str] | None = None  # error lints this config is expected to raise
+
+    @field_validator("gpu_memory", "host_ram", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
+
+
+class Sidecar(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    defaults: PremergeSettings = Field(default_factory=PremergeSettings)
+    configs: dict[str, PremergeSettings] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PremergeEntry:
+    config: Path
+    settings: PremergeSettings
+    problem: str | None = None  # a broken sidecar or a missing file: the test fails with this
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.config.parent.name}/{self.config.name}"
+
+
+def load_sidecar(folder: Path) -> Sidecar:
+    path = folder / SIDECAR
+    if not path.is_file():
+        return Sidecar()
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return Sidecar.model_validate(data)
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, None, f"not valid YAML: {exc}", "fix the YAML syntax") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(path, key, err["msg"], "see the format in harness/pytest_plugin/premerge.py") from None
+
+
+def _is_training_config(path: Path) -> bool:
+    try:
+        return detect_format(path, read_mapping(path)) != ConfigFormat.deepspeed
+    except ConfigError:
+        return True  # unreadable: keep it, so its test shows the problem
+
+
+def _deepspeed_path(path: Path, settings: PremergeSettings) -> Path | None:
+    if settings.deepspeed:
+        return (path.parent / settings.deepspeed).resolve()
+    try:
+        ref = read_mapping(path).get("deepspeed")
+    except ConfigError:
+        return None
+    return resolve_path(ref, path).resolve() if isinstance(ref, str) else None
+
+
+def entries(folder: Path) -> list[PremergeEntry]:
+    """The tests of one folder: each training config with its merged settings."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [PremergeEntry(folder, PremergeSettings(), f"{folder}: no such folder")]
+    try:
+        sidecar = load_sidecar(folder)
+    except ConfigError as exc:
+        return [PremergeEntry(folder / SIDECAR, PremergeSettings(), str(exc))]
+    found = [p for p in sorted(folder.iterdir())
+             if p.suffix.lower() in _CONFIG_SUFFIXES and p.name != SIDECAR and _is_training_config(p)]
+    out = []
+    defaults = sidecar.defaults.model_dump(exclude_none=True)
+    for path in found:
+        own = sidecar.configs.get(path.name)
+        merged = PremergeSettings.model_validate({**defaults, **(own.model_dump(exclude_none=True) if own else {})})
+        out.append(PremergeEntry(path, merged))
+    for name in sorted(set(sidecar.configs) - {p.name for p in found}):
+        out.append(PremergeEntry(folder / name, PremergeSettings(),
+                                 f"{folder / SIDECAR}: configs.{name}: no such training config in {folder}"))
+    return out
+
+
+def select(all_entries: list[PremergeEntry], changed: list[str]) -> list[PremergeEntry]:
+    """The entries a change touches: the config itself, its DeepSpeed file, or its folder's sidecar."""
+    wanted = {Path(c).resolve() for c in changed}
+    kept = []
+    for e in all_entries:
+        touched = {e.config.resolve(), (e.config.parent / SIDECAR).resolve()}
+        ds = _deepspeed_path(e.config, e.settings) if e.problem is None else None
+        if ds is not None:
+            touched.add(ds)
+        if touched & wanted:
+            kept.append(e)
+    return kept
+
+
+def spec_of(entry: PremergeEntry) -> JobSpec:
+    s, base = entry.settings, entry.config.parent
+    return JobSpec(gpus=s.gpus, gpu_memory=s.gpu_memory, procs_per_gpu=s.procs_per_gpu, headroom=s.headroom,
+                   host_ram=s.host_ram, vendor=s.vendor, launcher=s.launcher, model=s.model,
+                   deepspeed=None if s.deepspeed is None else base / s.deepspeed, stack=s.stack,
+                   script=None if s.script is None else base / s.script)
+
+
+def judge(entry: PremergeEntry, result: CheckResult) -> list[str]:
+    """What is wrong with a check result against the entry's expectations (empty: the test passes)."""
+    expect = entry.settings.expect or "fits"
+    expected_lints = set(entry.settings.lints or [])
+    errors = {f.code for f in result.errors}
+    problems = []
+    if expect == "fits" and not result.fits:
+        problems.append("expected to fit, but " + ("it does not" if result.fits is False else result.verdict))
+    if expect == "oom" and result.fits is not False:
+        problems.append("expected not to fit (expect: oom), but " + ("it fits" if result.fits else result.verdict))
+    unexpected = sorted(errors - expected_lints)
+    if unexpected:
+        problems.append(f"lint error(s): {', '.join(unexpected)}")
+    missing = sorted(expected_lints - {f.code for f in result.lints})
+    if missing:
+        problems.append(f"expected lint(s) did not fire: {', '.join(missing)}")
+    return problems
+
+
+def check_entry(entry: PremergeEntry) -> CheckResult:
+    """Run one entry's check; fail the calling test with the check's table when it does not hold."""
+    if entry.problem:
+        pytest.fail(entry.problem, pytrace=False)
+    try:
+        result = run_check(entry.config, spec_of(entry), platform=entry.settings.platform)
+    except ConfigError as exc:
+        pytest.fail(f"{exc}\n(set what the config does not say in {entry.config.parent / SIDECAR})", pytrace=False)
+    problems = judge(entry, result)
+    if problems:
+        pytest.fail(f"{entry.config}: " + "; ".join(problems) + "\n\n" + table(result), pytrace=False)
+    return result
+
+
+# --- pytest hooks -------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("oom-harness premerge")
+    group.addoption("--premerge-dir", action="append", default=None,
+                    help=f"folder of training configs with a {SIDECAR} (repeatable; default configs/examples)")
+    group.addoption("--premerge-files", action="append", default=None,
+                    help="check only configs touched by these files (configs, DeepSpeed JSONs, sidecars; repeatable)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "premerge: pre-merge config checks on a CPU (oom-harness check as tests)")
+
+
+def pytest_generate_tests(metafunc):
+    if "premerge_entry" not in metafunc.fixturenames:
+        return
+    folders = metafunc.config.getoption("--premerge-dir") or [str(DEFAULT_DIR)]
+    found = [e for folder in folders for e in entries(Path(folder))]
+    changed = metafunc.config.getoption("--premerge-files")
+    if changed:
+        found = select(found, [c for item in changed for c in item.split(",") if c])
+    metafunc.parametrize("premerge_entry", found, ids=[e.test_id for e in found])

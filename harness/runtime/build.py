@@ -1,0 +1,214 @@
+"""Building a case's model the way its training stack builds it, with random weights.
+
+* full / LoRA: `AutoModelForCausalLM.from_config`. Under ZeRO-3 with DeepSpeed configured first, a
+  live `HfDeepSpeedConfig` makes transformers build inside `deepspeed.zero.Init`, so each rank only
+  ever holds its partition (guide 002's fix). With `init_order: model_first` the model is built in
+  full before DeepSpeed is configured (guide 002's mistake).
+* QLoRA: the real bitsandbytes path, `from_pretrained(..., quantization_config=BitsAndBytesConfig)`
+  from a random-weight checkpoint written once per config into a cache folder (nothing is
+  downloaded), then the stack's k-bit preparation (peft's or LLaMA-Factory's, which differ).
+* LoRA adapters through peft's `get_peft_model`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.models.registry import load_architecture, tiny_config, truncated_config
+from harness.spec.schema import Case, Precision, Stack
+
+DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    config_dict: dict
+    zero_init: bool
+    hf_ds_config: object | None  # keep alive: transformers reads it through a weak reference
+
+
+def train_dtype(case: Case, on_cpu: bool) -> torch.dtype:
+    """The compute dtype. fp16 cases run in bf16 on a CPU (same bytes per element; CPU fp16
+    training is not supported by DeepSpeed's CPU accelerator)."""
+    dtype = DTYPES[case.precision]
+    if on_cpu and dtype == torch.float16:
+        return torch.bfloat16
+    return dtype
+
+
+def model_config_dict(case: Case, fidelity: str, seq_len: int, layers: int | None = None) -> dict:
+    arch = load_architecture(case.model)
+    if fidelity == "tiny":
+        return tiny_config(arch, seq_len)
+    if layers is not None:
+        return truncated_config(arch, layers)
+    return dict(arch.config)
+
+
+def _hf_config(config_dict: dict):
+    from transformers import AutoConfig
+
+    if config_dict["model_type"] == "gla":
+        import fla  # noqa: F401  registers GLA with the transformers Auto classes
+    cfg = dict(config_dict)
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.device) -> Path:
+    """A folder holding config.json and random weights of this config, written once and cached."""
+    from transformers import AutoModelForCausalLM
+
+    key = hashlib.sha256(json.dumps([config_dict, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
+    from harness.runtime.launcher import cache_dir
+
+    root = cache_dir() / "checkpoints"
+    folder = root / f"{config_dict['model_type']}-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    # Ranks of one job: rank 0 writes (transformers skips saving on other ranks), the rest wait at
+    # a barrier. Concurrent independent jobs serialise on a file lock.
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_rank() != 0:
+        dist.barrier()
+        return folder
+    with open(root / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "config.json").is_file():
+            tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+            torch.manual_seed(0)
+            with torch.device(device):  # random init is fast on an accelerator
+                model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+            model.save_pretrained(tmp)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            tmp.rename(folder)
+    if distributed:
+        dist.barrier()
+    return folder
+
+
+def _lora(case: Case, model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = case.method.lora
+    targets = "all-linear" if lora.targets == "all" else list(lora.targets)
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def checkpointing_active(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def set_checkpointing(model, on: bool, reentrant: bool = False) -> None:
+    """Turn Hugging Face activation checkpointing on or off. transformers 5.20+ names it
+    `activation_checkpointing_*`; older 5.x releases (the GPU hosts' 5.17) `gradient_checkpointing_*`."""
+    if on:
+        kwargs = {"use_reentrant": reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _reentrant(case: Case) -> bool:
+    """use_reentrant as the case's stack sets it, unless the case says (train.checkpointing_reentrant)."""
+    if case.train.checkpointing_reentrant is not None:
+        return case.train.checkpointing_reentrant
+    return case.method.kind == "qlora" or case.stack == Stack.llamafactory
+
+
+def _enable_checkpointing(model, reentrant: bool) -> None:
+    set_checkpointing(model, True, reentrant)
+    if reentrant:
+        # reentrant checkpointing only recomputes when the block input requires grad
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+
+
+def prepare_checkpoint(case: Case, fidelity: str, device: torch.device, seq_len: int,
+                       layers: int | None = None) -> Path | None:
+    """Write the random-weight checkpoint a QLoRA case loads from (outside the measured phases:
+    it is the harness's stand-in for a downloaded model, not part of the scenario)."""
+    if case.method.kind != "qlora":
+        return None
+    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers),
+                              train_dtype(case, device.type == "cpu"),
+                              device)
+
+
+def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict | None, seq_len: int,
+                layers: int | None = None, checkpoint: Path | None = None) -> Built:
+    from transformers import AutoModelForCausalLM
+
+    on_cpu = device.type == "cpu"
+    dtype = train_dtype(case, on_cpu)
+    config_dict = model_config_dict(case, fidelity, seq_len, layers)
+    if config_dict["model_type"] == "gla" and on_cpu:
+        from harness.models import fla_cpu
+
+        fla_cpu.apply()
+    torch.manual_seed(0)
+
+    hf_ds_config = None
+    zero3 = ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
+    if zero3 and case.launch.init_order == "deepspeed_first":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
+
+    if case.method.kind == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        q = case.method.quantization
+        compute = DTYPES[q.compute_dtype] if not (on_cpu and q.compute_dtype == Precision.fp16) else torch.bfloat16
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q.quant_type,
+            bnb_4bit_use_double_quant=q.double_quant,
+            bnb_4bit_compute_dtype=compute,
+        )
+        folder = checkpoint or _random_checkpoint(config_dict, dtype, device)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=bnb, dtype=dtype, device_map={"": device}
+        )
+        gc_on = case.train.gradient_checkpointing
+        if case.stack == Stack.peft:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=gc_on,
+                gradient_checkpointing_kwargs={"use_reentrant": _reentrant(case)},
+            )
+        elif gc_on:  # LLaMA-Factory: no fp32 upcast
+            _enable_checkpointing(model, reentrant=_reentrant(case))
+    else:
+        model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+        if hf_ds_config is None:  # zero.Init did not partition it: it lives whole on the device
+            model.to(device)
+        if case.train.gradient_checkpointing:
+            _enable_checkpointing(model, reentrant=_reentrant(case))
+
+    zero_init = any(hasattr(p, "ds_id") for p in model.parameters())
+    if case.method.kind in ("lora", "qlora"):
+        model = _lora(case, model)
+    model.train()  # from_pretrained returns eval mode, where HF checkpointing is silently off
+    return Built(model=model, config_dict=config_dict, zero_init=zero_init, hf_ds_config=hf_ds_config)

@@ -1,0 +1,291 @@
+"""The launcher: one fresh process group per case run, and a classified result whatever happens.
+
+* one rank: `python -m harness.runtime.worker`;
+* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU);
+* several independent jobs sharing one card (guide 004): that many concurrent workers, each with
+  its slot number, started together so they compete for the card as they do in production.
+
+A timeout kills every process the jobs started; the workers have dumped their Python stacks just
+before, and the error names the line they hung on (`harness.runtime.process_tree`). Whatever the children did
+(exit, raise, run out of memory, get killed, hang), the result is a `CaseRun` with a classified
+error and the numbers the workers managed to write; the harness itself never crashes on a bad case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport
+from harness.runtime import compile_cache, jit_locks, process_tree
+from harness.runtime.platform import Platform, parse_oom
+from harness.spec.schema import Case
+from harness.spec.variants import Variant
+
+COLD_TRITON_CACHE = "triton-cache"  # under a run's folder, for a case with launch.triton_cache: cold
+
+DEFAULT_TIMEOUT_S = 900
+
+WORKER = "harness.runtime.worker"  # the module each training process runs
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "oom-harness"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Job:
+    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
+                emulate_card_bytes: int | None, variant: str = "") -> list[str]:
+    args = ["--case", str(case_path), "--fidelity", fidelity, "--out-dir", str(out_dir), "--slot", str(slot)]
+    if variant:
+        args += ["--variant", variant]
+    if steps:
+        args += ["--steps", str(steps)]
+    if emulate_card_bytes:
+        args += ["--emulate-card-bytes", str(emulate_card_bytes)]
+    return args
+
+
+def cpu_threads(fidelity: str, processes: int) -> str:
+    """OMP_NUM_THREADS for each training process of a run, where neither the environment nor the
+    case sets it. Tiny runs: one (many run at once on the CI's cores, and their figures are bytes).
+    Full size: an equal share of the cores this harness may use, as DeepSpeed's `--bind_cores_to_rank`
+    gives each rank. A step that is CPU-bound (DeepSpeed's CPU Adam under optimizer offload is an
+    OpenMP loop) runs as many times slower on one thread, torchrun's default for several processes,
+    which it asks users to tune; OpenMP's default, every core in every process, oversubscribes a
+    host whose processes share it."""
+    if fidelity == "tiny":
+        return "1"
+    return str(max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
+
+
+def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: Path, platform: Platform,
+              steps: int | None = None, emulate_card_bytes: int | None = None, variant: str = "") -> list[Job]:
+    """`case` is the case as measured (a variant applied); `case_path` and `variant` tell the
+    worker how to rebuild it."""
+    py = sys.executable
+    base_env = {
+        "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
+                            or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
+        # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
+        # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
+        # fresh GPU host); keep them between runs too
+        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(cache_dir() / "triton")),
+    }
+    base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
+    if case.launch.triton_cache == "cold":  # every job of this run compiles into one empty cache
+        base_env["TRITON_CACHE_DIR"] = str(compile_cache.fresh(out_dir / COLD_TRITON_CACHE))
+    jobs: list[Job] = []
+    launcher = case.launch.launcher
+    if launcher == "deepspeed" and platform == Platform.cpu:
+        # DeepSpeed's runner counts accelerators to place ranks and finds none on a CPU; torchrun
+        # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
+        launcher = "torchrun"
+    for slot in range(case.launch.procs_per_card):
+        wargs = worker_args(case_path, fidelity, out_dir, steps, slot, emulate_card_bytes, variant)
+        port = str(free_port())
+        if launcher == "python":
+            env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            jobs.append(Job([py, "-m", WORKER, *wargs], env))
+        elif launcher == "torchrun":
+            jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+                             "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
+                            dict(base_env)))
+        else:
+            jobs.append(Job([py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", port,
+                             "--module", WORKER, *wargs], dict(base_env)))
+    return jobs
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a job and everything it started (torchrun's ranks live in sessions of their own)."""
+    process_tree.kill(process_tree.tree(proc.pid))
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the tree walk misses what is already reparented
+    except ProcessLookupError:
+        pass
+
+
+@contextlib.contextmanager
+def _reaped(procs: list[subprocess.Popen]):
+    """Each job runs in its own session (so a timeout can kill its whole tree), which also means
+    nothing kills it when the harness itself is stopped: do it here, on any way out."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            _kill_group(proc)
+            proc.wait()
+        raise
+
+
+def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> subprocess.Popen:
+    ready = out_dir / "ballast.ready"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "harness.runtime.ballast", "--leave", str(leave_bytes),
+                             "--ready", str(ready)], env={**os.environ, process_tree.OWNER_ENV: process_tree.owner()},
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_group(proc)
+            raise RuntimeError("the ballast process could not take the card's spare memory; see log.txt")
+        time.sleep(0.2)  # waiting on another process's CUDA start-up; nothing to block on
+    return proc
+
+
+def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
+             expected_reports: int, ballast_leave_bytes: int | None = None) -> CaseRun:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "log.txt"
+    started = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    ballast = None
+    with open(log_path, "wb") as log, _reaped(procs):
+        if ballast_leave_bytes:
+            try:
+                ballast = _start_ballast(ballast_leave_bytes, out_dir, log)
+                procs.append(ballast)
+            except RuntimeError as exc:
+                return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
+                               error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
+        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
+                               for job in jobs} - {""}):
+            for lock in jit_locks.remove_stale(Path(ext_dir)):
+                log.write(f"[harness.runtime.launcher] removed {lock}: a JIT build was interrupted and no process "
+                          f"holds its lock, which would hang this run\n".encode())
+            log.flush()
+        for job in jobs:
+            env = dict(os.environ)
+            env.update(job.env)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
+            env[process_tree.OWNER_ENV] = process_tree.owner()
+            procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = started + timeout_s
+        for proc in procs:
+            if proc is ballast:
+                continue
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        if timed_out:
+            for proc in procs:
+                if proc is not ballast:
+                    _kill_group(proc)
+                    proc.wait()
+        if ballast is not None:
+            procs.remove(ballast)
+            _kill_group(ballast)
+            ballast.wait()
+    wall = time.monotonic() - started
+    codes = [p.returncode for p in procs]
+    log_text = log_path.read_text(errors="replace")
+    ranks = [RankReport.model_validate_json(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    run = CaseRun(case_id=case_id, fidelity=fidelity, command=jobs[0].argv if jobs else [],
+                  returncode=max(codes, key=abs) if codes else None, wall_s=wall, ranks=ranks,
+                  log_tail=log_text[-6000:], run_dir=str(out_dir))
+    run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports)
+    return run
+
+
+def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[RankReport], log: str,
+             expected_reports: int) -> ErrorInfo | None:
+    """Turn what the processes left behind into one error (or None when all went well).
+    Errors the workers wrote themselves stay in their rank reports; this covers the rest."""
+    if timed_out:
+        message = f"no result after {timeout_s:.0f} s; every process of the run was killed"
+        progress = _last_progress(log)
+        if progress:
+            message += f"; last progress: {progress!r}"
+        stuck = process_tree.where_stuck(log)
+        if stuck:
+            message += f"; stuck at {stuck} (all stacks in log.txt)"
+        return ErrorInfo(kind=Failure.timeout, message=message)
+    reported = [r for r in ranks if r.error is not None]
+    if reported:
+        return None  # the worker's own classification is in its report
+    if any(c is not None and c < 0 for c in codes) or any(c == 137 for c in codes):
+        sig = next((-c for c in codes if c is not None and c < 0), 9)
+        oom = parse_oom(log)
+        if oom is not None:
+            return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        kind = Failure.host_oom if sig == signal.SIGKILL else Failure.crash
+        why = (" (the kernel's OOM killer is the usual sender of SIGKILL: check host RAM)"
+               if kind == Failure.host_oom else "")
+        return ErrorInfo(kind=kind, message=f"a process was killed by {name}{why}")
+    if any(c != 0 for c in codes):
+        oom = parse_oom(log)
+        if oom is not None:
+            return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
+        return ErrorInfo(kind=Failure.crash, message=_last_error_line(log) or f"exit codes {codes}")
+    if len(ranks) < expected_reports:
+        return ErrorInfo(kind=Failure.no_report,
+                         message=f"exited 0 but wrote {len(ranks)} of {expected_reports} reports")
+    return None
+
+
+def _last_progress(log: str) -> str | None:
+    """The last line a worker printed about where it is (`progress` in harness.runtime.worker)."""
+    for line in reversed(log.splitlines()):
+        if line.startswith("[harness.runtime.worker]"):
+            return line.strip()[:300]
+    return None
+
+
+def _last_error_line(log: str) -> str:
+    for line in reversed(log.strip().splitlines()):
+        if "Error" in line or "Exception" in line:
+            return line.strip()[:1000]
+    return log.strip().splitlines()[-1][:1000] if log.strip() else ""
+
+
+def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform: Platform,
+             timeout_s: float = DEFAULT_TIMEOUT_S, steps: int | None = None,
+             emulate_card_bytes: int | None = None, variant: Variant = Variant()) -> CaseRun:
+    """Run a case (under a measurement variant, if given). `emulate_card_bytes` makes a bigger
+    device behave as the target card: a cap per process for one job, a ballast process for several
+    jobs sharing the card (GPU only)."""
+    from harness.spec.shape import run_shape
+
+    case = variant.apply(case)
+    shape = run_shape(case, fidelity, steps)
+    shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
+    jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
+                     None if shared else emulate_card_bytes, variant.text)
+    try:
+        run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
+                       ballast_leave_bytes=emulate_card_bytes if shared else None)
+    finally:
+        if case.launch.triton_cache == "cold":  # the compiled kernels are not a result: keep the run folder small
+            shutil.rmtree(out_dir / COLD_TRITON_CACHE, ignore_errors=True)
+    run.variant = variant.text
+    return run

@@ -1,0 +1,486 @@
+"""The case schema: one YAML file describes one scenario variant of one guide.
+
+Every model here forbids unknown keys, so a typo in a case file is an error that names the file,
+the field and the allowed values (see `harness.spec.cases`), never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from harness.spec.units import parse_size
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Role(str, Enum):
+    failing = "failing"  # the guide's config that ran out of memory
+    fix = "fix"  # a fix the guide proposes
+    rung = "rung"  # one rung of a ladder of configs by card size (guide 001)
+    wrong_way = "wrong_way"  # a mistake the guide warns about; the harness must detect it
+
+
+class Precision(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Stack(str, Enum):
+    """The training stack a config comes from; it changes memory (see DESIGN.md).
+
+    peft: peft's `prepare_model_for_kbit_training` (upcasts non-4-bit parameters to fp32).
+    llamafactory: LLaMA-Factory's QLoRA path (keeps them in the compute dtype).
+    plain: no k-bit preparation (non-quantized cases).
+    """
+
+    peft = "peft"
+    llamafactory = "llamafactory"
+    plain = "plain"
+
+
+class Quantization(Strict):
+    bits: Literal[4] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Precision = Precision.bf16
+
+
+class Lora(Strict):
+    r: int = Field(gt=0, le=1024)
+    alpha: float = Field(gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    targets: list[str] | Literal["all"] = Field(
+        description="module names, or 'all' for every linear layer except the output head"
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("list at least one module name, or write 'all'")
+        return value
+
+
+class Method(Strict):
+    kind: Literal["lora", "qlora", "full"]
+    lora: Lora | None = None
+    quantization: Quantization | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.kind in ("lora", "qlora") and self.lora is None:
+            raise ValueError(f"method.kind '{self.kind}' needs a 'lora' block (r, alpha, targets)")
+        if self.kind == "full" and self.lora is not None:
+            raise ValueError("method.kind 'full' trains every weight; remove the 'lora' block")
+        if self.kind == "qlora" and self.quantization is None:
+            raise ValueError("method.kind 'qlora' needs a 'quantization' block (bits: 4, quant_type)")
+        if self.kind != "qlora" and self.quantization is not None:
+            raise ValueError("a 'quantization' block needs method.kind 'qlora'")
+        return self
+
+
+class Train(Strict):
+    micro_batch: int = Field(gt=0, le=4096)
+    grad_accum: int = Field(gt=0, le=65536)
+    seq_len: int = Field(gt=0, le=1_048_576)
+    gradient_checkpointing: bool = False
+    checkpointing_reentrant: bool | None = Field(
+        default=None,
+        description="torch.utils.checkpoint's use_reentrant; omitted: the stack's default (peft's k-bit "
+        "preparation and LLaMA-Factory's use_reentrant_gc: true; plain: false, the transformers default)")
+    learning_rate: float = Field(default=1e-4, gt=0)
+    dataloader_workers: int = Field(default=0, ge=0, le=256)
+    pin_memory: bool = True
+    prefetch_factor: int | None = Field(default=None, gt=0)
+    logits_to_keep: int | None = Field(
+        default=None, ge=0, description="passed to the model in evaluation forwards (guide 004)"
+    )
+
+
+class Offload(str, Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class DeepSpeed(Strict):
+    stage: Literal[0, 1, 2, 3]
+    offload_optimizer: Offload = Offload.none
+    offload_param: Offload = Offload.none
+    pin_memory: bool = True
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int | None = Field(default=None, gt=0)
+    allgather_bucket_size: int | None = Field(default=None, gt=0)
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=0)
+    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0)
+    stage3_max_live_parameters: int | None = Field(default=None, ge=0)
+    stage3_max_reuse_distance: int | None = Field(default=None, ge=0)
+    sub_group_size: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.offload_param != Offload.none and self.stage != 3:
+            raise ValueError("deepspeed.offload_param needs stage 3 (ZeRO-1/2 keep parameters on the card)")
+        if self.offload_optimizer != Offload.none and self.stage == 0:
+            raise ValueError("deepspeed.offload_optimizer needs stage 1, 2 or 3")
+        stage3_only = [
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+        ]
+        set_wrong = [k for k in stage3_only if getattr(self, k) is not None and self.stage != 3]
+        if set_wrong:
+            raise ValueError(f"{', '.join(set_wrong)} only apply to stage 3")
+        return self
+
+
+class Launch(Strict):
+    launcher: Literal["python", "torchrun", "deepspeed"] = "python"
+    ranks: int = Field(default=1, gt=0, le=1024, description="training processes of one job")
+    procs_per_card: int = Field(
+        default=1, gt=0, le=16, description="independent training jobs sharing one card (guide 004)"
+    )
+    init_order: Literal["deepspeed_first", "model_first"] = Field(
+        default="deepspeed_first",
+        description="model_first materialises the model before DeepSpeed is configured (guide 002's mistake)",
+    )
+    env: dict[str, str] = Field(default_factory=dict)
+    triton_cache: Literal["shared", "cold"] = Field(
+        default="shared",
+        description="Triton kernels (flash-linear-attention): 'shared' keeps compiled kernels between runs "
+        "on a host; 'cold' gives every run an empty cache, as the first run on a fresh host has "
+        "(compiling and autotuning hold more device memory; harness.runtime.compile_cache)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.ranks > 1 and self.launcher == "python":
+            raise ValueError(
+                f"launch.ranks is {self.ranks} but launch.launcher is 'python', which starts one process; "
+                "use 'torchrun' or 'deepspeed'"
+            )
+        return self
+
+
+Vendor = Literal["nvidia", "hygon", "amd"]
+
+
+class Card(Strict):
+    vendor: Vendor
+    name: str
+    memory: int = Field(description="per card, with a unit: '64 GB', '23.52 GiB'")
+    count: int = Field(default=1, gt=0, le=1024)
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _size(cls, value):
+        size = parse_size(value)
+        if size <= 0:
+            raise ValueError("card memory must be above zero")
+        return size
+
+
+class Target(Strict):
+    card: Card
+    headroom: float = Field(
+        default=0.9, gt=0, le=1, description="the fraction of the card a run may use (guides: < 90%)"
+    )
+    host_ram: int | None = Field(
+        default=None, description="host memory of the machine (the host of target.card), with a unit; "
+        "full-size runs judge the node's host RSS against a share of it (harness.judge.host_ram)")
+
+    @field_validator("host_ram", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
+
+
+def _finding_field(subject: str):
+    """`finding` of a claim or of `expect`: measurement refuted the guide there (harness.judge.verdicts.as_recorded)."""
+    return Field(
+        default=None, min_length=1,
+        description=f"a full-size measurement refuted {subject}: what was measured, on which card, when. "
+        "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
+        "once the guide's statement holds again, so the recorded truth gets updated")
+
+
+class Expect(Strict):
+    outcome: Literal["fits", "oom", "detected"] = Field(
+        description="fits: within the headroom; oom: exceeds the card (the guide's failure); "
+        "detected: a mistake the harness must flag"
+    )
+    detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
+    finding: str | None = _finding_field("`outcome` (which stays the guide's)")
+    memory_tolerance: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="allowed rise of the per-card peak over its baseline; omitted: derived from the "
+        "baseline's spread over repetitions (harness.judge.regression)")
+    speed_tolerance: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="allowed drop of tokens/s below its baseline; omitted: derived from the spread")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if (self.outcome == "detected") != (self.detect is not None):
+            raise ValueError("expect.detect names the mistake exactly when expect.outcome is 'detected'")
+        return self
+
+
+# --- Claims -------------------------------------------------------------------------------------
+# A claim is a sentence of the guide turned into something a measurement can confirm or refute.
+# `quote` keeps the guide's words; `kind` says how the harness checks it.
+
+
+class _Claim(Strict):
+    quote: str = Field(min_length=1, description="the guide's own words")
+    finding: str | None = _finding_field("this claim")
+
+
+class TrainsClaim(_Claim):
+    kind: Literal["trains"]
+
+
+class CheckpointingClaim(_Claim):
+    """Gradient checkpointing recomputes: the activation memory of a step drops when it is on."""
+
+    kind: Literal["checkpointing_saves_activations"]
+    min_saving: float = Field(default=0.2, gt=0, lt=1, description="at least this fraction saved")
+
+
+class QuantizedWeightsClaim(_Claim):
+    """4-bit storage: quantized linear weights take about a quarter of their bf16 bytes."""
+
+    kind: Literal["quantized_weights_shrink"]
+    max_ratio: float = Field(default=0.3, gt=0, le=1)
+
+
+class Zero3PartitionClaim(_Claim):
+    kind: Literal["zero3_partitions_parameters"]
+    tolerance: float = Field(default=0.25, gt=0, lt=1, description="relative slack around 1/world")
+
+
+class OffloadClaim(_Claim):
+    kind: Literal["optimizer_state_offloaded"]
+
+
+class LogitsToKeepClaim(_Claim):
+    kind: Literal["logits_to_keep_shrinks_logits"]
+
+
+class LowerPeakThanClaim(_Claim):
+    """This variant's per-card peak is below another case's (a fix against its failing config)."""
+
+    kind: Literal["lower_peak_than"]
+    case: str
+
+
+class _RangeClaim(_Claim):
+    """A figure the guide states as a range: sizes with units for the metrics in `SIZES`, fractions
+    between 0 and 1 (of `FRACTION_OF`) for the others."""
+
+    SIZES: ClassVar[tuple[str, ...]] = ()
+    FRACTION_OF: ClassVar[str] = ""
+    metric: str
+    low: float
+    high: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _units(cls, data):
+        if isinstance(data, dict) and data.get("metric") in cls.SIZES:
+            data = dict(data)
+            for key in ("low", "high"):
+                if key in data:
+                    if isinstance(data[key], (int, float)) and not isinstance(data[key], bool):
+                        raise ValueError(f"{key}: write a size with a unit, e.g. '{data[key]} GiB'")
+                    data[key] = parse_size(data[key])
+        return data
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.low > self.high:
+            raise ValueError(f"{self.kind} low {self.low} is above high {self.high}")
+        if self.metric not in self.SIZES and not (0 <= self.low <= self.high <= 1):
+            raise ValueError(f"{self.metric} bounds are fractions of {self.FRACTION_OF} between 0 and 1, e.g. 0.3")
+        return self
+
+
+class MemoryRangeClaim(_RangeClaim):
+    """A stated figure, e.g. guide 003's 'training ~10-12 GB'; checked on real cards.
+    device_peak / load_footprint take sizes with units ('10 GB'); usage_fraction takes fractions of
+    the card (0.76)."""
+
+    SIZES = ("device_peak", "load_footprint")
+    FRACTION_OF = "the card"
+    kind: Literal["memory_range"]
+    metric: Literal["device_peak", "load_footprint", "usage_fraction"]
+
+
+class CheckpointingSavingClaim(_RangeClaim):
+    """The guide's own figure for what checkpointing saves, checked on real cards: the activations it
+    no longer holds for backward, as a size (`activation_bytes`: guide 004's '3-5GB'), or as a share
+    of the step's device peak without it, taken as the peak plus what it saves (`peak_fraction`:
+    guide 003's 'saves about 30-50% of the memory')."""
+
+    SIZES = ("activation_bytes",)
+    FRACTION_OF = "the peak"
+    kind: Literal["checkpointing_saving"]
+    metric: Literal["activation_bytes", "peak_fraction"]
+
+
+class CheckpointingSpeedClaim(_Claim):
+    """The guide's figure for what checkpointing costs in speed (guide 004: '-8%'), checked on real
+    cards against timed training forwards and backwards with it and without it (single-process jobs;
+    the optimizer step, the same either way, is left out). `cost`: the share of tokens per second lost."""
+
+    kind: Literal["checkpointing_speed_cost"]
+    cost: float = Field(gt=0, lt=1)
+
+
+class OomAllocationClaim(_Claim):
+    """The size the failing run asked for when it ran out of memory (checked where it reproduces)."""
+
+    kind: Literal["oom_tried_to_allocate"]
+    size: int
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return parse_size(value)
+
+
+class SpeedRankClaim(_Claim):
+    """Position in the guide's claimed speed order within the family (1 = fastest)."""
+
+    kind: Literal["speed_rank"]
+    rank: int = Field(gt=0)
+
+
+Claim = Annotated[
+    TrainsClaim | CheckpointingClaim | CheckpointingSavingClaim | CheckpointingSpeedClaim | QuantizedWeightsClaim
+    | Zero3PartitionClaim | OffloadClaim | LogitsToKeepClaim | LowerPeakThanClaim | MemoryRangeClaim
+    | OomAllocationClaim | SpeedRankClaim,
+    Field(discriminator="kind"),
+]
+
+# Claims that are physically meaningful at tiny size on a CPU.
+TINY_CLAIMS = {
+    "trains",
+    "checkpointing_saves_activations",
+    "quantized_weights_shrink",
+    "zero3_partitions_parameters",
+    "optimizer_state_offloaded",
+    "logits_to_keep_shrinks_logits",
+    "lower_peak_than",
+}
+
+
+class Case(Strict):
+    id: str = Field(pattern=r"^[0-9]{3}-[a-z0-9][a-z0-9.-]*$")
+    guide: str = Field(pattern=r"^[0-9]{3}$")
+    family: str = Field(min_length=1, description="cases of one family are compared with each other")
+    title: str
+    role: Role
+    model: str = Field(description="a name in harness/architectures")
+    layers: int | None = Field(
+        default=None, gt=0,
+        description="measure at full width with this many layers (full-size runs too big for the cards "
+        "at hand); omitted: the architecture's full depth",
+    )
+    depth_points: list[int] | None = Field(
+        default=None, min_length=2,
+        description="full-size runs measure at these layer counts (full width) and extrapolate to the full "
+        "depth: for configs whose full depth the GPUs or the host at hand cannot hold",
+    )
+    stack: Stack = Stack.plain
+    precision: Precision = Precision.bf16
+    method: Method
+    train: Train
+    deepspeed: DeepSpeed | None = None
+    launch: Launch = Field(default_factory=Launch)
+    target: Target
+    expect: Expect
+    claims: list[Claim] = Field(default_factory=list)
+    notes: str = ""
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value):
+        from harness.models.registry import known_architectures
+
+        known = known_architectures()
+        if value not in known:
+            raise ValueError(f"unknown model '{value}'; allowed: {', '.join(known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.layers is not None:
+            from harness.models.registry import load_architecture
+
+            depth = load_architecture(self.model).layers
+            if self.layers > depth:
+                raise ValueError(f"layers {self.layers} exceeds {self.model}'s {depth} layers")
+        if self.depth_points is not None:
+            from harness.models.registry import load_architecture
+
+            depth = self.layers or load_architecture(self.model).layers
+            if (len(set(self.depth_points)) != len(self.depth_points)
+                    or any(not 0 < d < depth for d in self.depth_points)):
+                raise ValueError(f"depth_points must be distinct layer counts between 1 and {depth - 1}")
+        if not self.id.startswith(self.guide + "-"):
+            raise ValueError(f"id '{self.id}' must start with its guide number '{self.guide}-'")
+        if self.deepspeed is None and self.launch.launcher == "deepspeed":
+            raise ValueError("launch.launcher is 'deepspeed' but the case has no 'deepspeed' block")
+        if self.deepspeed is None and self.launch.ranks > 1:
+            raise ValueError("several ranks without a 'deepspeed' block: the harness shards only through DeepSpeed")
+        if self.launch.init_order == "model_first" and (self.deepspeed is None or self.deepspeed.stage != 3):
+            raise ValueError("launch.init_order 'model_first' only matters for ZeRO-3 (deepspeed.stage: 3)")
+        if self.method.kind == "qlora" and self.deepspeed is not None and self.deepspeed.stage == 3:
+            raise ValueError("4-bit weights cannot be partitioned by ZeRO-3 here; use deepspeed.stage 2 (guide 000)")
+        if self.launch.procs_per_card > 1 and self.launch.ranks > 1:
+            raise ValueError("procs_per_card > 1 models independent single-rank jobs; set launch.ranks to 1")
+        if self.launch.ranks > self.target.card.count:
+            raise ValueError(
+                f"launch.ranks {self.launch.ranks} exceeds target.card.count {self.target.card.count}"
+            )
+        kinds = [c.kind for c in self.claims]
+        if "zero3_partitions_parameters" in kinds and (self.deepspeed is None or self.deepspeed.stage != 3):
+            raise ValueError("claim 'zero3_partitions_parameters' needs deepspeed.stage 3")
+        if "optimizer_state_offloaded" in kinds and (
+            self.deepspeed is None or self.deepspeed.offload_optimizer == Offload.none
+        ):
+            raise ValueError("claim 'optimizer_state_offloaded' needs deepspeed.offload_optimizer: cpu")
+        if "quantized_weights_shrink" in kinds and self.method.kind != "qlora":
+            raise ValueError("claim 'quantized_weights_shrink' needs method.kind 'qlora'")
+        if "checkpointing_saves_activations" in kinds and not self.train.gradient_checkpointing:
+            raise ValueError("claim 'checkpointing_saves_activations' needs train.gradient_checkpointing: true")
+        if "logits_to_keep_shrinks_logits" in kinds and not self.train.logits_to_keep:
+            raise ValueError("claim 'logits_to_keep_shrinks_logits' needs train.logits_to_keep >= 1")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.ranks
+
+    @property
+    def procs_per_node(self) -> int:
+        """Training processes the case puts on one host: every card of `target.card` busy, each with
+        `launch.procs_per_card` processes (guide 004: 7 cards x 2 = 14 jobs on one 251 GiB host; a
+        ZeRO job: one rank per card). `target.card` is one host's cards, and `launch.ranks` never
+        exceeds their count (validated above), so a job on fewer ranks than cards still counts every
+        card: the case's other cards run copies of it. A case that leaves cards idle (guide 002's
+        plain-python launch) is a mistake to detect, not a count to judge (`harness.judge.host_ram`)."""
+        return self.target.card.count * self.launch.procs_per_card
+
+    @property
+    def budget_bytes(self) -> int:
+        """What one card may hold for this case: card memory times the headroom fraction."""
+        return int(self.target.card.memory * self.target.headroom)

@@ -1,0 +1,73 @@
+"""The shape a case runs at, per fidelity.
+
+real: the case as written. tiny: the same case shrunk so every case of the suite runs on a 2-core
+CPU in seconds, keeping what the relative claims depend on:
+* sequence length scaled by 1/16 (so 1024 vs 512 stays 2:1), at least 16 tokens;
+* micro batch as written (it sets activation memory, and is small already);
+* gradient accumulation capped at 2 (memory does not grow with it past 2: the gradient buffer exists
+  from the second micro step on);
+* ranks capped at `TINY_MAX_RANKS` (2 by default: ZeRO partitions and gathers exactly as at 8);
+* DeepSpeed element-count buckets and thresholds scaled with the parameter size (hidden size squared).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from harness.models.registry import load_architecture, tiny_config
+from harness.spec.schema import Case
+
+TINY_SEQ_DIVISOR = 16
+TINY_MIN_SEQ = 16
+TINY_MAX_GRAD_ACCUM = 2
+TINY_STEPS = 4
+REAL_STEPS = 6
+
+
+def tiny_max_ranks() -> int:
+    return int(os.environ.get("HARNESS_TINY_RANKS", "2"))
+
+
+@dataclass(frozen=True)
+class RunShape:
+    fidelity: str
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    ranks: int
+    steps: int  # optimizer steps; the first is warm-up
+    ds_size_scale: float
+    hidden_size: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum
+
+
+def run_shape(case: Case, fidelity: str, steps: int | None = None) -> RunShape:
+    arch = load_architecture(case.model)
+    full_hidden = int(arch.config["hidden_size"])
+    if fidelity == "tiny":
+        seq = max(TINY_MIN_SEQ, case.train.seq_len // TINY_SEQ_DIVISOR)
+        hidden = int(tiny_config(arch, seq)["hidden_size"])
+        return RunShape(
+            fidelity=fidelity,
+            seq_len=seq,
+            micro_batch=case.train.micro_batch,
+            grad_accum=min(case.train.grad_accum, TINY_MAX_GRAD_ACCUM),
+            ranks=min(case.launch.ranks, tiny_max_ranks()),
+            steps=steps or TINY_STEPS,
+            ds_size_scale=(hidden / full_hidden) ** 2,
+            hidden_size=hidden,
+        )
+    return RunShape(
+        fidelity=fidelity,
+        seq_len=case.train.seq_len,
+        micro_batch=case.train.micro_batch,
+        grad_accum=case.train.grad_accum,
+        ranks=case.launch.ranks,
+        steps=steps or REAL_STEPS,
+        ds_size_scale=1.0,
+        hidden_size=full_hidden,
+    )
