@@ -179,9 +179,20 @@ def run(args) -> int:
     found = findings(judged)
     if found:
         print(f"\n{FINDINGS_TITLE.capitalize()}:\n" + found)
+    if args.fidelity == "tiny" and judged:
+        _print_full_size([j.case for j in judged])
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     failed = any(j.failed for j in judged) or bool(session.errors)
     return 1 if failed else 0
+
+
+def _print_full_size(cases) -> None:
+    """Under a tiny run: each case's predicted full-size peak against its card, and its last baseline."""
+    from harness.baselines.store import load_baselines
+    from harness.report import full_size
+
+    rows = full_size.full_size(cases, load_baselines())
+    print(f"\n{full_size.TITLE}:\n{full_size.table(rows)}")
 
 
 def _measure_variants(args, session, selected: list[str], run_root: Path) -> int:
