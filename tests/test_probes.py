@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness.runtime import worker
+from harness.runtime import probe
 from harness.spec.cases import CASES_DIR, load_case
 
 PLAN_A = load_case(CASES_DIR / "004-gla-plan-a-minimal.yaml")  # checkpointing, logits_to_keep, speed cost
@@ -29,15 +29,15 @@ def probes_that_oom_without_checkpointing(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
         return [0.3, 0.3, 0.3]
 
-    monkeypatch.setattr(worker, "_forward_probe", forward)
-    monkeypatch.setattr(worker, "_timed_passes", passes)
-    monkeypatch.setattr(worker, "_eval_probe", lambda model, batch, meas, keep: (10, 1 if keep else 8))
-    monkeypatch.setattr(worker, "_release_cache", lambda: released.append(True))
+    monkeypatch.setattr(probe, "_forward_probe", forward)
+    monkeypatch.setattr(probe, "_timed_passes", passes)
+    monkeypatch.setattr(probe, "_eval_probe", lambda model, batch, meas, keep: (10, 1 if keep else 8))
+    monkeypatch.setattr(probe, "_release_cache", lambda: released.append(True))
     return released
 
 
 def test_a_probe_out_of_memory_is_recorded_and_the_other_probes_still_run(probes_that_oom_without_checkpointing):
-    probes = worker._run_probes(PLAN_A, runner=None, engine=None, batch=None, meas=_Meas())
+    probes = probe.run_probes(PLAN_A, runner=None, engine=None, batch=None, meas=_Meas())
     assert set(probes.did_not_fit) == {"forward_without_checkpointing", "passes_without_checkpointing"}
     assert "Tried to allocate 32.00 MiB" in probes.did_not_fit["forward_without_checkpointing"]
     assert (probes.activation_bytes, probes.train_logits_bytes) == (100, 40)
@@ -52,6 +52,6 @@ def test_an_error_other_than_out_of_memory_in_a_probe_still_fails_the_run(monkey
     def broken(model, batch, meas, checkpointing):
         raise RuntimeError("shape mismatch in the probe")
 
-    monkeypatch.setattr(worker, "_forward_probe", broken)
+    monkeypatch.setattr(probe, "_forward_probe", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        worker._run_probes(PLAN_A, runner=None, engine=None, batch=None, meas=_Meas())
+        probe.run_probes(PLAN_A, runner=None, engine=None, batch=None, meas=_Meas())

@@ -63,11 +63,11 @@ class Probes(BaseModel):
     eval_logits_bytes_all: int | None = None
     train_logits_bytes: int | None = None
     # seconds of timed training forwards and backwards with checkpointing as configured and without it
-    # (cases that claim its speed cost; harness.runtime.worker._timed_passes)
+    # (cases that claim its speed cost; harness.runtime.probe._timed_passes)
     pass_s_with_checkpointing: list[float] | None = None
     pass_s_without_checkpointing: list[float] | None = None
     # probe -> the first line of its out-of-memory error, for the probes that did not fit the card
-    # (the run still counts: harness.runtime.worker._run_probes)
+    # (the run still counts: harness.runtime.probe.run_probes)
     did_not_fit: dict[str, str] = Field(default_factory=dict)
     window: tuple[float, float] | None = None  # wall-clock start and end of the probes (time.time())
 

@@ -1,5 +1,10 @@
 """The worker: one training process of one case. It builds, trains, measures and writes JSON.
 
+It runs the phases in order, each in a module of its own: load (`runtime.build`: the model as the
+case's stack builds it), engine (`runtime.engine`), step (`runtime.train`, over `runtime.data`'s
+synthetic batches), probe (`runtime.probe`), all measured by `runtime.measurement`. This module
+holds the order, the report and what a failure in any phase becomes.
+
 Run by the launcher, never in the test process (one fresh process per case run):
 
     python -m harness.runtime.worker --case cases/003-....yaml --fidelity tiny --out-dir DIR
@@ -12,10 +17,8 @@ recorded with its numbers and the phase it happened in, and the exit code says w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -50,362 +53,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-class CardLimitExceeded(Exception):
-    pass
-
-
-class Measurement:
-    """The phase-by-phase figures of one process, on whichever platform it runs."""
-
-    def __init__(self, device, emulated_card_bytes: int | None):
-        import torch
-
-        from harness.measure.trackers import (
-            AcceleratorTracker,
-            LiveTensorTracker,
-            Sampler,
-            clock_reader,
-            device_memory_reader,
-        )
-
-        self.device = device
-        self.on_cpu = device.type == "cpu"
-        self.limit = emulated_card_bytes
-        self.context_bytes = None
-        reader = device_memory_reader(device)
-        if self.on_cpu:
-            self.alloc = LiveTensorTracker()
-        else:
-            self.alloc = AcceleratorTracker(device)
-            torch.zeros(1, device=device)  # create the context, so its size can be read
-            if reader is not None and reader.per_process:
-                self.context_bytes = max(0, (reader.read() or 0) - torch.cuda.memory_reserved(device))
-            if emulated_card_bytes:
-                # A smaller card on a bigger one: the allocator may use what the card has left
-                # after this process's context (which the real card holds too).
-                total = torch.cuda.get_device_properties(device).total_memory
-                usable = emulated_card_bytes - (self.context_bytes or 0)
-                torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, usable / total)), device)
-        self.sampler = Sampler(reader, clock_reader=clock_reader(device))
-
-    def __enter__(self):
-        self.sampler.__enter__()
-        if self.on_cpu:
-            self.alloc.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.on_cpu:
-            self.alloc.__exit__(*exc)
-        self.sampler.__exit__(*exc)
-        return False
-
-    def check_cpu_limit(self):
-        """On a CPU, an emulated card limit turns into the same kind of error a GPU raises."""
-        if self.on_cpu and self.limit and self.alloc.peak_bytes() > self.limit:
-            import torch
-
-            raise torch.OutOfMemoryError(
-                f"CPU out of memory (emulated card). Tried to allocate {self.alloc.peak_bytes() - self.limit} B "
-                f"above the emulated card of {self.limit} B"
-            )
-
-    def reset(self):
-        self.alloc.reset_peak()
-        self.sampler.reset()
-
-    def figures(self):
-        from harness.measure.records import Memory
-
-        self.sampler.sample()
-        reserved = None if self.on_cpu else self.alloc.peak_reserved()
-        device = self.sampler.device_peak
-        if device is not None and reserved is not None and self.context_bytes is not None:
-            # NVML is sampled every 20 ms and can miss a short spike; the process held at least
-            # its reserved peak plus its context at that moment.
-            device = max(device, reserved + self.context_bytes)
-        return Memory(
-            allocated=self.alloc.peak_bytes(),
-            reserved=reserved,
-            device=device,
-            host_rss=self.sampler.host_peak,
-            host_anon=self.sampler.host_anon_peak,
-            resident=self.alloc.current(),
-        )
-
-    def lift_cap(self):
-        """Probes measure byte deltas of ablations (checkpointing off, all logits), which may not
-        fit the emulated card; they run without its cap."""
-        if not self.on_cpu and self.limit:
-            import torch
-
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        self.limit = None
-
-    def current(self) -> int:
-        return self.alloc.current()
-
-    def sync(self):
-        if not self.on_cpu:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-
-
-def _logical_numel(p) -> int:
-    if hasattr(p, "ds_numel"):
-        return int(p.ds_numel)
-    qs = getattr(p, "quant_state", None)
-    if qs is not None and getattr(qs, "shape", None) is not None:
-        import math
-
-        return math.prod(qs.shape)
-    return p.numel()
-
-
-def _local_bytes(p) -> int:
-    if hasattr(p, "ds_tensor"):
-        return p.ds_tensor.numel() * p.ds_tensor.element_size()
-    return p.numel() * p.element_size()
-
-
-def _weights(model):
-    from harness.measure.records import Weights
-
-    params = list(model.parameters())
-    q_bytes = q_bf16 = 0
-    found_q = False
-    bnb = sys.modules.get("bitsandbytes")  # loaded by the QLoRA path only
-    if bnb is not None:
-        for module in model.modules():
-            if isinstance(module, bnb.nn.Linear4bit):
-                found_q = True
-                w = module.weight
-                q_bytes += w.numel() * w.element_size()
-                qs = getattr(w, "quant_state", None)
-                if qs is not None:
-                    for t in (qs.absmax, getattr(qs, "code", None)):
-                        if t is not None:
-                            q_bytes += t.numel() * t.element_size()
-                    nested = getattr(qs, "state2", None)
-                    if nested is not None:
-                        q_bytes += nested.absmax.numel() * nested.absmax.element_size()
-                q_bf16 += _logical_numel(w) * 2
-    return Weights(
-        params_total=sum(_logical_numel(p) for p in params),
-        params_trainable=sum(_logical_numel(p) for p in params if p.requires_grad),
-        param_bytes_local=sum(_local_bytes(p) for p in params),
-        quantized_linear_bytes=q_bytes if found_q else None,
-        quantized_linear_bf16_bytes=q_bf16 if found_q else None,
-    )
-
-
-def _offload(engine, on_cpu: bool):
-    from harness.measure.records import Offload
-
-    zero_opt = engine.optimizer
-    inner = getattr(zero_opt, "optimizer", zero_opt)
-    offloaded = bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False))
-    tensors = []
-    for state in inner.state.values():
-        tensors += [t for t in state.values() if hasattr(t, "numel") and t.dim() > 0]
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-        tensors += list(getattr(zero_opt, name, []) or [])
-    device_bytes = host_bytes = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        # On a GPU the tensor's device says where it lives. On a CPU the accelerator *is* the
-        # host, so the placement DeepSpeed chose (its offload flag) is what we can report.
-        on_host = (t.device.type == "cpu") if not on_cpu else offloaded
-        if on_host:
-            host_bytes += nbytes
-        else:
-            device_bytes += nbytes
-    return Offload(optimizer_class=type(inner).__name__, device_state_bytes=device_bytes, host_state_bytes=host_bytes)
-
-
-class SyntheticTokens:
-    """A map-style dataset of fixed random token sequences (labels = inputs). A few distinct
-    sequences, cycled, so a tiny model's loss visibly falls within a few steps."""
-
-    def __init__(self, vocab: int, seq_len: int, distinct: int, length: int, seed: int = 0):
-        import torch
-
-        g = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, vocab, (distinct, seq_len), generator=g)
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        return self.data[i % len(self.data)]
-
-
-def _loader(case, shape, vocab, on_cpu, micro_steps):
-    import torch
-    from torch.utils.data import DataLoader
-
-    ds = SyntheticTokens(vocab, shape.seq_len, distinct=shape.micro_batch * 2, length=shape.micro_batch * micro_steps)
-    kwargs = {}
-    if case.train.dataloader_workers > 0:
-        kwargs["prefetch_factor"] = case.train.prefetch_factor or 2
-        kwargs["persistent_workers"] = False
-    return DataLoader(
-        ds,
-        batch_size=shape.micro_batch,
-        num_workers=case.train.dataloader_workers,
-        pin_memory=case.train.pin_memory and not on_cpu and torch.cuda.is_available(),
-        **kwargs,
-    )
-
-
-def _measured_forward(model, batch, meas, grad: bool, **kwargs) -> tuple[int, int, int | None]:
-    """One forward from a synchronised start: (bytes it leaves alive, its peak above the start,
-    the bytes of its logits)."""
-    import torch
-
-    meas.sync()
-    start = meas.current()
-    meas.reset()
-    with torch.set_grad_enabled(grad):
-        out = model(input_ids=batch, **kwargs)
-        meas.sync()
-        held = meas.current() - start
-        logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else None
-    del out
-    return held, meas.figures().allocated - start, logits
-
-
-@contextlib.contextmanager
-def _checkpointing_as(model, on: bool | None):
-    """Checkpointing turned on or off for a probe (None: as the case configures it), then restored."""
-    from harness.runtime.build import checkpointing_active, set_checkpointing
-
-    base = getattr(model, "module", model)  # DeepSpeed engine -> peft/HF model
-    hf = base.get_base_model() if hasattr(base, "get_base_model") else base
-    was = checkpointing_active(hf)
-    toggled = on is not None and on != was
-    if toggled:
-        set_checkpointing(hf, on)
-    try:
-        yield
-    finally:
-        if toggled:
-            set_checkpointing(hf, was)
-
-
-def _forward_probe(model, batch, meas, checkpointing: bool | None):
-    """Bytes a training forward leaves alive for backward (activations, logits, loss), measured
-    without running backward, so neither gradients nor optimizer state move."""
-    with _checkpointing_as(model, checkpointing):
-        held, _, logits = _measured_forward(model, batch, meas, grad=True, labels=batch)
-    return held, logits
-
-
-def _timed_passes(model, batch, meas, checkpointing: bool, repeats: int = 3) -> list[float]:
-    """Seconds of `repeats` training forwards and backwards with checkpointing on or off, after one
-    untimed warm-up; gradients are dropped after each. What checkpointing costs in speed: the
-    optimizer step, the same either way, is left out."""
-    times = []
-    with _checkpointing_as(model, checkpointing):
-        for i in range(repeats + 1):
-            try:
-                meas.sync()
-                start = time.perf_counter()
-                model(input_ids=batch, labels=batch).loss.backward()
-                meas.sync()
-                if i:
-                    times.append(time.perf_counter() - start)
-            finally:  # also when a pass runs out of memory: the next probe needs the card
-                model.zero_grad(set_to_none=True)
-    return times
-
-
-@contextlib.contextmanager
-def _card_to_itself(out_dir: Path, local_rank: int, shared: bool):
-    """Jobs sharing one card (`launch.procs_per_card` > 1) take turns for their probes. Their
-    training steps run side by side, as on the real card; a probe measures one job's ablation
-    (checkpointing off, every logit), and two jobs' ablations at once can run out of the emulated
-    card where neither training does: guide 004 plan A's probes did on an H100 on 2026-11-26, the
-    one job 10.80 GiB in its forward without checkpointing while the other held 12.70 GiB in its
-    timed backward. Only for jobs without collectives: a DeepSpeed rank waiting here while its
-    peers gather parameters in their probes would hang them all."""
-    if not shared:
-        yield
-        return
-    # filelock (a dependency of torch) rather than fcntl by hand: it releases on process death too
-    from filelock import FileLock
-
-    with FileLock(str(out_dir / f"probes-card{local_rank}.lock")):
-        try:
-            yield
-        finally:
-            _release_cache()
-
-
-def _release_cache():
-    """Hand the allocator's cached blocks back to the card (for the next job's probe)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _run_probes(case, runner, engine, batch, meas):
-    """The ablations behind the relative claims, measured after training on one batch. A probe that
-    does not fit the card is recorded as such (`Probes.did_not_fit`) and the next still runs: the
-    run trained, and an ablation it does not use must not fail it."""
-    import torch
-
-    from harness.measure.records import Probes
-
-    start = time.time()
-    probes = Probes()
-
-    def fitting(name, probe, *args):
-        try:
-            return probe(*args)
-        except torch.OutOfMemoryError as exc:
-            probes.did_not_fit[name] = str(exc).strip().splitlines()[0][:300]
-            _release_cache()
-            return None
-
-    configured = fitting("forward", _forward_probe, runner, batch, meas, None)
-    if configured:
-        probes.activation_bytes, probes.train_logits_bytes = configured
-    if case.train.gradient_checkpointing:
-        without = fitting("forward_without_checkpointing", _forward_probe, runner, batch, meas, False)
-        if without:
-            probes.activation_bytes_without_checkpointing = without[0]
-        if configured and without:
-            probes.checkpointing_effective = probes.activation_bytes < probes.activation_bytes_without_checkpointing
-        if engine is None and any(c.kind == "checkpointing_speed_cost" for c in case.claims):
-            probes.pass_s_with_checkpointing = fitting("passes_with_checkpointing", _timed_passes,
-                                                       runner, batch, meas, True)
-            probes.pass_s_without_checkpointing = fitting("passes_without_checkpointing", _timed_passes,
-                                                          runner, batch, meas, False)
-    if case.train.logits_to_keep:
-        kept = fitting("eval", _eval_probe, runner, batch, meas, case.train.logits_to_keep)
-        if kept:
-            probes.eval_peak_bytes, probes.eval_logits_bytes = kept
-        every = fitting("eval_all_logits", _eval_probe, runner, batch, meas, 0)
-        if every:
-            probes.eval_peak_bytes_all_logits, probes.eval_logits_bytes_all = every
-    probes.window = (start, time.time())
-    return probes
-
-
-def _eval_probe(model, batch, meas, logits_to_keep: int):
-    """Peak above the start and logits bytes of an evaluation forward with `logits_to_keep`."""
-    model.eval()
-    try:
-        _, peak, logits = _measured_forward(model, batch, meas, grad=False, logits_to_keep=logits_to_keep)
-        return peak, logits
-    finally:
-        model.train()
-
-
 def run(args) -> int:
     import torch
 
@@ -413,7 +60,12 @@ def run(args) -> int:
     from harness.measure.records import ErrorInfo, Failure, RankReport, Zero
     from harness.runtime import compile_cache
     from harness.runtime.build import build_model, prepare_checkpoint
+    from harness.runtime.data import loader
+    from harness.runtime.engine import start_engine
+    from harness.runtime.measurement import Measurement, local_bytes, offload, weights
     from harness.runtime.platform import Platform, detect, dist_backend, parse_oom
+    from harness.runtime.probe import card_to_itself, run_probes
+    from harness.runtime.train import train_steps
     from harness.spec.cases import load_case
     from harness.spec.dsconfig import deepspeed_config
     from harness.spec.shape import run_shape
@@ -482,60 +134,24 @@ def run(args) -> int:
             meas.sync()
             meas.check_cpu_limit()
             report.load = meas.figures()
-            params_before_engine = sum(_local_bytes(p) for p in model.parameters())
+            params_before_engine = sum(local_bytes(p) for p in model.parameters())
 
             progress(f"loaded, {report.load.allocated / 2**30:.2f} GiB peak allocated")
             phase = "engine"
-            if ds_config is not None:
-                import deepspeed
-
-                trainable = [p for p in model.parameters() if p.requires_grad]
-                engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
-                                                               config=ds_config)
-                runner = engine
-            else:
-                optimizer = torch.optim.AdamW(
-                    [p for p in model.parameters() if p.requires_grad], lr=case.train.learning_rate
-                )
-                runner = model
+            trainer = start_engine(case, model, ds_config)
+            engine, runner = trainer.engine, trainer.runner
             meas.check_cpu_limit()
 
             progress("engine ready")
             phase = "step"
             vocab = int(built.config_dict["vocab_size"])
-            loader = _loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum)
-            batches = iter(loader)
+            batches = iter(loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum))
             meas.sync()
             meas.reset()
-            for _ in range(shape.steps):
-                meas.sync()
-                t0 = time.perf_counter()
-                losses = []
-                for _micro in range(shape.grad_accum):
-                    batch = next(batches).to(device, non_blocking=True)
-                    out = runner(input_ids=batch, labels=batch)
-                    loss = out.loss
-                    if engine is not None:
-                        engine.backward(loss)
-                        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-                    else:
-                        (loss / shape.grad_accum).backward()
-                    losses.append(float(loss.detach()))
-                    del out, loss
-                    meas.check_cpu_limit()
-                if engine is None:
-                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                meas.sync()
-                report.step_times_s.append(time.perf_counter() - t0)
-                report.losses.append(statistics.fmean(losses))
-                progress(f"step {len(report.step_times_s)}/{shape.steps} in {report.step_times_s[-1]:.2f} s")
-                if len(report.step_times_s) == report.warmup_steps:
-                    meas.sampler.reset_clocks()  # the clock of the timed steps, not of the warm-up's compilation
+            train_steps(trainer, shape, batches, device, meas, report, progress)
             report.step = meas.figures()
             report.clocks = meas.sampler.clocks()
-            report.weights = _weights(model)
+            report.weights = weights(model)
             from harness.measure.flops import flops_per_token, linear_weight_count
 
             report.flops_per_token = flops_per_token(
@@ -553,14 +169,14 @@ def run(args) -> int:
                     materialised_param_bytes_before_engine=params_before_engine,
                 )
                 if ds.stage > 0:  # ZeRO partitions optimizer state from stage 1 on
-                    report.offload = _offload(engine, platform == Platform.cpu)
+                    report.offload = offload(engine, platform == Platform.cpu)
 
             phase = "probe"
             meas.lift_cap()
             progress("probes")
-            probe_batch = next(iter(_loader(case, shape, vocab, True, 1))).to(device)
-            with _card_to_itself(Path(args.out_dir), local_rank, engine is None and case.launch.procs_per_card > 1):
-                report.probes = _run_probes(case, runner, engine, probe_batch, meas)
+            probe_batch = next(iter(loader(case, shape, vocab, True, 1))).to(device)
+            with card_to_itself(Path(args.out_dir), local_rank, engine is None and case.launch.procs_per_card > 1):
+                report.probes = run_probes(case, runner, engine, probe_batch, meas)
     except BaseException as exc:  # every failure becomes a report, then an exit code
         text = f"{type(exc).__name__}: {exc}"
         oom = parse_oom(text)

@@ -1,0 +1,40 @@
+"""Synthetic training data: random token sequences with the case's batch, length and dataloader
+settings (workers, prefetch, pinned memory), so memory and speed are the real input pipeline's."""
+
+from __future__ import annotations
+
+
+class SyntheticTokens:
+    """A map-style dataset of fixed random token sequences (labels = inputs). A few distinct
+    sequences, cycled, so a tiny model's loss visibly falls within a few steps."""
+
+    def __init__(self, vocab: int, seq_len: int, distinct: int, length: int, seed: int = 0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (distinct, seq_len), generator=g)
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.data[i % len(self.data)]
+
+
+def loader(case, shape, vocab, on_cpu, micro_steps):
+    import torch
+    from torch.utils.data import DataLoader
+
+    ds = SyntheticTokens(vocab, shape.seq_len, distinct=shape.micro_batch * 2, length=shape.micro_batch * micro_steps)
+    kwargs = {}
+    if case.train.dataloader_workers > 0:
+        kwargs["prefetch_factor"] = case.train.prefetch_factor or 2
+        kwargs["persistent_workers"] = False
+    return DataLoader(
+        ds,
+        batch_size=shape.micro_batch,
+        num_workers=case.train.dataloader_workers,
+        pin_memory=case.train.pin_memory and not on_cpu and torch.cuda.is_available(),
+        **kwargs,
+    )
