@@ -1,4 +1,5 @@
-"""The user documentation stays true: the case-format page is the schema's."""
+"""The user documentation stays true: the case-format page is the schema's, links resolve, the README
+stays short, and product text tells of the software and its measurements only."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+import pytest
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
@@ -16,6 +18,12 @@ from harness.spec.units import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_FORMAT = ROOT / "docs" / "case-format.md"
+USER_DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "results" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md"))]
+# Accounts of how the project was built, which product text must not give.
+MAKING_OF = re.compile(r"(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth) session"
+                       r"|session of 20[0-9]{2}|lent (h100|h200|host|machine|gpu)|device[ ]time|hosts?[ ]lent",
+                       re.IGNORECASE)
 
 
 def test_case_format_page_is_generated_from_the_schema():
@@ -103,3 +111,44 @@ def test_a_schema_of_another_shape_renders_every_part():
     assert "| `weight` | number | `1.5` | > 0, <= 2 | the weight |" in page
     assert "| `name` | string | required | matches `^[a-z]+$` |" in page
     assert "| `later` | integer | none | >= 3 | a field added later |" in page
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _headings(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {case_format_doc._anchor(m.strip()) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    broken = []
+    for target in _LINK.findall(re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.S)):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file_part, _, anchor = target.partition("#")
+        path = (doc.parent / file_part).resolve() if file_part else doc
+        if not path.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in _headings(path):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{doc.relative_to(ROOT)}: " + ", ".join(broken)
+
+
+def test_readme_stays_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 200, f"README.md has {lines} lines; move detail to docs/"
+
+
+def _product_text() -> list[Path]:
+    files = [*USER_DOCS, *sorted((ROOT / "ci").glob("*.yml"))]
+    for folder in ("harness", "cases", "configs", "benchmarks"):
+        files += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in (".py", ".yaml", ".yml", ".md")]
+    return [p for p in files if p.exists()]
+
+
+def test_product_text_tells_of_the_software_not_of_how_it_was_made():
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _product_text()
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if MAKING_OF.search(line)]
+    assert not hits, "\n".join(hits)
