@@ -98,6 +98,7 @@ class _Root(BaseModel):
     items: list[Annotated[_A | _B, Field(discriminator="kind", description="the items")]] = Field(
         default_factory=list)
     later: int | None = Field(default=None, ge=3, description="a field added later")
+    code: str = Field(json_schema_extra={"pattern": "^[A-Z]+$", "maxLength": 8}, description="checked elsewhere")
 
 
 def test_a_schema_of_another_shape_renders_every_part():
@@ -111,6 +112,7 @@ def test_a_schema_of_another_shape_renders_every_part():
     assert "| `weight` | number | `1.5` | > 0, <= 2 | the weight |" in page
     assert "| `name` | string | required | matches `^[a-z]+$` |" in page
     assert "| `later` | integer | none | >= 3 | a field added later |" in page
+    assert "| `code` | string | required | at most 8 characters, matches `^[A-Z]+$` | checked elsewhere |" in page
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -34,7 +34,7 @@ REGENERATE = "python -m harness.spec.case_format_doc > docs/case-format.md"
 INTRO = """\
 # Case format
 
-<!-- Generated from harness/spec/schema.py by `{regenerate}`. Do not edit by hand. -->
+<!-- Generated from harness/spec/schema.py by `{regenerate}`: edit the schema, then regenerate. -->
 
 A case is one YAML file: a training configuration, the card it must fit, what is expected of it,
 and the claims made about it. One parametrized test runs every case file in a folder (the bundled
@@ -67,7 +67,7 @@ method:
   kind: qlora
   quantization: {{bits: 4, quant_type: nf4}}
   lora: {{r: 16, alpha: 32, targets: [q_proj, k_proj, v_proj, o_proj]}}
-train: {{micro_batch: 1, grad_accum: 16, seq_len: 512, gradient_checkpointing: true}}
+train: {{micro_batch: 1, grad_accum: 32, seq_len: 512, gradient_checkpointing: true}}
 target:
   card: {{vendor: nvidia, name: "16 GB card", memory: 15.77 GiB}}
   headroom: 0.9
@@ -273,6 +273,14 @@ def _constraints(fld: FieldInfo) -> str:
             parts.append(f"at most {meta.max_length} " + ("items" if _is_listy(fld) else "characters"))
         elif getattr(meta, "pattern", None):
             parts.append(f"matches `{meta.pattern}`")
+    extra = fld.json_schema_extra if isinstance(fld.json_schema_extra, dict) else {}
+    unit = "items" if _is_listy(fld) else "characters"
+    for key, text in (("exclusiveMinimum", "> {}"), ("minimum", ">= {}"), ("exclusiveMaximum", "< {}"),
+                      ("maximum", "<= {}"), ("minLength", "at least {} " + unit),
+                      ("maxLength", "at most {} " + unit), ("minItems", "at least {} items"),
+                      ("maxItems", "at most {} items"), ("pattern", "matches `{}`")):
+        if key in extra:  # constraints a field states for its JSON schema only (checked by a validator)
+            parts.append(text.format(extra[key]))
     return ", ".join(parts)
 
 
