@@ -7,8 +7,8 @@ largest relative deviation from the median, and never below a floor (allocator p
 byte on one software stack, step times do not). A baseline of a single repetition has no spread;
 the floor alone applies and the verdict says so.
 
-Three times a wide spread can reach past zero: repetitions from different lent hosts of one card
-kind differ in speed by up to 75% (results/README.md), and a floor below zero tokens/s is a check
+Three times a wide spread can reach past zero: repetitions from different hosts of one card kind
+differ in speed by up to 75% (docs/baselines.md), and a floor below zero tokens/s is a check
 that cannot fail. So a derived limit is also bounded by the repetitions themselves: a run may be no
 slower than the slowest of them, and use no more memory than the highest, by more than the floor.
 """

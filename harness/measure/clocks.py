@@ -1,8 +1,8 @@
 """The card's SM clock, and what slowed it, while the steps are timed.
 
-Speed baselines come from lent hosts, and hosts of one card kind differ: on 2026-11-26 guide 003's
-r32 QLoRA fixes ran about 33% below their baselines on one H100 host whose peaks matched them to the
-byte, while the r16 fix (more, smaller kernels) ran at its usual speed there. A slower host CPU, a
+Speed baselines come from several hosts, and hosts of one card kind differ: on 2026-11-26 guide
+003's r32 QLoRA fixes ran about 33% below their baselines on one H100 host whose peaks matched them to
+the byte, while the r16 fix (more, smaller kernels) ran at its usual speed there. A slower host CPU, a
 card held below its clock by a power cap or heat, and a regression in the code all read as the
 same refuted speed. So the sampler (`harness.measure.trackers.Sampler`) reads, beside the device memory,
 NVML's current SM clock, its clock-event reasons (the bits `nvidia-smi -q -d PERFORMANCE`

@@ -1,7 +1,7 @@
 """Whether a run's Triton kernels were compiled in the run (a cold cache) or loaded from disk (warm).
 
 flash-linear-attention's kernels are Triton kernels: the first run on a host compiles and autotunes
-them. Measured on guide 004's GLA jobs (results/README.md), a cold cache costs the first step minutes
+them. Measured on guide 004's GLA jobs (docs/findings.md), a cold cache costs the first step minutes
 and holds 1.9-3.8 GiB more device memory per process outside PyTorch's allocator than a warm one;
 the guide's two-job OOM reproduced on a cold cache and not on a warm one. So every figure of a run
 that used Triton says which it had, a baseline is not compared across the two, and a case can ask

@@ -26,13 +26,15 @@ class Role(str, Enum):
 
 
 class Precision(str, Enum):
+    """The dtype weights and activations are computed in (mixed precision: bf16 or fp16)."""
+
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
 
 
 class Stack(str, Enum):
-    """The training stack a config comes from; it changes memory (see DESIGN.md).
+    """The training stack a config comes from; it changes memory (GiBs on a 7B QLoRA).
 
     peft: peft's `prepare_model_for_kbit_training` (upcasts non-4-bit parameters to fp32).
     llamafactory: LLaMA-Factory's QLoRA path (keeps them in the compute dtype).
@@ -45,16 +47,21 @@ class Stack(str, Enum):
 
 
 class Quantization(Strict):
-    bits: Literal[4] = 4
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = True
-    compute_dtype: Precision = Precision.bf16
+    """bitsandbytes 4-bit storage of the frozen base weights (QLoRA)."""
+
+    bits: Literal[4] = Field(default=4, description="bits per quantized weight")
+    quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="bitsandbytes' 4-bit data type")
+    double_quant: bool = Field(default=True, description="quantize the quantization constants too")
+    compute_dtype: Precision = Field(default=Precision.bf16, description="dtype the 4-bit weights are "
+                                     "dequantized to for each matmul")
 
 
 class Lora(Strict):
-    r: int = Field(gt=0, le=1024)
-    alpha: float = Field(gt=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """LoRA adapters (peft): low-rank trainable matrices beside frozen weights."""
+
+    r: int = Field(gt=0, le=1024, description="adapter rank")
+    alpha: float = Field(gt=0, description="scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
     targets: list[str] | Literal["all"] = Field(
         description="module names, or 'all' for every linear layer except the output head"
     )
@@ -68,9 +75,12 @@ class Lora(Strict):
 
 
 class Method(Strict):
-    kind: Literal["lora", "qlora", "full"]
-    lora: Lora | None = None
-    quantization: Quantization | None = None
+    """What is trained: LoRA adapters, LoRA on 4-bit weights (QLoRA), or every weight."""
+
+    kind: Literal["lora", "qlora", "full"] = Field(
+        description="lora and qlora need a `lora` block; qlora also a `quantization` block")
+    lora: Lora | None = Field(default=None, description="the adapters (lora, qlora)")
+    quantization: Quantization | None = Field(default=None, description="the 4-bit storage (qlora only)")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -86,42 +96,66 @@ class Method(Strict):
 
 
 class Train(Strict):
-    micro_batch: int = Field(gt=0, le=4096)
-    grad_accum: int = Field(gt=0, le=65536)
-    seq_len: int = Field(gt=0, le=1_048_576)
-    gradient_checkpointing: bool = False
+    """The training loop: batch shape, accumulation, checkpointing, data loading."""
+
+    micro_batch: int = Field(gt=0, le=4096, description="sequences per forward and backward, per process")
+    grad_accum: int = Field(gt=0, le=65536, description="micro steps accumulated per optimizer step")
+    seq_len: int = Field(gt=0, le=1_048_576, description="tokens per sequence (cutoff_len, max_seq_length)")
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward "
+                                         "instead of keeping them")
     checkpointing_reentrant: bool | None = Field(
         default=None,
         description="torch.utils.checkpoint's use_reentrant; omitted: the stack's default (peft's k-bit "
         "preparation and LLaMA-Factory's use_reentrant_gc: true; plain: false, the transformers default)")
-    learning_rate: float = Field(default=1e-4, gt=0)
-    dataloader_workers: int = Field(default=0, ge=0, le=256)
-    pin_memory: bool = True
-    prefetch_factor: int | None = Field(default=None, gt=0)
+    learning_rate: float = Field(default=1e-4, gt=0, description="AdamW's learning rate")
+    dataloader_workers: int = Field(default=0, ge=0, le=256, description="DataLoader worker processes "
+                                    "(each holds host memory)")
+    pin_memory: bool = Field(default=True, description="the DataLoader's pin_memory")
+    prefetch_factor: int | None = Field(default=None, gt=0, description="batches each DataLoader worker "
+                                        "loads ahead; omitted: torch's default")
     logits_to_keep: int | None = Field(
         default=None, ge=0, description="passed to the model in evaluation forwards (guide 004)"
     )
 
 
 class Offload(str, Enum):
+    """Where DeepSpeed keeps offloaded state: on the card (none) or in host memory (cpu)."""
+
     none = "none"
     cpu = "cpu"
 
 
 class DeepSpeed(Strict):
-    stage: Literal[0, 1, 2, 3]
-    offload_optimizer: Offload = Offload.none
-    offload_param: Offload = Offload.none
-    pin_memory: bool = True
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int | None = Field(default=None, gt=0)
-    allgather_bucket_size: int | None = Field(default=None, gt=0)
-    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=0)
-    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0)
-    stage3_max_live_parameters: int | None = Field(default=None, ge=0)
-    stage3_max_reuse_distance: int | None = Field(default=None, ge=0)
-    sub_group_size: int | None = Field(default=None, gt=0)
+    """DeepSpeed ZeRO settings, written to the job's DeepSpeed config (harness.spec.dsconfig).
+
+    Counts are elements, as in DeepSpeed's own config; omitted: DeepSpeed's default (at tiny size,
+    element-count thresholds scale with the parameter count)."""
+
+    stage: Literal[0, 1, 2, 3] = Field(description="ZeRO stage: 1 shards optimizer state, 2 also "
+                                       "gradients, 3 also parameters")
+    offload_optimizer: Offload = Field(default=Offload.none, description="optimizer state (and, under "
+                                       "ZeRO-3, the fp32 gradient partition) in host memory")
+    offload_param: Offload = Field(default=Offload.none, description="parameter partitions in host "
+                                   "memory (stage 3 only)")
+    pin_memory: bool = Field(default=True, description="page-locked host buffers for offloaded state")
+    overlap_comm: bool = Field(default=True, description="overlap gradient reduction with backward "
+                               "(a second reduce bucket)")
+    contiguous_gradients: bool = Field(default=True, description="copy gradients into one contiguous "
+                                       "buffer as they are produced")
+    reduce_bucket_size: int | None = Field(default=None, gt=0, description="elements per gradient "
+                                           "reduction bucket")
+    allgather_bucket_size: int | None = Field(default=None, gt=0, description="elements per all-gather "
+                                              "bucket (stages 1 and 2)")
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=0, description="elements of "
+                                                    "parameters gathered ahead of use")
+    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0, description="parameters "
+                                                           "smaller than this stay whole on every rank")
+    stage3_max_live_parameters: int | None = Field(default=None, ge=0, description="most gathered "
+                                                   "elements kept on the card at once")
+    stage3_max_reuse_distance: int | None = Field(default=None, ge=0, description="a gathered parameter "
+                                                  "used again within this many elements is kept, not freed")
+    sub_group_size: int | None = Field(default=None, gt=0, description="elements per optimizer step "
+                                       "group (bounds the optimizer's transient memory)")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -142,7 +176,10 @@ class DeepSpeed(Strict):
 
 
 class Launch(Strict):
-    launcher: Literal["python", "torchrun", "deepspeed"] = "python"
+    """How the job is started: launcher, processes, environment."""
+
+    launcher: Literal["python", "torchrun", "deepspeed"] = Field(
+        default="python", description="python starts one process; torchrun and deepspeed start `ranks`")
     ranks: int = Field(default=1, gt=0, le=1024, description="training processes of one job")
     procs_per_card: int = Field(
         default=1, gt=0, le=16, description="independent training jobs sharing one card (guide 004)"
@@ -151,7 +188,8 @@ class Launch(Strict):
         default="deepspeed_first",
         description="model_first materialises the model before DeepSpeed is configured (guide 002's mistake)",
     )
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="environment of the training "
+                                "processes (PYTORCH_CUDA_ALLOC_CONF, OMP_NUM_THREADS, ...)")
     triton_cache: Literal["shared", "cold"] = Field(
         default="shared",
         description="Triton kernels (flash-linear-attention): 'shared' keeps compiled kernels between runs "
@@ -173,10 +211,13 @@ Vendor = Literal["nvidia", "hygon", "amd"]
 
 
 class Card(Strict):
-    vendor: Vendor
-    name: str
+    """The card the config must fit; a smaller card is emulated on a bigger one."""
+
+    vendor: Vendor = Field(description="hygon and amd cards run under ROCm/HIP (`pytest -m dcu` selects "
+                           "hygon targets)")
+    name: str = Field(description="the card as people name it, shown in reports")
     memory: int = Field(description="per card, with a unit: '64 GB', '23.52 GiB'")
-    count: int = Field(default=1, gt=0, le=1024)
+    count: int = Field(default=1, gt=0, le=1024, description="cards of one host")
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -188,6 +229,8 @@ class Card(Strict):
 
 
 class Target(Strict):
+    """Where the config must fit: the card, the share of it a run may use, the host."""
+
     card: Card
     headroom: float = Field(
         default=0.9, gt=0, le=1, description="the fraction of the card a run may use (guides: < 90%)"
@@ -212,6 +255,12 @@ def _finding_field(subject: str):
 
 
 class Expect(Strict):
+    """What a full-size run must show, and how far it may move from its baseline.
+
+    `detect` names the mistake to flag, exactly when `outcome` is detected: the model built before
+    DeepSpeed's ZeRO-3 init (materialised_before_zero_init), or a ZeRO job launched as one process
+    (single_process_zero)."""
+
     outcome: Literal["fits", "oom", "detected"] = Field(
         description="fits: within the headroom; oom: exceeds the card (the guide's failure); "
         "detected: a mistake the harness must flag"
@@ -244,6 +293,8 @@ class _Claim(Strict):
 
 
 class TrainsClaim(_Claim):
+    """The config trains: its steps finish and the loss is finite."""
+
     kind: Literal["trains"]
 
 
@@ -258,19 +309,25 @@ class QuantizedWeightsClaim(_Claim):
     """4-bit storage: quantized linear weights take about a quarter of their bf16 bytes."""
 
     kind: Literal["quantized_weights_shrink"]
-    max_ratio: float = Field(default=0.3, gt=0, le=1)
+    max_ratio: float = Field(default=0.3, gt=0, le=1, description="quantized bytes / bf16 bytes at most")
 
 
 class Zero3PartitionClaim(_Claim):
+    """ZeRO-3 holds about 1/world of the parameters on each rank."""
+
     kind: Literal["zero3_partitions_parameters"]
     tolerance: float = Field(default=0.25, gt=0, lt=1, description="relative slack around 1/world")
 
 
 class OffloadClaim(_Claim):
+    """Optimizer offload moves the optimizer state off the card, into host memory."""
+
     kind: Literal["optimizer_state_offloaded"]
 
 
 class LogitsToKeepClaim(_Claim):
+    """`train.logits_to_keep` shrinks the logits an evaluation forward holds."""
+
     kind: Literal["logits_to_keep_shrinks_logits"]
 
 
@@ -278,7 +335,7 @@ class LowerPeakThanClaim(_Claim):
     """This variant's per-card peak is below another case's (a fix against its failing config)."""
 
     kind: Literal["lower_peak_than"]
-    case: str
+    case: str = Field(description="id of the case this one peaks below (run too when selected)")
 
 
 class _RangeClaim(_Claim):
@@ -288,8 +345,9 @@ class _RangeClaim(_Claim):
     SIZES: ClassVar[tuple[str, ...]] = ()
     FRACTION_OF: ClassVar[str] = ""
     metric: str
-    low: float
-    high: float
+    low: float = Field(description="low end: a size with a unit ('10 GiB') for a size metric, else a "
+                       "fraction between 0 and 1")
+    high: float = Field(description="high end, written like low")
 
     @model_validator(mode="before")
     @classmethod
@@ -320,7 +378,9 @@ class MemoryRangeClaim(_RangeClaim):
     SIZES = ("device_peak", "load_footprint")
     FRACTION_OF = "the card"
     kind: Literal["memory_range"]
-    metric: Literal["device_peak", "load_footprint", "usage_fraction"]
+    metric: Literal["device_peak", "load_footprint", "usage_fraction"] = Field(
+        description="device_peak: the per-card peak at the step; load_footprint: after the model is "
+        "built; usage_fraction: the peak as a share of the card")
 
 
 class CheckpointingSavingClaim(_RangeClaim):
@@ -332,7 +392,8 @@ class CheckpointingSavingClaim(_RangeClaim):
     SIZES = ("activation_bytes",)
     FRACTION_OF = "the peak"
     kind: Literal["checkpointing_saving"]
-    metric: Literal["activation_bytes", "peak_fraction"]
+    metric: Literal["activation_bytes", "peak_fraction"] = Field(
+        description="activation_bytes: the activations saved, a size; peak_fraction: the share of the peak")
 
 
 class CheckpointingSpeedClaim(_Claim):
@@ -341,14 +402,14 @@ class CheckpointingSpeedClaim(_Claim):
     the optimizer step, the same either way, is left out). `cost`: the share of tokens per second lost."""
 
     kind: Literal["checkpointing_speed_cost"]
-    cost: float = Field(gt=0, lt=1)
+    cost: float = Field(gt=0, lt=1, description="the claimed share of tokens/s lost (0.08 for '-8%')")
 
 
 class OomAllocationClaim(_Claim):
     """The size the failing run asked for when it ran out of memory (checked where it reproduces)."""
 
     kind: Literal["oom_tried_to_allocate"]
-    size: int
+    size: int = Field(description="the size in the guide's error message ('Tried to allocate 2.32 GiB')")
 
     @field_validator("size", mode="before")
     @classmethod
@@ -360,14 +421,14 @@ class SpeedRankClaim(_Claim):
     """Position in the guide's claimed speed order within the family (1 = fastest)."""
 
     kind: Literal["speed_rank"]
-    rank: int = Field(gt=0)
+    rank: int = Field(gt=0, description="1 for the fastest of the family")
 
 
 Claim = Annotated[
     TrainsClaim | CheckpointingClaim | CheckpointingSavingClaim | CheckpointingSpeedClaim | QuantizedWeightsClaim
     | Zero3PartitionClaim | OffloadClaim | LogitsToKeepClaim | LowerPeakThanClaim | MemoryRangeClaim
     | OomAllocationClaim | SpeedRankClaim,
-    Field(discriminator="kind"),
+    Field(discriminator="kind", description="what the source says about the config, each checked by measurement"),
 ]
 
 # Claims that are physically meaningful at tiny size on a CPU.
@@ -386,7 +447,7 @@ class Case(Strict):
     id: str = Field(pattern=r"^[0-9]{3}-[a-z0-9][a-z0-9.-]*$")
     guide: str = Field(pattern=r"^[0-9]{3}$")
     family: str = Field(min_length=1, description="cases of one family are compared with each other")
-    title: str
+    title: str = Field(description="one line shown in tables and reports")
     role: Role
     model: str = Field(description="a name in harness/architectures")
     layers: int | None = Field(
