@@ -189,3 +189,19 @@ def test_the_predictor_sizes_a_config_json_case(team_repo):
     assert longer.allocated > p.allocated
     with open(Path(case.model) / "config.json") as f:
         assert json.load(f)["num_hidden_layers"] == 32  # the folder is read, never written
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen2-57b-a14b"])
+def test_model_flops_count_the_experts_a_token_is_routed_to(name):
+    from transformers import AutoModelForCausalLM
+
+    from harness.measure.flops import linear_weight_count
+
+    cfg = tiny_config(_arch(name), 32)
+    model = AutoModelForCausalLM.from_config(_hf_config(cfg))
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    stacked = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.shape[0] == experts)
+    assert stacked > 0  # the experts' projections are 3-D parameters, not nn.Linear
+    dense = linear_weight_count(model)
+    assert linear_weight_count(model, cfg) == dense + stacked * cfg["num_experts_per_tok"] // experts
+    assert linear_weight_count(model, FAMILIES["mistral-7b-v0.3"]) == dense  # no experts in the config: unchanged
