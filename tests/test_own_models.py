@@ -46,6 +46,18 @@ FAMILIES = {
         "vocab_size": 256000, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True,
         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840,
+        "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001},
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "intermediate_size": 6912, "vocab_size": 262144, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "sliding_window_pattern": 6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106]},
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
@@ -75,7 +87,7 @@ def test_tiny_rule_keeps_each_familys_structure(name):
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if key in full:  # every MLP width keeps its ratio to the hidden size
             assert tiny[key] / tiny["hidden_size"] == pytest.approx(full[key] / full["hidden_size"], rel=0.15)
-    for key in ("num_local_experts", "num_experts", "num_experts_per_tok", "tie_word_embeddings"):
+    for key in ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "tie_word_embeddings"):
         assert tiny.get(key) == full.get(key)  # experts and routing as published
     if "head_dim" in full:
         assert tiny["head_dim"] == TINY_HEAD_DIM
@@ -91,6 +103,12 @@ def test_gemma2_keeps_its_attention_wider_than_the_hidden_size():
     assert tiny["head_dim"] * tiny["num_attention_heads"] / tiny["hidden_size"] == pytest.approx(
         full["head_dim"] * full["num_attention_heads"] / full["hidden_size"], rel=0.1)
     assert tiny["query_pre_attn_scalar"] == TINY_HEAD_DIM  # 256 / 256 of the head size, as published
+
+
+@pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-1b"])
+def test_tiny_models_keep_both_sliding_and_global_attention(name):
+    hf = _hf_config(tiny_config(_arch(name), 64))
+    assert set(hf.layer_types) == {"sliding_attention", "full_attention"}
 
 
 def test_phi3_longrope_keeps_one_factor_per_tiny_frequency():
@@ -191,7 +209,7 @@ def test_the_predictor_sizes_a_config_json_case(team_repo):
         assert json.load(f)["num_hidden_layers"] == 32  # the folder is read, never written
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen2-57b-a14b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen2-57b-a14b", "deepseek-v2-lite"])
 def test_model_flops_count_the_experts_a_token_is_routed_to(name):
     from transformers import AutoModelForCausalLM
 
@@ -199,7 +217,7 @@ def test_model_flops_count_the_experts_a_token_is_routed_to(name):
 
     cfg = tiny_config(_arch(name), 32)
     model = AutoModelForCausalLM.from_config(_hf_config(cfg))
-    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
     stacked = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.shape[0] == experts)
     assert stacked > 0  # the experts' projections are 3-D parameters, not nn.Linear
     dense = linear_weight_count(model)

@@ -57,7 +57,8 @@ def load_architecture(name: str) -> Architecture:
 # global attention, dense and mixture-of-experts) kept present, the expert count and routing kept,
 # and every MLP width (dense, expert, shared expert) keeping its ratio to the hidden size. The rule
 # reads only the Hugging Face config keys, so it holds for any causal LM of these families (Llama,
-# Mistral, Qwen2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, ...), not only the registry's.
+# Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3's latent attention, ...),
+# not only the registry's.
 
 TINY_HEAD_DIM = 16
 TINY_LAYERS = 2
@@ -111,6 +112,9 @@ def _tiny_layer_kinds(cfg: dict[str, Any]) -> None:
         cfg["num_hidden_layers"] = len(cfg["layer_types"])
     else:
         cfg["num_hidden_layers"] = TINY_LAYERS
+        if int(cfg.get("sliding_window_pattern") or 0) > TINY_LAYERS:
+            # every N-th layer global (Gemma 3, Cohere 2): one sliding, then one global
+            cfg["sliding_window_pattern"] = TINY_LAYERS
     for key in _LAYER_COUNT_KEYS:
         if cfg.get(key) is not None:
             # dense layers before the experts: keep one of each kind where there were any
