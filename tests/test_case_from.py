@@ -106,6 +106,20 @@ def test_a_deepspeed_config_is_kept_in_the_case(team):
     assert case.launch.ranks == 4 and case.target.card.count == 4
 
 
+def test_a_training_arguments_json_with_a_registry_model(team):
+    """A registry model stays a registry name in the case (no folder to find)."""
+    config = {"model_name_or_path": "Qwen/Qwen1.5-7B-Chat", "output_dir": "out", "per_device_train_batch_size": 2,
+              "gradient_accumulation_steps": 4, "max_seq_length": 512, "bf16": True, "lora_r": 8,
+              "lora_alpha": 16, "lora_target_modules": ["q_proj", "v_proj"], "gradient_checkpointing": True}
+    (team / "configs" / "qwen_sft.json").write_text(json.dumps(config))
+    assert main(["case-from", str(team / "configs" / "qwen_sft.json"), "--gpu-memory", "40GiB", "--gpus", "1",
+                 "--out", str(team / "cases")]) == 0
+    data = yaml.safe_load((team / "cases" / "qwen_sft.yaml").read_text())
+    assert data["model"] == "qwen1.5-7b-chat" and "TrainingArguments" in data["source"]["title"]
+    case = load_case(team / "cases" / "qwen_sft.yaml")
+    assert (case.train.micro_batch, case.train.seq_len, case.method.lora.targets) == (2, 512, ["q_proj", "v_proj"])
+
+
 @pytest.mark.parametrize(("args", "where"), [
     (["--gpu-memory", "24GiB"], "--gpus"),
     (["--gpus", "1", "--gpu-memory", "24 parsecs"], "--gpu-memory"),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from harness.cli.check import add_job_arguments, spec_from_args
+from harness.models.source import model_label
 from harness.premerge.check import EXIT_BAD_INPUT
 from harness.premerge.importers import ConfigError
 from harness.spec.units import fmt_gib
@@ -42,7 +43,7 @@ def run(args) -> int:
         return EXIT_BAD_INPUT
     case, result = written.case, written.check
     print(f"wrote {written.path}")
-    print(f"  model {case.model}, {case.method.kind}, micro batch {case.train.micro_batch} x accumulation "
+    print(f"  model {model_label(case.model)}, {case.method.kind}, micro batch {case.train.micro_batch} x accumulation "
           f"{case.train.grad_accum}, {case.train.seq_len} tokens")
     print(f"  predicted per-card peak {fmt_gib(result.card_peak)} against a budget of {fmt_gib(result.budget)} "
           f"({case.target.headroom:g} of {case.target.card.count} x {fmt_gib(case.target.card.memory)}): "
