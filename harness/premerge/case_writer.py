@@ -26,6 +26,7 @@ import yaml
 from harness.models.source import is_registry_name
 from harness.premerge.check import CheckResult, PredictFn, run_check
 from harness.premerge.importers import ConfigError, JobSpec
+from harness.premerge.importers.model import LOCAL_MODEL_NOTE
 from harness.spec.cases import CaseError, parse_case
 from harness.spec.schema import CASE_ID_PATTERN, Case
 from harness.spec.units import fmt_gib, fmt_size_exact
@@ -80,7 +81,7 @@ CLOSE_CALL = 0.05
 def _notes(result: CheckResult) -> str:
     """The importer's notes and the lints, as `oom-harness check` prints them. The note on where the model's
     config.json was read is left out: the case names that folder itself."""
-    lines = [n for n in result.config.notes if not n.startswith("model from ")]
+    lines = [n for n in result.config.notes if not n.startswith(LOCAL_MODEL_NOTE)]
     margin = (result.budget - result.card_peak) / result.budget
     if abs(margin) < CLOSE_CALL:
         lines.append(f"close call: the predicted peak is {abs(margin):.1%} {'below' if margin >= 0 else 'above'} the "

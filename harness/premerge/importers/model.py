@@ -1,4 +1,4 @@
-"""The model a config names (or --model names): the architecture to predict with and its registry name."""
+"""The model a config names (or --model names): the architecture to predict with and what a case names it by."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from harness.models.registry import Architecture
 from harness.models.source import ModelSourceError, resolve_model
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.records import JobSpec
+
+# The note that says a model was read from a local config.json (a case file names that folder itself).
+LOCAL_MODEL_NOTE = "model from "
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model
         raise ConfigError(*where, exc.problem, exc.fix) from None
     if resolved.registry_name is not None:
         return ModelRef(arch=resolved.arch, case_model=resolved.registry_name, note=None)
-    note = f"model from {resolved.arch.source}: not in the registry; sized from that config.json"
+    note = f"{LOCAL_MODEL_NOTE}{resolved.arch.source}: not in the registry; sized from that config.json"
     return ModelRef(arch=resolved.arch, case_model=str(resolved.local_dir.resolve()), note=note)
 
 
