@@ -247,9 +247,11 @@ class Source(Strict):
     quote: str | None = Field(default=None, min_length=1, description="the source's own words the case checks")
     config: str | None = Field(
         default=None, min_length=1,
-        description="the training config the case was made from (oom-harness case-from), as given on its "
-                    "command line")
-    deepspeed: str | None = Field(default=None, min_length=1, description="the DeepSpeed config it was made with")
+        description="the training config the case was made from (oom-harness case-from), relative to the case "
+                    "file or absolute")
+    deepspeed: str | None = Field(default=None, min_length=1,
+                                  description="the DeepSpeed config it was made with, relative to the case file or "
+                                              "absolute")
 
 
 class Predicted(Strict):
