@@ -163,3 +163,50 @@ def test_a_claim_naming_a_missing_case_is_reported(tmp_path):
     (tmp_path / BASE_FILE.name).write_text(yaml.safe_dump(data, allow_unicode=True))
     _, errors = load_cases(tmp_path)
     assert any("003-nowhere" in str(e) for e in errors)
+
+
+def _own_case(**edits) -> dict:
+    """The base case as a team writes it: no guide, a `source` saying where it comes from."""
+    data = copy.deepcopy(BASE)
+    data.pop("guide")
+    data.update(id="nightly-sft_qwen7b.r32", source={"title": "the team's nightly SFT config",
+                                                     "url": "https://example.org/wiki/nightly-sft"})
+    data.update(edits)
+    return data
+
+
+def test_a_case_needs_no_guide_and_may_name_its_source():
+    case = parse_case(_own_case(), WHERE)
+    assert case.guide is None and case.source.title == "the team's nightly SFT config"
+    for claim in case.claims:
+        assert claim.quote  # the base case's claims keep their words
+    # a claim without a quote: a team's case checks behaviour, not someone's sentence
+    bare = parse_case(_own_case(claims=[{"kind": "trains"}]), WHERE)
+    assert bare.claims[0].quote is None
+
+
+def test_a_source_and_a_prediction_are_strict_and_sized():
+    text = str(_error(_own_case(source={"title": "x", "link": "https://example.org"})))
+    assert "source.link: unknown key 'link'" in text and "url" in text
+    predicted = {"per_card_peak": "17.5 GiB", "allocated": "15 GiB", "calibration": "pooled",
+                 "predictor_version": "0.1.0", "date": "2026-11-26"}
+    case = parse_case(_own_case(predicted=predicted), WHERE)
+    assert case.predicted.per_card_peak == int(17.5 * 2**30)
+    assert "predicted.date" in str(_error(_own_case(predicted=dict(predicted, date="26.11.2026"))))
+
+
+def test_a_guide_number_still_binds_the_id_prefix():
+    text = str(_error(_own_case(guide="003")))
+    assert "must start with its guide number '003-'" in text
+
+
+@pytest.mark.parametrize("bad_id", ["../escape", "a/b", "a\\b", "a..b", ".hidden", "-rf", "with space", "",
+                                    "x" * 201, "naïve"])
+def test_case_ids_must_be_safe_file_names(bad_id):
+    text = str(_error(_own_case(id=bad_id)))
+    assert str(WHERE) in text and "id:" in text
+
+
+@pytest.mark.parametrize("good_id", ["nightly-sft", "Llama3.1_8B-lora-r16", "7b", "003-qlora-fix-r32-seq1024-gc"])
+def test_case_ids_are_free_names(good_id):
+    assert parse_case(_own_case(id=good_id), WHERE).id == good_id

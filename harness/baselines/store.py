@@ -138,14 +138,27 @@ def read_runs(paths: list[Path]) -> list[CaseRun]:
     return runs
 
 
+def _case_file(case_id: str, case_dirs: list[Path]) -> Path:
+    """The file of a run's case: in the first of `case_dirs` that holds it (ids are file names)."""
+    for folder in case_dirs:
+        path = Path(folder) / f"{case_id}.yaml"
+        if path.is_file():
+            return path
+    raise BlessError(f"case '{case_id}': no {case_id}.yaml in {', '.join(str(d) for d in case_dirs)}; "
+                     "pass the folder of its case file with --case-dir")
+
+
 def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
-          recorded: str | None = None, append: bool = False) -> list[Path]:
+          recorded: str | None = None, append: bool = False, case_dirs: list[Path] | None = None) -> list[Path]:
     """Write or refresh the baselines of every full-size run in `runs_json` (see `read_runs`).
     Repeated runs of a case in them become repetitions of one baseline. With `append`, they are
     added to the repetitions a baseline already has (runs of another day or another host of the same
-    platform), so the spread the tolerances derive from covers them all."""
-    from harness.spec.cases import CASES_DIR, load_case
+    platform), so the spread the tolerances derive from covers them all. Each run's case is read
+    from the first of `case_dirs` holding it, then from the bundled suite."""
+    from harness.spec.cases import CASES_DIR, CaseError, load_case
     from harness.spec.variants import parse_variant
+
+    folders = [*(case_dirs or []), CASES_DIR]
 
     day = recorded or dt.date.today().isoformat()
     by_case: dict[tuple[str, str], list[CaseRun]] = {}
@@ -155,7 +168,10 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
         by_case.setdefault((run.case_id, run.variant), []).append(run)
     baselines: dict[Path, Baseline] = {}
     for (case_id, variant), runs in by_case.items():
-        case = load_case(CASES_DIR / f"{case_id}.yaml")
+        try:
+            case = load_case(_case_file(case_id, folders))
+        except CaseError as exc:
+            raise BlessError(str(exc)) from None
         first = runs[0].ranks[0]
         platform = PlatformInfo.of_run(runs[0], driver)
         v = parse_variant(variant)

@@ -12,16 +12,21 @@ def add_parser(subparsers) -> None:
                                            "(pytest --harness-run-dir): one baseline per case and variant")
     bl.add_argument("--driver", help="the GPU driver version, where the reports lack it")
     bl.add_argument("--note", help="a line of provenance kept with the baselines")
+    bl.add_argument("--case-dir", action="append", default=[],
+                    help="a folder of case files the runs belong to (repeatable; the bundled suite is searched last)")
+    bl.add_argument("--baselines-dir", help="the folder of baselines to write (default: the bundled results/baselines)")
     bl.add_argument("--append", action="store_true",
                     help="add the runs as further repetitions of existing baselines (same platform and software)")
     bl.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from harness.baselines.store import BlessError, bless
+    from harness.baselines.store import RESULTS_DIR, BlessError, bless
 
+    root = Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR
     try:
-        paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append)
+        paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append,
+                      root=root, case_dirs=[Path(d) for d in args.case_dir])
     except BlessError as exc:
         print(f"bless: {exc}", file=sys.stderr)
         return 2

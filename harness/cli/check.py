@@ -22,6 +22,12 @@ def add_parser(subparsers) -> None:
 
 def add_arguments(parser) -> None:
     """The check's options (also read by `pytest -m premerge`'s premerge.yaml)."""
+    add_job_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def add_job_arguments(parser) -> None:
+    """A training config and the job it runs as: what `check` and `case-from` both read (`spec_from_args`)."""
     parser.add_argument("config", help="LLaMA-Factory YAML, TrainingArguments JSON or harness case YAML")
     parser.add_argument("--deepspeed", help="DeepSpeed JSON (replaces the config's own `deepspeed`)")
     parser.add_argument("--gpu-memory", help="memory per GPU with a unit, e.g. 64GiB, 80GB (case files: optional)")
@@ -38,7 +44,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stack", choices=["peft", "llamafactory", "plain"], help="the training stack (see README)")
     parser.add_argument("--script", help="the training script, scanned for building the model before DeepSpeed")
     parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def spec_from_args(args) -> JobSpec:

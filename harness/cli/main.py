@@ -1,6 +1,6 @@
 """The command line: assembles one module per command (accelerate's `commands/` layout).
 
-    oom-harness run | check | validate | bless | report
+    oom-harness run | check | case-from | validate | bless | report
 
 Exit codes: 0 all verdicts hold (or the config fits), 1 a case failed, a claim was refuted or a
 config does not fit, 2 bad input.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.cli import bless, check, report, run, validate
+from harness.cli import bless, case_from, check, report, run, validate
 
-COMMANDS = (run, check, validate, bless, report)
+COMMANDS = (run, check, case_from, validate, bless, report)
 
 
 def _stop_on_sigterm() -> None:

@@ -19,7 +19,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="run cases and print a summary table")
     p.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
     p.add_argument("-k", action="append", help="run only cases whose id contains this (repeatable)")
-    p.add_argument("--case-dir", default=str(CASES_DIR))
+    p.add_argument("--case-dir", default=str(CASES_DIR), help="folder of case files (default: the bundled suite)")
+    p.add_argument("--baselines-dir", default=None,
+                   help="baselines full-size runs are held to, as `bless --baselines-dir` writes them "
+                        "(default: the bundled results/baselines)")
     p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
@@ -116,12 +119,14 @@ def _measure_line(run) -> str:
 
 
 def run(args) -> int:
+    from harness.baselines.store import RESULTS_DIR
     from harness.judge.session import Session, skip_reason
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
-                      full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap)
+                      full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
+                      baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR)
     for err in session.errors:
         print(str(err), file=sys.stderr)
     matched = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]

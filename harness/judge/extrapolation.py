@@ -184,11 +184,11 @@ def extrapolate_figures(case, base_variant: str, platform_key: str, by_depth: di
                         full_depth: Figures | None = None) -> Extrapolation:
     """Fit each figure in depth over runs at two or more layer counts (repetitions: their median)."""
     from harness.baselines.store import MEMORY_FLOOR
-    from harness.models.registry import load_architecture
+    from harness.models.source import load_model
     from harness.spec.shape import run_shape
     from harness.spec.variants import parse_variant
 
-    depth = case.layers or load_architecture(case.model).layers
+    depth = case.layers or load_model(case.model).layers
     lines, values, rejected = {}, {}, []
     for metric in _METRICS:
         pts = [(L, median([getattr(r, metric) for r in runs if getattr(r, metric) is not None]))
@@ -228,10 +228,10 @@ def extrapolate(case, baselines: list[Baseline]) -> list[Extrapolation]:
     """Every depth fit the baselines of one case allow: measured variants that differ only in their
     layer count, with at least two depths that finished, on one platform (`every_fit` adds each
     model's full-depth check)."""
-    from harness.models.registry import load_architecture
+    from harness.models.source import load_model
     from harness.spec.variants import Variant, parse_variant
 
-    depth = case.layers or load_architecture(case.model).layers
+    depth = case.layers or load_model(case.model).layers
     groups: dict[tuple[str, str], dict[int, list[Figures]]] = {}
     full: dict[tuple[str, str], Baseline] = {}
     for b in baselines:

@@ -1,4 +1,4 @@
-"""Judging a case run: its expected outcome, the mistakes it must reveal, and the guide's claims.
+"""Judging a case run: its expected outcome, the mistakes it must reveal, and its source's claims.
 
 Every check returns a `Verdict` carrying the measured numbers, so a failure reads as a finding
 ("claimed X, measured Y"), and the summary table and the pytest failure say the same thing.
@@ -121,12 +121,12 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
                        f"({case.target.headroom:.0%} of {fmt_gib(card)})")
     # expect oom
     if err is not None:
-        return Verdict("outcome", "confirmed", f"out of memory as the guide says: {_first_line(err.message)}")
+        return Verdict("outcome", "confirmed", f"out of memory, as expected: {_first_line(err.message)}")
     if peak is not None and peak > budget:
         return Verdict("outcome", "confirmed",
                        f"per-card peak {fmt_gib(peak)} exceeds the {case.target.headroom:.0%} line {fmt_gib(budget)}")
     return Verdict("outcome", "refuted",
-                   f"the guide's failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} "
+                   f"the failing config fits: per-card peak {fmt_gib(peak)} <= {fmt_gib(budget)} "
                    f"on {fmt_gib(card)}")
 
 
@@ -166,7 +166,7 @@ def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrap
         if case.expect.outcome == "fits":
             return Verdict("outcome", "confirmed" if fits else ("not_checkable" if fewer_ranks else "refuted"), detail)
         if fits:
-            return Verdict("outcome", "refuted", "the guide's failing config fits: " + detail)
+            return Verdict("outcome", "refuted", "the failing config fits: " + detail)
         return Verdict("outcome", "not_checkable" if fewer_ranks else "confirmed", detail)
     if not fewer_ranks:
         return verdict
@@ -494,7 +494,7 @@ def _oom_size(claim, run, *_):
         return Verdict(claim.kind, "not_checkable", "no OOM with a requested size to compare", claim.quote)
     ok = abs(err.tried_to_allocate - claim.size) <= 0.02 * claim.size
     return Verdict(claim.kind, "confirmed" if ok else "refuted",
-                   f"tried to allocate {fmt_gib(err.tried_to_allocate)}, the guide saw {fmt_gib(claim.size)}",
+                   f"tried to allocate {fmt_gib(err.tried_to_allocate)}, the source saw {fmt_gib(claim.size)}",
                    claim.quote)
 
 

@@ -54,12 +54,25 @@ def load_architecture(name: str) -> Architecture:
 # --- The tiny rule ------------------------------------------------------------------------------
 # Same model class and code path, shrunk: GQA kept as GQA (same query/key-value head ratio where it
 # fits), tied embeddings kept tied, explicit head_dim kept explicit, every kind of layer (sliding and
-# global attention) kept present, and the MLP keeping its width ratio to the hidden size.
+# global attention, dense and mixture-of-experts) kept present, the expert count and routing kept,
+# and every MLP width (dense, expert, shared expert) keeping its ratio to the hidden size. The rule
+# reads only the Hugging Face config keys, so it holds for any causal LM of these families (Llama,
+# Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3's latent attention, ...),
+# not only the registry's.
 
 TINY_HEAD_DIM = 16
 TINY_LAYERS = 2
 TINY_VOCAB = 512
 TINY_MIN_HEADS = 4
+# Widths that scale with the hidden size: the dense MLP, experts' and shared experts' MLPs.
+_WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Low-rank attention projections (multi-head latent attention) shrink with the heads' width.
+_RANK_KEYS = ("q_lora_rank", "kv_lora_rank")
+# Per-head widths of multi-head latent attention; set to the tiny head size.
+_HEAD_WIDTH_KEYS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Layer counts that must not exceed the tiny depth (dense layers before the experts, window layers).
+_LAYER_COUNT_KEYS = ("max_window_layers", "first_k_dense_replace")
+_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _tiny_heads(heads: int, kv_heads: int) -> tuple[int, int]:
@@ -74,58 +87,90 @@ def _round8(x: float) -> int:
     return max(8, round(x / 8) * 8)
 
 
+def _tiny_widths(cfg: dict[str, Any], full: dict[str, Any], hidden: int) -> None:
+    for key in _WIDTH_KEYS:
+        if cfg.get(key):
+            cfg[key] = _round8(hidden * full[key] / full["hidden_size"])
+
+
+def _tiny_rope(cfg: dict[str, Any], full: dict[str, Any]) -> None:
+    """Rope scalings with one factor per rotary frequency (Phi-3's longrope) keep one per tiny frequency."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    frequencies = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0)) // 2
+    for key in ("rope_scaling", "rope_parameters"):
+        block = full.get(key)
+        if isinstance(block, dict) and any(isinstance(v, list) for v in block.values()):
+            cfg[key] = {k: (v[:frequencies] if isinstance(v, list) else v) for k, v in block.items()}
+
+
+def _tiny_layer_kinds(cfg: dict[str, Any]) -> None:
+    """Two layers, or one of each kind where the config lists the kinds (sliding and full attention)."""
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in first-seen order
+        cfg["layer_types"] = kinds if len(kinds) >= TINY_LAYERS else kinds * TINY_LAYERS
+        cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    else:
+        cfg["num_hidden_layers"] = TINY_LAYERS
+        if int(cfg.get("sliding_window_pattern") or 0) > TINY_LAYERS:
+            # every N-th layer global (Gemma 3, Cohere 2): one sliding, then one global
+            cfg["sliding_window_pattern"] = TINY_LAYERS
+    for key in _LAYER_COUNT_KEYS:
+        if cfg.get(key) is not None:
+            # dense layers before the experts: keep one of each kind where there were any
+            cfg[key] = min(int(cfg[key]), cfg["num_hidden_layers"] - (key == "first_k_dense_replace"))
+    if isinstance(cfg.get("mlp_only_layers"), list):
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < cfg["num_hidden_layers"]]
+
+
+def _tiny_attention(cfg: dict[str, Any], full: dict[str, Any]) -> int:
+    """Shrink heads and widths of a softmax-attention model; return the tiny hidden size."""
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    t_heads, t_kv = _tiny_heads(heads, kv_heads)
+    hidden = t_heads * TINY_HEAD_DIM
+    if cfg.get("head_dim") and cfg["head_dim"] * heads != cfg["hidden_size"]:
+        # attention width differs from the hidden size (Gemma): keep their ratio
+        hidden = _round8(hidden * cfg["hidden_size"] / (cfg["head_dim"] * heads))
+    cfg.update(hidden_size=hidden, num_attention_heads=t_heads, num_key_value_heads=t_kv, vocab_size=TINY_VOCAB)
+    _tiny_widths(cfg, full, hidden)
+    if "head_dim" in cfg:
+        cfg["head_dim"] = TINY_HEAD_DIM
+    if "query_pre_attn_scalar" in cfg:
+        # Gemma scales queries by this instead of head_dim; keep its ratio to the head size.
+        cfg["query_pre_attn_scalar"] = round(TINY_HEAD_DIM * full["query_pre_attn_scalar"]
+                                             / (full.get("head_dim") or full["hidden_size"] // heads))
+    for key in _RANK_KEYS:
+        if cfg.get(key):
+            cfg[key] = _round8(cfg[key] * hidden / full["hidden_size"])
+    for key in _HEAD_WIDTH_KEYS:
+        if cfg.get(key):
+            cfg[key] = TINY_HEAD_DIM
+    return hidden
+
+
 def tiny_config(arch: Architecture, max_seq_len: int) -> dict[str, Any]:
     """A small config of the same family as `arch`, able to run sequences of `max_seq_len`."""
     cfg = dict(arch.config)
-    mt = arch.model_type
-    if mt == "gla":
+    if arch.model_type == "gla":
         heads = int(cfg.get("num_heads", 4))
         hidden = heads * TINY_HEAD_DIM * 2  # expand_k 0.5 keeps key heads of TINY_HEAD_DIM
         # heads (and any key-value heads) stay as they are: only their width shrinks
         cfg.update(hidden_size=hidden, num_hidden_layers=TINY_LAYERS, vocab_size=TINY_VOCAB)
-        if cfg.get("intermediate_size"):
-            ratio = arch.config["intermediate_size"] / arch.config["hidden_size"]
-            cfg["intermediate_size"] = _round8(hidden * ratio)
+        _tiny_widths(cfg, arch.config, hidden)
     else:
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        t_heads, t_kv = _tiny_heads(heads, kv_heads)
-        hidden = t_heads * TINY_HEAD_DIM
-        if cfg.get("head_dim") and cfg["head_dim"] * heads != cfg["hidden_size"]:
-            # attention width differs from the hidden size (Gemma 3): keep their ratio
-            hidden = _round8(hidden * cfg["hidden_size"] / (cfg["head_dim"] * heads))
-        ratio = arch.config["intermediate_size"] / arch.config["hidden_size"]
-        cfg.update(
-            hidden_size=hidden,
-            num_attention_heads=t_heads,
-            num_key_value_heads=t_kv,
-            intermediate_size=_round8(hidden * ratio),
-            vocab_size=TINY_VOCAB,
-        )
-        if "head_dim" in cfg:
-            cfg["head_dim"] = TINY_HEAD_DIM
-        if "query_pre_attn_scalar" in cfg:
-            # Gemma scales queries by this instead of head_dim; keep its ratio to the head size.
-            cfg["query_pre_attn_scalar"] = round(TINY_HEAD_DIM * arch.config["query_pre_attn_scalar"]
-                                                 / arch.config["head_dim"])
-        layer_types = cfg.get("layer_types")
-        if layer_types:
-            kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in first-seen order
-            cfg["layer_types"] = kinds if len(kinds) >= TINY_LAYERS else kinds * TINY_LAYERS
-            cfg["num_hidden_layers"] = len(cfg["layer_types"])
-        else:
-            cfg["num_hidden_layers"] = TINY_LAYERS
+        _tiny_attention(cfg, arch.config)
+        _tiny_rope(cfg, arch.config)
+        _tiny_layer_kinds(cfg)
         if cfg.get("sliding_window"):
             # keep the window smaller than the sequence, so sliding layers really slide
             cfg["sliding_window"] = max(4, min(int(cfg["sliding_window"]), max_seq_len // 2))
-        if cfg.get("max_window_layers") is not None:
-            cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), cfg["num_hidden_layers"])
     cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings") or 0), max_seq_len)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in _TOKEN_KEYS:
         if isinstance(cfg.get(key), int) and cfg[key] >= TINY_VOCAB:
-            cfg[key] = TINY_VOCAB - 1 - ("bos_token_id", "eos_token_id", "pad_token_id").index(key)
+            cfg[key] = TINY_VOCAB - 1 - _TOKEN_KEYS.index(key)
         elif isinstance(cfg.get(key), list):
-            cfg[key] = [min(t, TINY_VOCAB - 1) for t in cfg[key]]
+            cfg[key] = [t if t < TINY_VOCAB else TINY_VOCAB - 1 - _TOKEN_KEYS.index(key) for t in cfg[key]]
     return cfg
 
 

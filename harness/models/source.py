@@ -8,7 +8,11 @@ local directory must hold the model's `config.json` (the weights are not needed:
 shapes only).
 
 `resolve_model` returns the `Architecture` to predict with and, where the registry holds the same
-shapes, the registry name a `Case` can carry.
+shapes, the registry name a `Case` can carry; otherwise the case carries the folder itself.
+
+A case's `model` is narrower: a registry name exactly, or a folder holding a config.json (relative
+to the case file, or absolute). `case_model` normalises it as a case file is read, `load_model`
+gives its architecture wherever the case is used (tiny rule, model building, predictor, variants).
 """
 
 from __future__ import annotations
@@ -130,6 +134,44 @@ def architecture_from_config_json(path: Path | str) -> Architecture:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     name = path.parent.name or path.parent.resolve().name
     return Architecture(name=f"local:{name}", source=str(path.resolve()), config=config)
+
+
+def is_registry_name(model: str) -> bool:
+    return model in known_architectures()
+
+
+def case_model(value: str, base_dir: Path | None = None) -> str:
+    """A case's `model` as the harness keeps it: a registry name as written, a config.json folder as
+    an absolute path (a relative one is taken from `base_dir`, the case file's folder, else the
+    working directory), so the case means the same model in every process that reads it."""
+    value = str(value).strip()
+    if is_registry_name(value):
+        return value
+    folder = Path(value).expanduser()
+    if not folder.is_absolute():
+        folder = (base_dir or Path.cwd()) / folder
+    if not folder.is_dir():
+        raise ModelSourceError(
+            f"unknown model '{value}': not a registry name ({', '.join(known_architectures())}) and no "
+            f"folder {folder}",
+            "name a registry entry, or a folder holding the model's config.json, relative to the case file "
+            "or absolute")
+    folder = folder.resolve()
+    architecture_from_config_json(folder)  # readable, and a model the predictor can size
+    return str(folder)
+
+
+def load_model(model: str) -> Architecture:
+    """The architecture of a case's `model` (a registry name, or a config.json folder as `case_model`
+    keeps it)."""
+    if is_registry_name(model):
+        return load_architecture(model)
+    return architecture_from_config_json(Path(model))
+
+
+def model_label(model: str) -> str:
+    """A case's model as reports name it: the registry name, or the config.json folder's name."""
+    return model if is_registry_name(model) else Path(model).name
 
 
 def same_shapes(a: dict, b: dict) -> bool:

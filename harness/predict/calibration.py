@@ -101,9 +101,9 @@ def largest_gather_bytes(case) -> int:
     """Bytes of the largest single parameter a ZeRO-3 rank gathers whole: the embedding / output
     head (vocab x hidden) or an MLP matrix (intermediate x hidden), in the half dtype. From the
     architecture's config (a closed form, not a trace), so fitting stays cheap."""
-    from harness.models.registry import load_architecture
+    from harness.models.source import load_model
 
-    cfg = load_architecture(case.model).config
+    cfg = load_model(case.model).config
     hidden = int(cfg.get("hidden_size", 0))
     inter = int(cfg.get("intermediate_size") or 0)
     half = 4 if case.precision.value == "fp32" else 2

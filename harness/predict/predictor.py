@@ -36,7 +36,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from harness.models.registry import Architecture, load_architecture
+from harness.models.registry import Architecture
+from harness.models.source import load_model
 from harness.spec.schema import Case
 
 GiB = 2**30
@@ -99,7 +100,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     from harness.predict.trace import TraceSpec, extrapolate, trace_pair
     from harness.spec.schema import Offload
 
-    arch = arch or load_architecture(case.model)
+    arch = arch or load_model(case.model)
     layers = case.layers or arch.layers
     hidden = int(arch.config["hidden_size"])
     notes: list[str] = []
@@ -150,14 +151,15 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     if case.deepspeed is not None:
         overhead += int(values["device_overhead_deepspeed"])
     terms["context_and_workspaces"] = overhead
-    if case.model.startswith("gla") and case.launch.triton_cache == "cold":
+    fla = arch.model_type == "gla"
+    if fla and case.launch.triton_cache == "cold":
         cold = cal.values.get("triton_cold_overhead")
         if cold is None:
             notes.append("fla/Triton on a cold cache: no cold run measured to fit what compiling adds; not included")
         else:
             overhead += int(cold)
             terms["triton_cold_compile"] = int(cold)
-    elif case.model.startswith("gla"):
+    elif fla:
         notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
                      "during the first step (launch.triton_cache: cold predicts that)")
     device = reserved + overhead

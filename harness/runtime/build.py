@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from harness.models.registry import load_architecture, tiny_config, truncated_config
+from harness.models.registry import tiny_config, truncated_config
+from harness.models.source import load_model
 from harness.spec.schema import Case, Precision, Stack
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -45,7 +46,7 @@ def train_dtype(case: Case, on_cpu: bool) -> torch.dtype:
 
 
 def model_config_dict(case: Case, fidelity: str, seq_len: int, layers: int | None = None) -> dict:
-    arch = load_architecture(case.model)
+    arch = load_model(case.model)
     if fidelity == "tiny":
         return tiny_config(arch, seq_len)
     if layers is not None:

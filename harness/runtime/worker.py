@@ -155,7 +155,8 @@ def run(args) -> int:
             from harness.measure.flops import flops_per_token, linear_weight_count
 
             report.flops_per_token = flops_per_token(
-                linear_weight_count(model), built.config_dict, shape.seq_len, case.method.kind == "full"
+                linear_weight_count(model, built.config_dict), built.config_dict, shape.seq_len,
+                case.method.kind == "full"
             )
             if engine is not None:
                 ds = case.deepspeed

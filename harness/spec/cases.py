@@ -1,5 +1,7 @@
 """Loading case files, with errors a user can act on.
 
+A case's model folder (a Hugging Face config.json) is found relative to the case file's folder.
+
 A malformed case file never stops the other cases: `load_cases` returns the good ones and a
 `CaseError` for each bad one, naming the file, the field, what was wrong and what is allowed.
 """
@@ -104,7 +106,7 @@ def parse_case(data: object, path: Path) -> Case:
     if not isinstance(data, dict):
         raise CaseError(path, (f"the file must hold a mapping of case fields, not {type(data).__name__}",))
     try:
-        return Case.model_validate(data)
+        return Case.model_validate(data, context={"base_dir": path.parent})
     except ValidationError as exc:
         raise CaseError(path, tuple(_describe(e) for e in exc.errors())) from None
 

@@ -1,4 +1,8 @@
-"""The case schema: one YAML file describes one scenario variant of one guide.
+"""The case schema: one YAML file describes one scenario: a training config, its cards and what must hold.
+
+A case comes from a guide of the bundled suite (`guide`), from a team's own training config
+(`oom-harness case-from`, which fills `source` and `predicted`), or is written by hand. Its model is
+a registry name or a folder holding a Hugging Face config.json (`harness.models.source`).
 
 Every model here forbids unknown keys, so a typo in a case file is an error that names the file,
 the field and the allowed values (see `harness.spec.cases`), never a silently ignored setting.
@@ -6,10 +10,11 @@ the field and the allowed values (see `harness.spec.cases`), never a silently ig
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from harness.spec.units import parse_size
 
@@ -19,10 +24,11 @@ class Strict(BaseModel):
 
 
 class Role(str, Enum):
-    failing = "failing"  # the guide's config that ran out of memory
-    fix = "fix"  # a fix the guide proposes
+    failing = "failing"  # a config that ran out of memory (a guide's failing config)
+    fix = "fix"  # a fix for a failing config
     rung = "rung"  # one rung of a ladder of configs by card size (guide 001)
-    wrong_way = "wrong_way"  # a mistake the guide warns about; the harness must detect it
+    wrong_way = "wrong_way"  # a mistake to warn about; the harness must detect it
+    config = "config"  # a team's own training config, held to its cards (oom-harness case-from)
 
 
 class Precision(str, Enum):
@@ -246,12 +252,12 @@ class Target(Strict):
 
 
 def _finding_field(subject: str):
-    """`finding` of a claim or of `expect`: measurement refuted the guide there (harness.judge.verdicts.as_recorded)."""
+    """`finding` of a claim or of `expect`: measurement refuted the source (harness.judge.verdicts.as_recorded)."""
     return Field(
         default=None, min_length=1,
         description=f"a full-size measurement refuted {subject}: what was measured, on which card, when. "
         "Full-size runs then expect the refutation to reproduce (a finding, not a failure) and fail "
-        "once the guide's statement holds again, so the recorded truth gets updated")
+        "once the source's statement holds again, so the recorded truth gets updated")
 
 
 class Expect(Strict):
@@ -262,11 +268,11 @@ class Expect(Strict):
     (single_process_zero)."""
 
     outcome: Literal["fits", "oom", "detected"] = Field(
-        description="fits: within the headroom; oom: exceeds the card (the guide's failure); "
+        description="fits: within the headroom; oom: exceeds the card (a failing config); "
         "detected: a mistake the harness must flag"
     )
     detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
-    finding: str | None = _finding_field("`outcome` (which stays the guide's)")
+    finding: str | None = _finding_field("`outcome` (which stays the source's)")
     memory_tolerance: float | None = Field(
         default=None, gt=0, lt=1,
         description="allowed rise of the per-card peak over its baseline; omitted: derived from the "
@@ -282,13 +288,48 @@ class Expect(Strict):
         return self
 
 
+class Source(Strict):
+    """Where the case comes from: a guide, a post, an incident report, a team's training config."""
+
+    title: str = Field(min_length=1, description="what the source is, e.g. 'LLaMA-Factory config of the nightly SFT'")
+    url: str | None = Field(default=None, min_length=1, description="where to read it")
+    quote: str | None = Field(default=None, min_length=1, description="the source's own words the case checks")
+    config: str | None = Field(
+        default=None, min_length=1,
+        description="the training config the case was made from (oom-harness case-from), relative to the case "
+                    "file or absolute")
+    deepspeed: str | None = Field(default=None, min_length=1,
+                                  description="the DeepSpeed config it was made with, relative to the case file or "
+                                              "absolute")
+
+
+class Predicted(Strict):
+    """The predictor's figures for the case at full size when the case was written (oom-harness
+    case-from): kept to compare measurements with, never asserted."""
+
+    per_card_peak: int = Field(description="device memory of the worst process on one card, with a unit")
+    allocated: int | None = Field(default=None, description="the allocator's peak of that process, with a unit")
+    host_ram: int | None = Field(default=None, description="host memory of the job on one node, with a unit")
+    budget: int | None = Field(default=None, description="target.card.memory times target.headroom, with a unit")
+    calibration: str = Field(min_length=1, description="the baselines' platform the constants were fitted on, "
+                                                       "or 'pooled'")
+    predictor_version: str = Field(min_length=1, description="the oom-harness version that predicted")
+    date: str = Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$", description="the day of the prediction, YYYY-MM-DD")
+
+    @field_validator("per_card_peak", "allocated", "host_ram", "budget", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
+
+
 # --- Claims -------------------------------------------------------------------------------------
-# A claim is a sentence of the guide turned into something a measurement can confirm or refute.
-# `quote` keeps the guide's words; `kind` says how the harness checks it.
+# A claim is a sentence of the case's source turned into something a measurement can confirm or
+# refute. `quote` keeps the source's words (the guide's, for the bundled suite); `kind` says how the
+# harness checks it.
 
 
 class _Claim(Strict):
-    quote: str = Field(min_length=1, description="the guide's own words")
+    quote: str | None = Field(default=None, min_length=1, description="the source's own words (a guide's, a post's)")
     finding: str | None = _finding_field("this claim")
 
 
@@ -443,13 +484,26 @@ TINY_CLAIMS = {
 }
 
 
+# Case ids name files (the case file, run folders, baselines): letters, digits, '.', '_', '-'.
+CASE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
 class Case(Strict):
-    id: str = Field(pattern=r"^[0-9]{3}-[a-z0-9][a-z0-9.-]*$")
-    guide: str = Field(pattern=r"^[0-9]{3}$")
+    id: str = Field(
+        json_schema_extra={"pattern": CASE_ID_PATTERN, "maxLength": 200},
+        description="the case file's name without .yaml: letters, digits, '.', '_' and '-', starting with a "
+                    "letter or digit (it also names run folders and baselines)")
+    guide: str | None = Field(
+        default=None, pattern=r"^[0-9]{3}$",
+        description="the bundled suite's guide number; the id then starts with it ('003-...')")
+    source: Source | None = None
     family: str = Field(min_length=1, description="cases of one family are compared with each other")
     title: str = Field(description="one line shown in tables and reports")
     role: Role
-    model: str = Field(description="a name in harness/architectures")
+    model: str = Field(
+        min_length=1,
+        description="a registry name (harness/models/architectures), or a folder holding a Hugging Face "
+                    "config.json, relative to the case file or absolute (any causal LM transformers builds)")
     layers: int | None = Field(
         default=None, gt=0,
         description="measure at full width with this many layers (full-size runs too big for the cards "
@@ -469,34 +523,45 @@ class Case(Strict):
     target: Target
     expect: Expect
     claims: list[Claim] = Field(default_factory=list)
+    predicted: Predicted | None = None
     notes: str = ""
+
+    @field_validator("id")
+    @classmethod
+    def _safe_id(cls, value):
+        if not re.fullmatch(CASE_ID_PATTERN, value) or ".." in value or len(value) > 200:
+            raise ValueError("not a safe file name: use letters, digits, '.', '_' and '-', starting with a letter "
+                             "or digit, no '..', at most 200 characters (the id names the case file, its run "
+                             "folders and its baselines)")
+        return value
 
     @field_validator("model")
     @classmethod
-    def _known_model(cls, value):
-        from harness.models.registry import known_architectures
+    def _resolvable_model(cls, value, info: ValidationInfo):
+        """A registry name stays; a folder becomes absolute (relative to `base_dir` in the validation
+        context, the case file's folder), so every process that reads the case finds it."""
+        from harness.models.source import ModelSourceError, case_model
 
-        known = known_architectures()
-        if value not in known:
-            raise ValueError(f"unknown model '{value}'; allowed: {', '.join(known)}")
-        return value
+        base_dir = (info.context or {}).get("base_dir")
+        try:
+            return case_model(value, base_dir)
+        except ModelSourceError as exc:
+            raise ValueError(f"{exc.problem}; {exc.fix}") from None
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.layers is not None:
-            from harness.models.registry import load_architecture
+        if self.layers is not None or self.depth_points is not None:
+            from harness.models.source import load_model
 
-            depth = load_architecture(self.model).layers
-            if self.layers > depth:
-                raise ValueError(f"layers {self.layers} exceeds {self.model}'s {depth} layers")
-        if self.depth_points is not None:
-            from harness.models.registry import load_architecture
-
-            depth = self.layers or load_architecture(self.model).layers
-            if (len(set(self.depth_points)) != len(self.depth_points)
+            full_depth = load_model(self.model).layers
+            if self.layers is not None and self.layers > full_depth:
+                raise ValueError(f"layers {self.layers} exceeds the model's {full_depth} layers")
+            depth = self.layers or full_depth
+            if self.depth_points is not None and (
+                    len(set(self.depth_points)) != len(self.depth_points)
                     or any(not 0 < d < depth for d in self.depth_points)):
                 raise ValueError(f"depth_points must be distinct layer counts between 1 and {depth - 1}")
-        if not self.id.startswith(self.guide + "-"):
+        if self.guide is not None and not self.id.startswith(self.guide + "-"):
             raise ValueError(f"id '{self.id}' must start with its guide number '{self.guide}-'")
         if self.deepspeed is None and self.launch.launcher == "deepspeed":
             raise ValueError("launch.launcher is 'deepspeed' but the case has no 'deepspeed' block")

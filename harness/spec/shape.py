@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from harness.models.registry import load_architecture, tiny_config
+from harness.models.registry import tiny_config
+from harness.models.source import load_model
 from harness.spec.schema import Case
 
 TINY_SEQ_DIVISOR = 16
@@ -46,7 +47,7 @@ class RunShape:
 
 
 def run_shape(case: Case, fidelity: str, steps: int | None = None) -> RunShape:
-    arch = load_architecture(case.model)
+    arch = load_model(case.model)
     full_hidden = int(arch.config["hidden_size"])
     if fidelity == "tiny":
         seq = max(TINY_MIN_SEQ, case.train.seq_len // TINY_SEQ_DIVISOR)

@@ -59,3 +59,17 @@ def fmt_gib(nbytes: int | float | None, digits: int = 2) -> str:
 
 def fmt_mib(nbytes: int | float | None, digits: int = 1) -> str:
     return "-" if nbytes is None else f"{nbytes / MIB:.{digits}f} MiB"
+
+
+def fmt_size_exact(nbytes: int) -> str:
+    """The shortest text with a unit that `parse_size` reads back as exactly `nbytes`: '24 GiB',
+    '64 GB', '23.52 GiB'; a plain byte count where no unit gives it exactly. For files written back."""
+    for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
+        scale = _UNITS[unit.lower()]
+        if nbytes < scale:
+            continue
+        for digits in range(3):
+            text = f"{nbytes / scale:.{digits}f} {unit}"
+            if parse_size(text) == nbytes:
+                return text
+    return f"{nbytes} B"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.models.registry import load_architecture
+from harness.models.source import load_model
 from harness.spec.schema import Case
 
 
@@ -55,7 +55,7 @@ class Variant:
 
     def label(self, case: Case) -> str:
         """How a figure measured on this variant is described in reports."""
-        depth = load_architecture(case.model).layers
+        depth = load_model(case.model).layers
         layers = self.layers or case.layers
         parts = [f"{self.ranks or case.launch.ranks} of {case.launch.ranks} ranks"] if self.ranks else []
         parts.append("full depth" if layers in (None, depth) else f"{layers} of {depth} layers")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.premerge.importers.build import IMPORTED_GUIDE
 from harness.premerge.importers.case_file import import_case
 from harness.premerge.importers.deepspeed_json import read_deepspeed
 from harness.premerge.importers.detect import detect_format
@@ -45,7 +44,7 @@ from harness.premerge.importers.training_args import import_training_args
 from harness.spec.units import parse_size
 
 __all__ = [
-    "IMPORTED_GUIDE", "LAUNCHERS", "ConfigError", "ConfigFormat", "DeepSpeedFile", "ImportedConfig", "InitOrder",
+    "LAUNCHERS", "ConfigError", "ConfigFormat", "DeepSpeedFile", "ImportedConfig", "InitOrder",
     "JobSpec", "TrainingFile", "detect_format", "import_config", "parse_size_arg", "read_deepspeed", "read_mapping",
     "resolve_path", "scan_init_order",
 ]

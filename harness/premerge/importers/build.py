@@ -15,8 +15,6 @@ from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, Impo
 from harness.spec.cases import _describe
 from harness.spec.schema import Case
 
-IMPORTED_GUIDE = "999"  # imported configs belong to no guide; their case ids start with this
-
 # Where a case field came from, to name the key a user changes when the combination is invalid.
 _SOURCE_KEYS = {
     ConfigFormat.llamafactory: {
@@ -38,8 +36,13 @@ _COMMON_SOURCE_KEYS = {
 }
 
 
+_FORMAT_TITLES = {ConfigFormat.llamafactory: "LLaMA-Factory config",
+                  ConfigFormat.training_args: "Hugging Face TrainingArguments config"}
+
+
 def _slug(path: Path) -> str:
-    slug = re.sub(r"[^a-z0-9.]+", "-", path.stem.lower()).strip("-.")
+    """The config file's name as a case id (harness.spec.schema.CASE_ID_PATTERN)."""
+    slug = re.sub(r"\.{2,}", ".", re.sub(r"[^a-z0-9.]+", "-", path.stem.lower())).strip("-.")
     return slug or "config"
 
 
@@ -52,11 +55,12 @@ def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precisi
                method: dict, train: dict, ds: DeepSpeedFile | None, launcher: str, ranks: int,
                init_order: str, job: Job) -> Case:
     data = {
-        "id": f"{IMPORTED_GUIDE}-{_slug(path)}",
-        "guide": IMPORTED_GUIDE,
+        "id": _slug(path),
+        "source": {"title": f"{_FORMAT_TITLES.get(fmt, 'training config')} {path.name}", "config": str(path)}
+        | ({} if ds is None or ds.path == path else {"deepspeed": str(ds.path)}),
         "family": f"imported-{fmt.value}",
         "title": f"imported from {path.name}",
-        "role": "fix",
+        "role": "config",
         "model": model,
         "stack": stack,
         "precision": precision,

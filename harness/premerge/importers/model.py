@@ -1,4 +1,4 @@
-"""The model a config names (or --model names): the architecture to predict with and its registry name."""
+"""The model a config names (or --model names): the architecture to predict with and what a case names it by."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ from harness.models.source import ModelSourceError, resolve_model
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.records import JobSpec
 
+# The note that says a model was read from a local config.json (a case file names that folder itself).
+LOCAL_MODEL_NOTE = "model from "
+
 
 @dataclass(frozen=True)
 class ModelRef:
     arch: Architecture
-    case_model: str  # the registry name a Case carries
+    case_model: str  # what a Case carries: the registry name, else the config.json folder (absolute)
     note: str | None
 
 
 def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model_name_or_path") -> ModelRef:
-    """The model a config names (or --model names), as an architecture and a registry name."""
+    """The model a config names (or --model names), as an architecture and what a case names it by."""
     if spec.model is not None:
         reference, where, base_dirs = spec.model, (None, "--model"), (Path.cwd(),)
     else:
@@ -30,11 +33,10 @@ def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model
         resolved = resolve_model(str(reference), base_dirs)
     except ModelSourceError as exc:
         raise ConfigError(*where, exc.problem, exc.fix) from None
-    note = None
-    if resolved.registry_name is None:
-        note = (f"model from {resolved.arch.source}: not in the registry; the case names its closest entry "
-                f"({resolved.closest_registry_name}) but the prediction uses the local config")
-    return ModelRef(arch=resolved.arch, case_model=resolved.closest_registry_name, note=note)
+    if resolved.registry_name is not None:
+        return ModelRef(arch=resolved.arch, case_model=resolved.registry_name, note=None)
+    note = f"{LOCAL_MODEL_NOTE}{resolved.arch.source}: not in the registry; sized from that config.json"
+    return ModelRef(arch=resolved.arch, case_model=str(resolved.local_dir.resolve()), note=note)
 
 
 def hidden_size(arch: Architecture) -> int:

@@ -1,0 +1,185 @@
+"""A team's own training config written as a case file, so it runs nightly like the bundled suite.
+
+    write_case(Path("llama3_lora.yaml"), JobSpec(gpus=1, gpu_memory=24 * GIB), Path("cases"))
+
+The config is imported and predicted as `oom-harness check` does (`harness.premerge.check.run_check`).
+The case file keeps the job as the config describes it (model, method, batch, sequence length,
+checkpointing, DeepSpeed block, launcher, cards), the card it must fit with its headroom, the outcome
+the prediction expects (fits, or oom where the predicted per-card peak exceeds the budget; detected
+where the config builds the model before ZeRO-3 is configured), and the prediction itself under
+`predicted`, to compare measurements with; `predicted` is never asserted. Paths in the case (the model
+folder, the source config) are written relative to the case file, so a repository that holds both
+can move as a whole.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.models.source import is_registry_name
+from harness.premerge.check import CheckResult, PredictFn, run_check
+from harness.premerge.importers import ConfigError, JobSpec
+from harness.premerge.importers.model import LOCAL_MODEL_NOTE
+from harness.spec.cases import CaseError, parse_case
+from harness.spec.schema import CASE_ID_PATTERN, Case
+from harness.spec.units import fmt_gib, fmt_size_exact
+
+
+@dataclass(frozen=True)
+class WrittenCase:
+    path: Path
+    case: Case
+    check: CheckResult
+
+
+def predictor_version() -> str:
+    """The installed oom-harness version (the predictor's code and constants ship with it)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("oom-harness")
+    except md.PackageNotFoundError:
+        return "source tree"
+
+
+def _relative(target: str | Path, out_dir: Path) -> str:
+    """`target` as written in a case file in `out_dir`: relative to it, so case and config move together."""
+    return os.path.relpath(Path(target).resolve(), out_dir.resolve())
+
+
+def _expected(result: CheckResult) -> dict[str, Any]:
+    case = result.config.case
+    if case.deepspeed is not None and case.deepspeed.stage == 3 and case.launch.init_order == "model_first":
+        return {"outcome": "detected", "detect": "materialised_before_zero_init"}
+    return {"outcome": "fits" if result.fits else "oom"}
+
+
+def _predicted(result: CheckResult, today: str) -> dict[str, Any]:
+    p = result.prediction
+    return {
+        "per_card_peak": fmt_gib(result.card_peak),
+        "allocated": fmt_gib(p.allocated),
+        "host_ram": fmt_gib(result.node_host_ram),
+        "budget": fmt_gib(result.budget),
+        "calibration": p.platform,
+        "predictor_version": predictor_version(),
+        "date": today,
+    }
+
+
+# Within this share of the budget, the prediction's error decides the outcome: a full-size run should.
+CLOSE_CALL = 0.05
+
+
+def _notes(result: CheckResult) -> str:
+    """The importer's notes and the lints, as `oom-harness check` prints them. The note on where the model's
+    config.json was read is left out: the case names that folder itself."""
+    lines = [n for n in result.config.notes if not n.startswith(LOCAL_MODEL_NOTE)]
+    margin = (result.budget - result.card_peak) / result.budget
+    if abs(margin) < CLOSE_CALL:
+        lines.append(f"close call: the predicted peak is {abs(margin):.1%} {'below' if margin >= 0 else 'above'} the "
+                     "budget: expect.outcome is the prediction's, a full-size run decides")
+    lines += [f.one_line() for f in result.lints]
+    return "\n".join(lines)
+
+
+def case_data(result: CheckResult, out_dir: Path, case_id: str, card_name: str | None = None,
+              today: str | None = None) -> dict[str, Any]:
+    """The case file's content (in the schema's field order), from an imported and predicted config."""
+    case = result.config.case
+    written = case.model_dump(mode="json", exclude_defaults=True)
+    training = result.config.training.path
+    source = {"title": case.source.title if case.source else f"training config {training.name}",
+              "config": _relative(training, out_dir)}
+    if result.config.deepspeed is not None and result.config.deepspeed.path != training:
+        source["deepspeed"] = _relative(result.config.deepspeed.path, out_dir)
+    card = case.target.card
+    target: dict[str, Any] = {"card": {"vendor": card.vendor, "name": card_name or card.name,
+                                       "memory": fmt_size_exact(card.memory), "count": card.count},
+                              "headroom": case.target.headroom}
+    if case.target.host_ram is not None:
+        target["host_ram"] = fmt_size_exact(case.target.host_ram)
+    data: dict[str, Any] = {
+        "id": case_id,
+        "title": f"{training.name} on {card.count} x {card_name or card.name}",
+        "role": "config",
+        "family": case_id,
+        "source": source,
+        "model": case.model if is_registry_name(case.model) else _relative(case.model, out_dir),
+        "stack": case.stack.value,
+        "precision": case.precision.value,
+        "method": written["method"],
+        "train": written["train"],
+    }
+    if case.deepspeed is not None:
+        data["deepspeed"] = written["deepspeed"]
+    data["launch"] = written.get("launch", {})
+    data["target"] = target
+    data["expect"] = _expected(result)
+    data["predicted"] = _predicted(result, today or dt.date.today().isoformat())
+    data["claims"] = [{"kind": "trains"}]
+    notes = _notes(result)
+    if notes:
+        data["notes"] = notes
+    if not data["launch"]:
+        del data["launch"]
+    return data
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with long text (the notes) as a literal block, as a person writes it."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text or len(text) > 100 else None))
+
+
+def _header(result: CheckResult) -> str:
+    c = result.config
+    return (f"# A case made by `oom-harness case-from` from {c.training.path.name}. `expect` is what runs assert;\n"
+            "# `predicted` is the prediction when it was written, kept to compare measurements with.\n")
+
+
+def default_case_id(config: Path) -> str:
+    """The config file's name as a case id."""
+    slug = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", config.stem)).strip("-._")
+    return slug or "config"
+
+
+def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_id: str | None = None,
+               card_name: str | None = None, platform: str | None = None, force: bool = False,
+               predict: PredictFn | None = None, today: str | None = None) -> WrittenCase:
+    """Import, predict and write `out_dir/<case_id>.yaml`. Raises ConfigError on bad input."""
+    config, out_dir = Path(config), Path(out_dir)
+    case_id = case_id or default_case_id(config)
+    if not re.fullmatch(CASE_ID_PATTERN, case_id) or ".." in case_id:
+        raise ConfigError(None, "--id", f"'{case_id}' is not a safe file name",
+                          "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+    path = out_dir / f"{case_id}.yaml"
+    if path.exists() and not force:
+        raise ConfigError(path, None, "the case file exists", "pass --force to replace it, or --id to name another")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(out_dir, "--out", "is a file, not a folder", "name a folder for the case file")
+    result = run_check(config, spec, platform=platform, predict=predict)
+    if result.prediction is None:
+        raise ConfigError(config, None, f"no expected outcome can be predicted: {result.config.unpredictable}",
+                          "change the settings the lint names, then run case-from again")
+    data = case_data(result, out_dir, case_id, card_name, today)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        case = parse_case(data, path)  # the file must load as it will be read: relative to its folder
+    except CaseError as exc:
+        raise ConfigError(config, None, "the case written from it is invalid: " + "; ".join(exc.problems),
+                          "report it with the config attached") from None
+    text = _header(result) + yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return WrittenCase(path=path, case=case, check=result)
