@@ -271,7 +271,10 @@ class Expect(Strict):
         description="fits: within the headroom; oom: exceeds the card (a failing config); "
         "detected: a mistake the harness must flag"
     )
-    detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = None
+    detect: Literal["materialised_before_zero_init", "single_process_zero"] | None = Field(
+        default=None,
+        description="for outcome `detected`: the mistake a run must reveal (the full model materialised on "
+        "every rank before ZeRO-3 partitions it; ZeRO launched as a single process)")
     finding: str | None = _finding_field("`outcome` (which stays the source's)")
     memory_tolerance: float | None = Field(
         default=None, gt=0, lt=1,
@@ -524,7 +527,7 @@ class Case(Strict):
     expect: Expect
     claims: list[Claim] = Field(default_factory=list)
     predicted: Predicted | None = None
-    notes: str = ""
+    notes: str = Field(default="", description="free text for readers: the scenario, its provenance, caveats")
 
     @field_validator("id")
     @classmethod
