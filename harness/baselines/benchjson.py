@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from harness.measure.records import CaseRun
+from harness.spec.files import write_atomic
 
 
 def benchmark_entries(runs: list[CaseRun], procs_per_card: dict[str, int]) -> list[dict]:
@@ -80,5 +81,5 @@ def write_benchmark_json(path: Path, runs: list[CaseRun], procs_per_card: dict[s
         "datetime": dt.datetime.now(dt.timezone.utc).isoformat(),
         "version": __version__,
     }
-    Path(path).write_text(json.dumps(doc, indent=1))
+    write_atomic(Path(path), json.dumps(doc, indent=1))
     return len(entries)

@@ -45,6 +45,7 @@ import os
 from pathlib import Path
 
 from harness.predict.step import ParamInfo, TraceResult, TraceSpec, extrapolate, reentrant_checkpointing, zero_init
+from harness.spec.files import write_atomic
 
 __all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "reentrant_checkpointing", "trace_pair",
            "zero_init"]
@@ -112,11 +113,7 @@ def _store(spec: TraceSpec, pair) -> None:
     if folder is None:
         return
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{_key(spec)}.json"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in pair]))
-        tmp.replace(path)
+        write_atomic(folder / f"{_key(spec)}.json", json.dumps([dataclasses.asdict(r) for r in pair]))
     except OSError:  # a read-only home: the in-process cache still holds
         pass
 

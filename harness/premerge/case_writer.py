@@ -28,6 +28,7 @@ from harness.premerge.check import CheckResult, PredictFn, run_check
 from harness.premerge.importers import ConfigError, JobSpec
 from harness.premerge.importers.model import LOCAL_MODEL_NOTE
 from harness.spec.cases import CaseError, parse_case
+from harness.spec.files import write_atomic
 from harness.spec.schema import CASE_ID_PATTERN, Case
 from harness.spec.units import fmt_gib, fmt_size_exact
 
@@ -179,7 +180,5 @@ def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_i
         raise ConfigError(config, None, "the case written from it is invalid: " + "; ".join(exc.problems),
                           "report it with the config attached") from None
     text = _header(result) + yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, text, root=out_dir)
     return WrittenCase(path=path, case=case, check=result)

@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from harness.spec.files import write_atomic
+
 EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
 
 
@@ -198,10 +200,7 @@ def run(args) -> int:
     finally:
         report.triton_cache = compile_cache.state(cache_entries,
                                                   platform != Platform.cpu and compile_cache.uses_triton_kernels())
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(report.model_dump_json(indent=1))
-        tmp.replace(out_path)
+        write_atomic(out_path, report.model_dump_json(indent=1))
     if code != EXIT_OK:
         print(f"[harness.runtime.worker] {case.id} rank {rank}: {report.error.kind.value} in {phase}: "
               f"{report.error.message.splitlines()[-1] if report.error.message else ''}", file=sys.stderr)

@@ -1,0 +1,105 @@
+"""Writing results so that they cannot be corrupted: names that stay inside their folder, and writes that
+either land whole or leave the old file as it was.
+
+Case ids and variants name files (case files, run folders, baselines); a record anyone can edit must
+not turn them into paths elsewhere on disk. Every file the harness writes goes through `write_atomic`:
+a temporary file in the same folder, flushed to the disk, then renamed over the target, so a full disk
+or a killed process leaves the previous file intact and no half-written one behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+# letters, digits, '.', '_', '-', starting with a letter or digit (harness.spec.schema.CASE_ID_PATTERN)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_MAX = 200
+
+
+class UnsafeNameError(ValueError):
+    """A case id or variant that would name a path outside its folder (separators, '..')."""
+
+
+class OutsideFolderError(ValueError):
+    """A path built from a name that resolves outside the folder it belongs in."""
+
+
+class WriteError(OSError):
+    """A result file that could not be written (full disk, no permission); the old file is intact."""
+
+
+def name_problem(value: str, empty_ok: bool = False) -> str | None:
+    """Why `value` cannot name a file (None: it can)."""
+    if value == "" and empty_ok:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(NAME_PATTERN, value) or ".." in value \
+            or len(value) > NAME_MAX:
+        return (f"{value!r} is not a safe file name: use letters, digits, '.', '_' and '-', starting with a "
+                f"letter or digit, no '..', at most {NAME_MAX} characters")
+    return None
+
+
+def safe_name(value: str, what: str, empty_ok: bool = False) -> str:
+    """`value` if it can name a file, else UnsafeNameError naming `what` (for pydantic validators)."""
+    problem = name_problem(value, empty_ok)
+    if problem:
+        raise UnsafeNameError(f"{what}: {problem}")
+    return value
+
+
+def inside(root: Path, *parts: str) -> Path:
+    """`root / parts...`, refused with OutsideFolderError unless it resolves inside `root` (a name
+    holding '..' or a separator, or a symbolic link pointing out of the folder)."""
+    path = Path(root).joinpath(*parts)
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise OutsideFolderError(f"{path}: resolves outside {Path(root).resolve()}; name the file with "
+                                 "letters, digits, '.', '_' and '-' only")
+    return path
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse, before any work is done, a file that could not be written later: its folder missing, not
+    a folder or not writable, or the path itself a folder. Raises WriteError naming `what`."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise WriteError(f"{what} {path}: is a folder; name a file")
+    if not folder.is_dir():
+        raise WriteError(f"{what} {path}: the folder {folder} does not exist; create it or name another file")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise WriteError(f"{what} {path}: not writable; name a file in a folder you can write to")
+
+
+def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
+    """Write `text` to `path` whole or not at all: a temporary file in the same folder, flushed and
+    synced, renamed over `path`. With `root`, `path` must resolve inside it (OutsideFolderError). A
+    failed write (ENOSPC, EACCES) removes the temporary file, leaves any old file as it was and raises
+    WriteError naming the file."""
+    path = Path(path)
+    if root is not None and not path.resolve().is_relative_to(Path(root).resolve()):
+        raise OutsideFolderError(f"{path}: resolves outside {Path(root).resolve()}; name the file with "
+                                 "letters, digits, '.', '_' and '-' only")
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise WriteError(f"{path}: could not be written ({reason}); the previous file, if any, is unchanged. "
+                         "Free space or choose another folder, then run again") from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return path
