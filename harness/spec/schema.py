@@ -14,7 +14,7 @@ import re
 from enum import Enum
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
 from harness.spec.units import parse_size
 
@@ -404,6 +404,12 @@ class _RangeClaim(_Claim):
                         raise ValueError(f"{key}: write a size with a unit, e.g. '{data[key]} GiB'")
                     data[key] = parse_size(data[key])
         return data
+
+    @field_serializer("low", "high", when_used="json")
+    def _with_unit(self, value: float):
+        """Sizes are written back with their unit, so a case dumped as JSON validates again (bytes
+        without a unit are refused above, as a number that may have meant GiB)."""
+        return f"{int(value)} B" if self.metric in self.SIZES else value
 
     @model_validator(mode="after")
     def _ordered(self):

@@ -1,0 +1,59 @@
+"""`oom-harness check` accepts every bundled case file: a case read back from its own JSON dump (as the
+case-file importer and variants do) validates again, sizes with their units included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from harness.cli.main import main
+from harness.premerge import check
+from harness.spec.cases import CASES_DIR, case_files, load_case
+from harness.spec.schema import Case
+from harness.spec.units import GIB
+
+BUNDLED = case_files(CASES_DIR)
+
+
+def test_the_bundled_suite_has_size_ranges_to_read_back():
+    # the cases whose memory_range / checkpointing_saving sizes were once dumped as bare bytes
+    ids = {p.stem for p in BUNDLED}
+    assert {"003-qlora-fix-r16-seq512-gc", "003-qlora-fix-r32-seq1024-gc", "004-gla-plan-a-minimal"} <= ids
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)
+def test_a_case_validates_again_from_its_own_json_dump(path):
+    case = load_case(path)
+    again = Case.model_validate(case.model_dump(mode="json"))
+    assert again == case
+
+
+def test_a_size_range_is_dumped_with_its_unit_and_a_fraction_without():
+    case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    dumped = [c for c in case.model_dump(mode="json")["claims"] if c["kind"] == "memory_range"]
+    assert dumped[0]["low"] == f"{10 * GIB} B" and dumped[0]["high"] == f"{12 * GIB} B"
+    fractions = [c for c in load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml").model_dump(mode="json")
+                 ["claims"] if c.get("metric") == "usage_fraction"]
+    assert fractions and all(isinstance(c["low"], float) for c in fractions)
+
+
+@dataclass
+class _Prediction:
+    allocated: int = 3 * GIB
+    reserved: int = 4 * GIB
+    device: int = 5 * GIB
+    host_ram: int = 20 * GIB
+    terms: dict = field(default_factory=dict)
+    notes: list = field(default_factory=lambda: ["fake prediction"])
+    calibrated_on: list = field(default_factory=list)
+    platform: str = "cuda"
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)
+def test_check_accepts_every_bundled_case_file(path, monkeypatch, capsys):
+    monkeypatch.setattr(check, "_predictor", lambda: lambda *args, **kwargs: _Prediction())
+    code = main(["check", str(path)])
+    out, err = capsys.readouterr()
+    assert code in (0, 1), err
+    assert "verdict:" in out
