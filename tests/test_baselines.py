@@ -126,7 +126,10 @@ def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_pa
     with pytest.raises(BlessError, match=r"torch 2.11.0 -> 2.12.0.*without --append"):
         bless(upgraded, root=tmp_path / "baselines", append=True)
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2  # nothing written
-    bless(second, root=tmp_path / "baselines")  # without append: refreshed, one repetition
+    with pytest.raises(BlessError, match=r"a baseline exists; pass --replace"):
+        bless(second, root=tmp_path / "baselines")  # neither append nor replace: refused, nothing written
+    assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2
+    bless(second, root=tmp_path / "baselines", replace=True)  # replaced: one repetition
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 1
 
 

@@ -13,7 +13,7 @@ from harness.spec.files import OutsideFolderError, UnsafeNameError, WriteError, 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "a\\b", "..", "x..y", ".hidden", "", "a b", "/etc/passwd", "é"])
 def test_a_name_with_separators_or_dots_is_refused(name):
-    with pytest.raises(UnsafeNameError, match="case_id: .* is not a safe file name"):
+    with pytest.raises(UnsafeNameError, match=r"case_id: .* is not a safe file name"):
         safe_name(name, "case_id")
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_validator
 
 from harness.measure.records import CaseRun, Clocks
+from harness.spec.files import OutsideFolderError, inside, safe_name, write_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results" / "baselines"
 
@@ -45,13 +48,13 @@ class Figures(BaseModel):
     the card's tokens/s and MFU are the worst rank's of a sharded job and the sum of the jobs
     sharing a card (`CaseRun.per_card_peak`, `CaseRun.per_card_rate`)."""
 
-    per_card_peak: int | None
-    allocated_peak: int | None
-    reserved_peak: int | None
-    load_footprint: int | None
-    host_peak: int | None = None  # host RSS of the worst rank (with its dataloader workers)
-    tokens_per_s_per_gpu: float | None
-    mfu: float | None
+    per_card_peak: NonNegativeInt | None
+    allocated_peak: NonNegativeInt | None
+    reserved_peak: NonNegativeInt | None
+    load_footprint: NonNegativeInt | None
+    host_peak: NonNegativeInt | None = None  # host RSS of the worst rank (with its dataloader workers)
+    tokens_per_s_per_gpu: float | None = Field(gt=0, allow_inf_nan=False)
+    mfu: float | None = Field(ge=0, allow_inf_nan=False)
     step_times_s: list[float]
     outcome: str  # ok, or the failure kind (oom, crash, timeout)
     failure: str | None = None
@@ -60,6 +63,14 @@ class Figures(BaseModel):
     clocks: Clocks | None = None  # the slowest card's SM clock during the timed steps (harness.measure.clocks)
     host_cpu: str | None = None  # the host CPU's model name; speed depends on it
     recorded: str | None = None  # the day of this repetition, where it differs from the baseline's (bless --append)
+
+    @field_validator("step_times_s")
+    @classmethod
+    def _durations(cls, value):
+        bad = [t for t in value if not math.isfinite(t) or t <= 0]
+        if bad:
+            raise ValueError(f"step_times_s: {bad[0]!r} is not a duration; step times are seconds above 0")
+        return value
 
 
 class Baseline(BaseModel):
@@ -72,6 +83,16 @@ class Baseline(BaseModel):
     runs: list[Figures]  # one per repetition
     recorded: str
     note: str = ""
+
+    @field_validator("case_id")
+    @classmethod
+    def _safe_case_id(cls, value):
+        return safe_name(value, "case_id")
+
+    @field_validator("variant")
+    @classmethod
+    def _safe_variant(cls, value):
+        return safe_name(value, "variant", empty_ok=True)
 
     def values(self, attr: str) -> list[float]:
         """One figure over the repetitions that have it."""
@@ -114,9 +135,12 @@ class BlessError(ValueError):
     """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline."""
 
 
-def read_runs(paths: list[Path]) -> list[CaseRun]:
-    """The runs in `oom-harness run --json` files, in `run.json` files (one run each), and in every
-    `run.json` below a folder (`pytest --harness-run-dir`, `oom-harness run --out`), in that order."""
+# No card holds this much: a peak above it is an edited or corrupt record, not a measurement.
+ABSURD_BYTES = 2**40
+
+
+def sourced_runs(paths: list[Path]) -> list[tuple[str, CaseRun]]:
+    """The runs of `read_runs`, each with where it came from ('FILE entry N', 'FILE')."""
     runs = []
     for path in map(Path, paths):
         files = sorted(path.rglob("run.json")) if path.is_dir() else [path]
@@ -129,13 +153,27 @@ def read_runs(paths: list[Path]) -> list[CaseRun]:
                 raise BlessError(f"{f}: cannot be read as JSON ({exc})") from exc
             entries = data if isinstance(data, list) else [{"run": data}]
             for i, entry in enumerate(entries):
+                where = f"entry {i}" if isinstance(data, list) else "its content"
                 try:
-                    runs.append(CaseRun.model_validate(entry["run"]))
+                    runs.append((f"{f} {where}" if isinstance(data, list) else str(f),
+                                 CaseRun.model_validate(entry["run"])))
                 except (KeyError, TypeError, ValidationError) as exc:
-                    where = f"entry {i}" if isinstance(data, list) else "its content"
                     raise BlessError(f"{f}: {where} is not a run of `oom-harness run --json` or a run.json "
-                                     f"({str(exc).splitlines()[0]})") from exc
+                                     f"({_first_problem(exc)})") from exc
     return runs
+
+
+def _first_problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError) and exc.errors():
+        e = exc.errors()[0]
+        return f"{'.'.join(map(str, e['loc'])) or 'the entry'}: {e['msg']}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def read_runs(paths: list[Path]) -> list[CaseRun]:
+    """The runs in `oom-harness run --json` files, in `run.json` files (one run each), and in every
+    `run.json` below a folder (`pytest --harness-run-dir`, `oom-harness run --out`), in that order."""
+    return [run for _, run in sourced_runs(paths)]
 
 
 def _case_file(case_id: str, case_dirs: list[Path]) -> Path:
@@ -148,46 +186,131 @@ def _case_file(case_id: str, case_dirs: list[Path]) -> Path:
                      "pass the folder of its case file with --case-dir")
 
 
-def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
-          recorded: str | None = None, append: bool = False, case_dirs: list[Path] | None = None) -> list[Path]:
-    """Write or refresh the baselines of every full-size run in `runs_json` (see `read_runs`).
-    Repeated runs of a case in them become repetitions of one baseline. With `append`, they are
-    added to the repetitions a baseline already has (runs of another day or another host of the same
-    platform), so the spread the tolerances derive from covers them all. Each run's case is read
-    from the first of `case_dirs` holding it, then from the bundled suite."""
+def _not_of_case(run: CaseRun, case, case_path: Path, variant) -> str | None:
+    """Why `run` is not a measurement of `case` as `case_path` holds it (None: it is): another config
+    (digest, model), ranks of another case or of mixed cards, another shape or card than the case's. A
+    case's card may be emulated on a bigger one of another vendor, so the vendor is not compared."""
+    from harness.spec.identity import case_digest, model_name
+
+    if run.case_digest is not None and run.case_digest != case_digest(case):
+        return (f"it measured another config than {case_path} (digest {run.case_digest}, the case file's "
+                f"{case_digest(case)}): a run relabelled as another case, or a case changed since it ran. "
+                "Run the case again, or bless the run under the case it measured")
+    if run.model is not None and run.model != model_name(case):
+        return f"it measured model '{run.model}', {case_path} names '{model_name(case)}'. Bless it under its own case"
+    first = run.ranks[0]
+    for r in run.ranks:
+        if r.case_id != run.case_id or r.fidelity != run.fidelity:
+            return (f"rank {r.rank} reports case '{r.case_id}' at {r.fidelity} size, the run '{run.case_id}' at "
+                    f"{run.fidelity} size: a relabelled run. Bless the run under the case it measured")
+        if r.platform == "cpu" or (r.platform, r.device_name) != (first.platform, first.device_name):
+            return (f"rank {r.rank} ran on {r.platform} '{r.device_name}', rank {first.rank} on {first.platform} "
+                    f"'{first.device_name}': a full-size run is measured on one kind of GPU")
+        if r.seq_len not in (0, case.train.seq_len) or r.micro_batch not in (0, case.train.micro_batch):
+            return (f"rank {r.rank} ran seq_len {r.seq_len}, micro_batch {r.micro_batch}; {case_path} says "
+                    f"{case.train.seq_len} and {case.train.micro_batch}. Bless it under the case it measured")
+        if variant.as_written and r.emulated_card_bytes not in (None, case.target.card.memory):
+            return (f"rank {r.rank} emulated a card of {r.emulated_card_bytes} bytes, {case_path}'s card holds "
+                    f"{case.target.card.memory}. Bless it under the case it measured")
+    return None
+
+
+def _impossible(run: CaseRun, figures: Figures, card_bytes: int | None) -> str | None:
+    """Why `figures` cannot have been measured (None: they can): a peak above any card or, for a run
+    that fit, above its card; an ok run without a peak or a rate."""
+    peaks = {k: getattr(figures, k) for k in ("per_card_peak", "allocated_peak", "reserved_peak",
+                                               "load_footprint")}
+    for key, value in peaks.items():
+        if value is not None and value > ABSURD_BYTES:
+            return f"{key} {value} bytes is more than any card holds"
+    if figures.outcome != "ok":
+        return None
+    if not figures.per_card_peak:
+        return "the run fit but records no peak"
+    if card_bytes and figures.per_card_peak > card_bytes:
+        return f"the run fit but its per_card_peak {figures.per_card_peak} bytes is above its card's {card_bytes}"
+    if run.ranks and any(r.step_times_s for r in run.ranks) and figures.tokens_per_s_per_gpu is None:
+        return "the run fit but its step times give no tokens/s (zero tokens or zero-length steps)"
+    return None
+
+
+def baselines_of(runs: list[tuple[str, CaseRun]], driver: str | None = None, root: Path = RESULTS_DIR,
+                 note: str = "", recorded: str | None = None, append: bool = False,
+                 case_dirs: list[Path] | None = None, replace: bool = False) -> dict[Path, Baseline]:
+    """The baselines `bless` would write for `runs` (from `sourced_runs`), by the path each would take
+    under `root`; nothing is written. Refuses, as BlessError naming the run's file: a run that is not
+    a measurement of the case it names, impossible figures, and (without `replace` or `append`) a
+    baseline that exists."""
     from harness.spec.cases import CASES_DIR, CaseError, load_case
     from harness.spec.variants import parse_variant
 
     folders = [*(case_dirs or []), CASES_DIR]
 
     day = recorded or dt.date.today().isoformat()
-    by_case: dict[tuple[str, str], list[CaseRun]] = {}
-    for run in read_runs([runs_json] if isinstance(runs_json, (str, Path)) else runs_json):
+    by_case: dict[tuple[str, str], list[tuple[str, CaseRun]]] = {}
+    for where, run in runs:
         if run.fidelity != "real" or not run.ranks:
             continue
-        by_case.setdefault((run.case_id, run.variant), []).append(run)
+        by_case.setdefault((run.case_id, run.variant), []).append((where, run))
     baselines: dict[Path, Baseline] = {}
-    for (case_id, variant), runs in by_case.items():
+    for (case_id, variant), sourced in by_case.items():
+        case_path = _case_file(case_id, folders)
         try:
-            case = load_case(_case_file(case_id, folders))
-        except CaseError as exc:
+            case = load_case(case_path)
+            v = parse_variant(variant)
+        except (CaseError, ValueError) as exc:
             raise BlessError(str(exc)) from None
-        first = runs[0].ranks[0]
-        platform = PlatformInfo.of_run(runs[0], driver)
-        v = parse_variant(variant)
-        figures = [figures_of(r, case.launch.procs_per_card) for r in runs]
-        path = root / platform.key / f"{case_id}{v.suffix}.json"
-        if append and path.exists():
-            baselines[path] = _appended(Baseline.model_validate_json(path.read_text()),
-                                        platform, figures, day, note, path)
+        card = case.target.card.memory if v.as_written else None
+        figures = []
+        for where, run in sourced:
+            problem = _not_of_case(run, case, case_path, v)
+            try:
+                f = figures_of(run, case.launch.procs_per_card)
+            except ValidationError as exc:
+                problem = problem or f"impossible figures ({_first_problem(exc)})"
+            else:
+                problem = problem or _impossible(run, f, run.ranks[0].emulated_card_bytes or card)
+                figures.append(f)
+            if problem:
+                raise BlessError(f"{where}: run of '{case_id}{v.suffix}' refused: {problem}")
+        runs_of = [run for _, run in sourced]
+        first = runs_of[0].ranks[0]
+        platform = PlatformInfo.of_run(runs_of[0], driver)
+        try:
+            path = inside(root, platform.key, f"{case_id}{v.suffix}.json")
+        except OutsideFolderError as exc:
+            raise BlessError(str(exc)) from None
+        if path.exists() and append:
+            try:
+                old = Baseline.model_validate_json(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise BlessError(f"{path}: the baseline to append to is unreadable ({_first_problem(exc)}); "
+                                 "bless with --replace to write it anew") from None
+            baselines[path] = _appended(old, platform, figures, day, note, path)
             continue
+        if path.exists() and not replace:
+            raise BlessError(f"{path}: a baseline exists; pass --replace to replace it, or --append to add these "
+                             "runs as further repetitions")
         baselines[path] = Baseline(
             case_id=case_id, variant=variant, platform=platform, emulated_card_bytes=first.emulated_card_bytes,
             measured=v.label(case), steps=len(first.step_times_s) or 0, runs=figures, recorded=day, note=note,
         )
+    return baselines
+
+
+def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
+          recorded: str | None = None, append: bool = False, case_dirs: list[Path] | None = None,
+          replace: bool = False) -> list[Path]:
+    """Write the baselines of every full-size run in `runs_json` (see `read_runs`, `baselines_of`).
+    Repeated runs of a case in them become repetitions of one baseline. An existing baseline is
+    replaced only with `replace`; with `append`, the runs are added to the repetitions it already has
+    (runs of another day or another host of the same platform), so the spread the tolerances derive
+    from covers them all. Each run's case is read from the first of `case_dirs` holding it, then from
+    the bundled suite. Each file is written whole or not at all (WriteError: the old one is intact)."""
+    runs = sourced_runs([runs_json] if isinstance(runs_json, (str, Path)) else runs_json)
+    baselines = baselines_of(runs, driver, root, note, recorded, append, case_dirs, replace)
     for path, baseline in baselines.items():  # written only once every run was accepted
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(baseline.model_dump_json(indent=1) + "\n")
+        write_atomic(path, baseline.model_dump_json(indent=1) + "\n", root=root)
     return list(baselines)
 
 
@@ -220,5 +343,24 @@ def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day
                                   "note": f"{old.note}\n{added}" if old.note else added})
 
 
+def read_baselines(root: Path = RESULTS_DIR) -> tuple[list[Baseline], list[str]]:
+    """The baselines under `root` that can be read, and a line for each file that cannot (empty,
+    truncated, not JSON, missing fields, impossible figures) naming the file and the problem."""
+    good, bad = [], []
+    for path in sorted(Path(root).glob("*/*.json")):
+        try:
+            good.append(Baseline.model_validate_json(path.read_text()))
+        except (OSError, ValueError) as exc:
+            problem = "empty" if path.is_file() and not path.stat().st_size else _first_problem(exc)
+            bad.append(f"{path}: skipped, not a baseline ({problem}); bless its case again with --replace, "
+                       "or delete the file")
+    return good, bad
+
+
 def load_baselines(root: Path = RESULTS_DIR) -> list[Baseline]:
-    return [Baseline.model_validate_json(p.read_text()) for p in sorted(root.glob("*/*.json"))]
+    """The readable baselines under `root`; each unreadable one is named on stderr and skipped, so one
+    corrupt file does not stop `check`, `run` or `report`."""
+    good, bad = read_baselines(root)
+    for line in bad:
+        print(f"oom-harness: warning: {line}", file=sys.stderr)
+    return good

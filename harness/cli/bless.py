@@ -17,17 +17,23 @@ def add_parser(subparsers) -> None:
     bl.add_argument("--baselines-dir", help="the folder of baselines to write (default: the bundled results/baselines)")
     bl.add_argument("--append", action="store_true",
                     help="add the runs as further repetitions of existing baselines (same platform and software)")
+    bl.add_argument("--replace", action="store_true",
+                    help="replace existing baselines with these runs (without it, an existing baseline is refused)")
     bl.set_defaults(func=run)
 
 
 def run(args) -> int:
     from harness.baselines.store import RESULTS_DIR, BlessError, bless
+    from harness.spec.files import WriteError
 
+    if args.append and args.replace:
+        print("bless: --append adds to a baseline, --replace writes it anew; pass one of them", file=sys.stderr)
+        return 2
     root = Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR
     try:
         paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append,
-                      root=root, case_dirs=[Path(d) for d in args.case_dir])
-    except BlessError as exc:
+                      root=root, case_dirs=[Path(d) for d in args.case_dir], replace=args.replace)
+    except (BlessError, WriteError) as exc:
         print(f"bless: {exc}", file=sys.stderr)
         return 2
     for path in paths:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from enum import Enum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, NonNegativeInt, field_validator
+
+from harness.spec.files import safe_name
+
+Bytes = NonNegativeInt  # a measured size: a negative one is an edited or corrupt record
 
 
 class Memory(BaseModel):
@@ -14,12 +19,12 @@ class Memory(BaseModel):
     host_rss: host memory of the process and its dataloader workers (resident set); host_anon: its
     anonymous and shared-memory part, without the file pages the kernel can reclaim (Linux)."""
 
-    allocated: int
-    reserved: int | None = None
-    device: int | None = None
-    host_rss: int | None = None
-    host_anon: int | None = None
-    resident: int | None = None  # allocated bytes still live at the end of the phase
+    allocated: Bytes
+    reserved: Bytes | None = None
+    device: Bytes | None = None
+    host_rss: Bytes | None = None
+    host_anon: Bytes | None = None
+    resident: Bytes | None = None  # allocated bytes still live at the end of the phase
 
     def limiting(self) -> int:
         """The figure that decides an OOM: the device's own where known, else reserved, else allocated."""
@@ -122,7 +127,7 @@ class RankReport(BaseModel):
     seq_len: int = 0
     micro_batch: int = 0
     grad_accum: int = 0
-    tokens_per_step: int = 0
+    tokens_per_step: NonNegativeInt = 0
     flops_per_token: float | None = None
     losses: list[float] = Field(default_factory=list)
     model_config_used: dict = Field(default_factory=dict)
@@ -132,6 +137,19 @@ class RankReport(BaseModel):
     clocks: Clocks | None = None  # the card's SM clock during the timed steps (NVIDIA; harness.measure.clocks)
     host_cpu: str | None = None  # the host CPU's model name
     error: ErrorInfo | None = None
+
+    @field_validator("case_id")
+    @classmethod
+    def _safe_case_id(cls, value):
+        return safe_name(value, "case_id")
+
+    @field_validator("step_times_s")
+    @classmethod
+    def _finite_times(cls, value):
+        bad = [t for t in value if not math.isfinite(t) or t < 0]
+        if bad:
+            raise ValueError(f"step_times_s: {bad[0]!r} is not a duration; step times are finite seconds >= 0")
+        return value
 
     @property
     def mfu(self) -> float | None:
@@ -146,9 +164,8 @@ class RankReport(BaseModel):
     @property
     def tokens_per_s(self) -> float | None:
         timed = self.step_times_s[self.warmup_steps :]
-        if not timed:
-            return None
-        return self.tokens_per_step / statistics.median(timed)
+        median = statistics.median(timed) if timed else 0
+        return self.tokens_per_step / median if median > 0 else None
 
 
 class CaseRun(BaseModel):
@@ -164,6 +181,20 @@ class CaseRun(BaseModel):
     error: ErrorInfo | None = None
     log_tail: str = ""
     run_dir: str = ""
+    # what identifies the case this run measured (harness.spec.identity), checked by `oom-harness bless`:
+    # None in runs recorded before they were kept
+    case_digest: str | None = None
+    model: str | None = None
+
+    @field_validator("case_id")
+    @classmethod
+    def _safe_case_id(cls, value):
+        return safe_name(value, "case_id")
+
+    @field_validator("variant")
+    @classmethod
+    def _safe_variant(cls, value):
+        return safe_name(value, "variant", empty_ok=True)
 
     @property
     def ok(self) -> bool:
