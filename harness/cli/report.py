@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -17,35 +16,42 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     """The committed baselines as a table; with run files, those runs instead (a night's measurement,
-    in the same table, blessed into a scratch folder), and the verdicts that failed in them."""
-    from harness.baselines.store import BlessError, bless, load_baselines
+    in the same table, built in memory as `bless` would write them), and the verdicts that failed in
+    them. Writes nothing."""
+    from harness.baselines.store import BlessError, baselines_of, load_baselines, sourced_runs
     from harness.report.markdown import report_markdown
 
     if not args.runs:
         print(report_markdown(load_baselines()))
         return 0
     paths = [Path(r) for r in args.runs]
-    with tempfile.TemporaryDirectory(prefix="oom-harness-report-") as scratch:
-        try:
-            bless(paths, root=Path(scratch))
-        except BlessError as exc:
-            print(f"report: {exc}", file=sys.stderr)
-            return 2
-        table = report_markdown(load_baselines(Path(scratch)))
+    try:
+        # every run its own baseline, whatever exists in results/: reported, never compared or written
+        table = report_markdown(list(baselines_of(sourced_runs(paths), replace=True).values()))
+        failed = _failed_verdicts(paths)
+    except BlessError as exc:
+        print(f"report: {exc}", file=sys.stderr)
+        return 2
     print(f"Measured in {', '.join(map(str, paths))} (these runs, not the committed baselines):\n")
     print(table or "(no full-size run in them)")
-    print("\nVerdicts that failed:\n" + ("\n".join(_failed_verdicts(paths)) or "none"))
+    print("\nVerdicts that failed:\n" + ("\n".join(failed) or "none"))
     return 0
 
 
 def _failed_verdicts(paths: list[Path]) -> list[str]:
     """The refuted verdicts kept in `run --json` files (run folders and run.json files hold none)."""
+    from harness.baselines.store import BlessError
     from harness.judge.verdicts import Verdict
 
     lines = []
     for path in paths:
         data = json.loads(path.read_text()) if path.is_file() else []
-        for e in data if isinstance(data, list) else []:
-            name = e["case"] + (f"@{e['variant']}" if e.get("variant") else "")
-            lines += [f"- {name}: {Verdict(**v).line()}" for v in e.get("verdicts", []) if v["status"] == "refuted"]
+        for i, e in enumerate(data if isinstance(data, list) else []):
+            try:
+                name = e["case"] + (f"@{e['variant']}" if e.get("variant") else "")
+                lines += [f"- {name}: {Verdict(**v).line()}" for v in e.get("verdicts", [])
+                          if v["status"] == "refuted"]
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise BlessError(f"{path}: entry {i} has a verdict record `oom-harness run --json` does not write "
+                                 f"({type(exc).__name__}: {exc}); restore the file as the run wrote it") from None
     return lines
