@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from harness.spec.cases import CASES_DIR
+from harness.spec.files import WriteError, check_writable, write_atomic
 
 
 def add_parser(subparsers) -> None:
@@ -49,14 +50,16 @@ def add_parser(subparsers) -> None:
 
 
 def _write_json(path: Path, session) -> None:
-    """Every run of the session (each variant and repetition), the judged ones with their verdicts."""
+    """Every run of the session (each variant and repetition), the judged ones with their verdicts. A
+    failed write (a full disk) is reported and the runs go on: their reports stay in the run folder."""
     verdicts = {id(j.run): [v.__dict__ for v in j.verdicts] for j in session.judged()}
     entries = [{"case": r.case_id, "fidelity": r.fidelity, "variant": r.variant,
                 "run": json.loads(r.model_dump_json()), "verdicts": verdicts.get(id(r), [])}
                for r in session.all_runs()]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1))
-    tmp.replace(path)
+    try:
+        write_atomic(path, json.dumps(entries, indent=1))
+    except WriteError as exc:
+        print(f"run: --json {exc}", file=sys.stderr)
 
 
 def _related(selected: list[str], session) -> list[list[str]]:
@@ -123,6 +126,13 @@ def run(args) -> int:
     from harness.judge.session import Session, skip_reason
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
+    try:  # refused before any case runs, not after the runs it would lose
+        for path, flag in ((args.json, "--json"), (args.benchmark_json, "--benchmark-json")):
+            if path:
+                check_writable(Path(path), flag)
+    except WriteError as exc:
+        print(f"run: {exc}", file=sys.stderr)
+        return 2
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
@@ -231,6 +241,10 @@ def _measure_variants(args, session, selected: list[str], run_root: Path) -> int
 def _write_benchmark(path: Path, session) -> None:
     from harness.baselines.benchjson import write_benchmark_json
 
-    n = write_benchmark_json(path, session.all_runs(),
-                             {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
+    try:
+        n = write_benchmark_json(path, session.all_runs(),
+                                 {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
+    except WriteError as exc:
+        print(f"run: --benchmark-json {exc}", file=sys.stderr)
+        return
     print(f"wrote {n} benchmarks in pytest-benchmark's format to {path}")

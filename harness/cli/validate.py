@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.spec.cases import CASES_DIR, CaseError, load_case
+from harness.spec.cases import CASES_DIR, CaseError, case_files, load_case
 
 
 def add_parser(subparsers) -> None:
@@ -22,10 +22,22 @@ def run(args) -> int:
     bad = 0
     for path in paths:
         try:
-            load_case(path)
+            _refers_to_known_cases(path, load_case(path))
             print(f"ok       {path}")
         except CaseError as exc:
             bad += 1
             print(str(exc), file=sys.stderr)
     print(f"{len(paths) - bad} valid, {bad} invalid")
     return 2 if bad else 0
+
+
+def _refers_to_known_cases(path: Path, case) -> None:
+    """A claim naming another case (`lower_peak_than`) names one in the case file's own folder, the folder
+    `oom-harness run --case-dir` and pytest read it from; CaseError otherwise."""
+    known = {p.stem for p in case_files(path.parent)}
+    problems = tuple(f"claims.{i}.case: {claim.kind} names case '{claim.case}', which is not in {path.parent}; "
+                     "write the id of a case file in that folder"
+                     for i, claim in enumerate(case.claims)
+                     if getattr(claim, "case", None) is not None and claim.case not in known)
+    if problems:
+        raise CaseError(path, problems)
