@@ -44,6 +44,20 @@ def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["a.json"]
 
 
+def test_a_new_file_gets_the_umasks_mode_and_a_replaced_one_keeps_its_own(tmp_path):
+    old = os.umask(0o022)
+    try:
+        new = write_atomic(tmp_path / "new.json", "x")
+    finally:
+        os.umask(old)
+    assert new.stat().st_mode & 0o777 == 0o666 & ~files._UMASK
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    write_atomic(kept, "new")
+    assert kept.stat().st_mode & 0o777 == 0o640
+
+
 def test_a_write_outside_its_root_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(OutsideFolderError):
         write_atomic(tmp_path / "root" / ".." / "escaped.json", "x", root=tmp_path / "root")

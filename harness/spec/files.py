@@ -17,6 +17,10 @@ from pathlib import Path
 # letters, digits, '.', '_', '-', starting with a letter or digit (harness.spec.schema.CASE_ID_PATTERN)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 NAME_MAX = 200
+# the process's umask, read once at import (setting it is the only way to read it): new files get the
+# mode a plain open() would give them, not mkstemp's owner-only 0600
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 class UnsafeNameError(ValueError):
@@ -86,6 +90,7 @@ def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
