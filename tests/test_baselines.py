@@ -123,7 +123,7 @@ def test_append_adds_repetitions_of_another_day_and_refuses_another_stack(tmp_pa
     entry = _run(10.5, 7.0)
     entry["run"]["ranks"][0]["versions"]["torch"] = "2.12.0"
     upgraded.write_text(json.dumps([entry]))
-    with pytest.raises(BlessError, match=r"torch 2.11.0 -> 2.12.0.*without --append"):
+    with pytest.raises(BlessError, match=r"torch 2.11.0 -> 2.12.0.*with --replace"):
         bless(upgraded, root=tmp_path / "baselines", append=True)
     assert len(load_baselines(tmp_path / "baselines")[0].runs) == 2  # nothing written
     with pytest.raises(BlessError, match=r"a baseline exists; pass --replace"):

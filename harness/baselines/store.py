@@ -326,7 +326,7 @@ def _appended(old: Baseline, platform: PlatformInfo, figures: list[Figures], day
     if differ:
         pairs = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in differ)
         raise BlessError(f"{path}: these runs differ from the baseline's software ({pairs}); a spread across "
-                         f"stacks is not noise. Bless without --append to replace the baseline.")
+                         f"stacks is not noise. Bless with --replace to replace the baseline.")
     unrecorded = sorted(k for k in after if before.get(k) is None and after[k] is not None)
     if unrecorded:
         first = ", ".join(f"{k} {after[k]}" for k in unrecorded)
