@@ -149,6 +149,25 @@ def test_an_existing_case_is_replaced_only_when_asked(team, capsys):
     assert load_case(team / "cases" / "llama3_lora_sft.yaml").target.card.memory == 80 * GIB
 
 
+def test_a_full_disk_keeps_the_case_file_it_would_replace(team, capsys, monkeypatch):
+    import errno
+
+    from harness.spec import files
+
+    assert _case_from(team, "--gpu-memory", "24GiB", "--gpus", "1") == 0
+    path = team / "cases" / "llama3_lora_sft.yaml"
+    before = path.read_text()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    assert _case_from(team, "--gpu-memory", "80GiB", "--gpus", "1", "--force") == 2
+    assert f"{path}: could not be written (No space left on device)" in capsys.readouterr().err
+    assert path.read_text() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
 def _real_run(case_id: str) -> dict:
     rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=1, platform="cuda",
                       device_name="NVIDIA H100 80GB HBM3", emulated_card_bytes=24 * GIB,

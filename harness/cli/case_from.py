@@ -34,11 +34,12 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from harness.premerge.case_writer import write_case
+    from harness.spec.files import WriteError
 
     try:
         written = write_case(args.config, spec_from_args(args), Path(args.out), case_id=args.id,
                              card_name=args.card_name, platform=args.platform, force=args.force)
-    except ConfigError as exc:
+    except (ConfigError, WriteError) as exc:  # WriteError: the case file could not be written (a full disk)
         print(f"oom-harness case-from: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     case, result = written.case, written.check
