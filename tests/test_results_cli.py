@@ -40,6 +40,27 @@ def test_run_refuses_a_folder_as_its_json_file(tmp_path, capsys, no_runs):
     assert "is a folder; name a file" in capsys.readouterr().err
 
 
+def test_a_full_disk_mid_session_is_reported_and_the_runs_go_on(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+    from types import SimpleNamespace
+
+    from harness.cli.run import _write_json
+    from harness.spec import files
+
+    out = tmp_path / "runs.json"
+    out.write_text("[]")
+    session = SimpleNamespace(judged=lambda: [], all_runs=lambda: [])
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    _write_json(out, session)  # no exception: the session's later cases still run
+    assert f"run: --json {out}: could not be written (No space left on device)" in capsys.readouterr().err
+    assert out.read_text() == "[]"
+
+
 def _folder_with(tmp_path, *ids):
     folder = tmp_path / "cases"
     folder.mkdir()

@@ -30,7 +30,7 @@ from harness.measure.records import CaseRun
 from harness.runtime import platform as plat
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.spec.cases import CaseError, load_cases
-from harness.spec.files import write_atomic
+from harness.spec.files import inside, write_atomic
 from harness.spec.identity import case_digest, model_name
 from harness.spec.schema import Case
 from harness.spec.variants import Variant, parse_variant
@@ -180,7 +180,7 @@ class Session:
 
     def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
-        out = self.run_root / fidelity / (case_id + variant.suffix) / (f"rep{repetition}" if repetition else "")
+        out = inside(self.run_root, fidelity, case_id + variant.suffix, f"rep{repetition}" if repetition else "")
         emulate = case.target.card.memory if fidelity == "real" and not variant.uncapped else None
         run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate, variant)
         run.case_digest, run.model = case_digest(case), model_name(case)  # what `bless` checks the run against
