@@ -330,3 +330,22 @@ def test_report_names_a_verdict_record_missing_a_field(tmp_path, capsys):
     entry["verdicts"] = [{"status": "refuted"}]
     assert main(["report", str(_write(tmp_path, entry))]) == 2
     assert "runs.json: entry 0 has a verdict record" in capsys.readouterr().err
+
+
+def test_check_names_a_corrupt_baseline_and_still_answers(tmp_path, monkeypatch, capsys):
+    """`check` calibrates its prediction on the baselines; a truncated one used to fail every check."""
+    import shutil
+
+    from harness.baselines.store import RESULTS_DIR
+    from harness.predict import calibration
+
+    root = tmp_path / "baselines"
+    shutil.copytree(RESULTS_DIR, root)
+    broken = next(root.glob("*/*.json"))
+    broken.write_text(broken.read_text()[:200])
+    monkeypatch.setattr(calibration.calibrate, "__defaults__", (None, frozenset(), root))
+    code = main(["check", str(CASES_DIR / "001-ladder-rung1-zero2.yaml")])
+    out, err = capsys.readouterr()
+    assert code in (0, 1), err
+    assert "verdict:" in out
+    assert f"{broken}: skipped, not a baseline (" in err
