@@ -2,6 +2,9 @@
 
     oom-harness run                    every case at tiny size (on a GPU host: --fidelity real)
     oom-harness run -k 003 --json out.json
+
+Exit codes: 0 every verdict holds, 1 a verdict failed, 2 bad input (an invalid case file is named
+and skipped, the valid cases still run; bad options are refused before any case runs).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.cli.arguments import positive_int, seconds
+from harness.models.inputs import InputError
 from harness.spec.cases import CASES_DIR
 
 
@@ -25,8 +30,8 @@ def add_parser(subparsers) -> None:
                         "(default: the bundled results/baselines)")
     p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per case run")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per case run")
     p.add_argument("--variant", action="append",
                      help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
                           "(grad accum cap), combined '2r8L2ga'; repeatable")
@@ -34,13 +39,13 @@ def add_parser(subparsers) -> None:
                      help="only single-rank or only multi-rank cases")
     p.add_argument("--shard", help="K/N: the K-th of N slices of the selected cases (one per GPU)")
     p.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
-    p.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
-    p.add_argument("--grad-accum-cap", type=int, default=None,
+    p.add_argument("--repeat", type=positive_int, default=1, help="repetitions of each full-size run (for the spread)")
+    p.add_argument("--grad-accum-cap", type=positive_int, default=None,
                      help="full-size runs accumulate at most N micro steps (peaks do not change past 2; "
                           "saves time; labelled in every figure)")
     p.add_argument("--full-depth", action="store_true",
                      help="measure cases with depth_points at full depth (a host that holds them)")
-    p.add_argument("--jobs", type=int, default=None,
+    p.add_argument("--jobs", type=positive_int, default=None,
                      help="training processes at once for tiny runs (default: one per CPU core)")
     p.add_argument("--selected-only", action="store_true",
                      help="run only the selected cases: a claim about another case (a fix's peak against its "
@@ -123,6 +128,7 @@ def run(args) -> int:
     from harness.judge.session import Session, skip_reason
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
+    _check_outputs(args)
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
@@ -187,8 +193,26 @@ def run(args) -> int:
     if args.fidelity == "tiny" and judged:
         _print_full_size([j.case for j in judged])
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
-    failed = any(j.failed for j in judged) or bool(session.errors)
-    return 1 if failed else 0
+    if any(j.failed for j in judged):
+        return 1
+    return 2 if session.errors else 0  # the valid cases ran; the invalid files were named on stderr
+
+
+def _check_outputs(args) -> None:
+    """Refuse, before any case runs, output files that could not be written after the runs (a missing
+    folder, a folder named as the file): the runs would be lost."""
+    for flag, value in (("--json", args.json), ("--benchmark-json", args.benchmark_json)):
+        if value is None:
+            continue
+        path = Path(value)
+        if path.is_dir():
+            raise InputError(None, flag, f"{path} is a folder", "name a file, e.g. runs.json")
+        if not path.parent.is_dir():
+            raise InputError(None, flag, f"the folder {path.parent} does not exist", "create it, or name another file")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise InputError(None, "--out", f"{args.out} is a file", "name a folder for the reports")
+    if not Path(args.case_dir).is_dir():
+        raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
 
 
 def _print_full_size(cases) -> None:

@@ -73,4 +73,4 @@ def parse_size_arg(text: str, flag: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise ConfigError(None, flag, str(exc), "write a size with a unit, e.g. 64GiB or 16 GB") from None
+        raise ConfigError(None, flag, str(exc)) from None
