@@ -9,7 +9,6 @@ Nothing measured is ever pasted into code: comparisons read these files.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 import statistics
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from harness.measure.records import CaseRun, Clocks
+from harness.models.inputs import load_json
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results" / "baselines"
 
@@ -124,7 +124,7 @@ def read_runs(paths: list[Path]) -> list[CaseRun]:
             raise BlessError(f"{path}: no run.json below this folder; name a run folder or a `run --json` file")
         for f in files:
             try:
-                data = json.loads(f.read_text())
+                data = load_json(f)  # within the input limits; an InputError is bad input (exit 2)
             except (OSError, ValueError) as exc:
                 raise BlessError(f"{f}: cannot be read as JSON ({exc})") from exc
             entries = data if isinstance(data, list) else [{"run": data}]

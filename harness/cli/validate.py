@@ -1,4 +1,7 @@
-"""`oom-harness validate`: check case files against the schema; exit 2 naming each problem."""
+"""`oom-harness validate`: check case files against the schema; exit 2 naming each problem.
+
+A claim that names another case (`lower_peak_than`) must name a case file of the same folder.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,13 @@ def add_parser(subparsers) -> None:
     val.set_defaults(func=run)
 
 
+def _references(case, path: Path) -> list[str]:
+    """The other cases this case's claims name that have no file beside it."""
+    known = {p.stem for p in path.parent.glob("*.yaml")}
+    return [f"claims: {claim.kind} names case '{ref}', which has no file {ref}.yaml in {path.parent}"
+            for claim in case.claims if (ref := getattr(claim, "case", None)) is not None and ref not in known]
+
+
 def run(args) -> int:
     paths: list[Path] = []
     for p in args.paths or [str(CASES_DIR)]:
@@ -22,7 +32,10 @@ def run(args) -> int:
     bad = 0
     for path in paths:
         try:
-            load_case(path)
+            case = load_case(path)
+            problems = _references(case, path)
+            if problems:
+                raise CaseError(path, tuple(problems))
             print(f"ok       {path}")
         except CaseError as exc:
             bad += 1

@@ -35,7 +35,7 @@ MAX_YAML_NODES = 100_000
 MAX_INT = 2**63
 
 
-class InputError(Exception):
+class InputError(ValueError):
     """Input the harness refuses, with where (file, key) and what to do (fix); the CLI exits 2 on it."""
 
     def __init__(self, path: Path | str | None, key: str | None, problem: str, fix: str = ""):
