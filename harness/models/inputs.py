@@ -165,8 +165,9 @@ def _check_graph(root: yaml.Node, path: Path) -> None:
 def parse_yaml(text: str, path: Path | str) -> Any:
     """The value of a YAML document, within the limits (module docstring)."""
     path = Path(path)
-    loader = _BoundedLoader(text, path)
+    loader = None
     try:
+        loader = _BoundedLoader(text, path)  # its reader refuses control characters here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -180,7 +181,8 @@ def parse_yaml(text: str, path: Path | str) -> Any:
     except RecursionError:
         raise _too_deep(path) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     check_values(data, path)
     return data
 
