@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 MAX_YAML_BYTES = 256 * 2**10
-MAX_JSON_BYTES = 64 * 2**20
+MAX_JSON_BYTES = 8 * 2**20  # run files of a night are about 1 MiB; parsing and checking 8 MiB takes 1-3 s
 MAX_DEPTH = 64
 MAX_YAML_NODES = 100_000
 MAX_INT = 2**63
@@ -112,7 +112,7 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         self.depth += 1
         try:
-            if self.depth > MAX_DEPTH:
+            if self.depth > MAX_DEPTH + 1:  # containers count, the scalar at the bottom does not
                 raise _too_deep(self.path)
             return super().compose_node(parent, index)
         finally:
@@ -145,7 +145,7 @@ def _check_graph(root: yaml.Node, path: Path) -> None:
             open_nodes.discard(key)
             kids = _node_children(node)
             size[key] = 1 + sum(size[id(k)] for k in kids)
-            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            depth[key] = 0 if isinstance(node, yaml.ScalarNode) else 1 + max((depth[id(k)] for k in kids), default=0)
             if size[key] > MAX_YAML_NODES:
                 raise InputError(path, None, f"expands to more than {MAX_YAML_NODES:,} values through its aliases "
                                  "(*name)", "write the values out; an alias used this often is an alias bomb")
@@ -229,28 +229,55 @@ def load_data(path: Path | str) -> Any:
 # --- Values -------------------------------------------------------------------------------------
 
 
-def _join(prefix: str, part: object) -> str:
-    if isinstance(part, int):
-        return f"{prefix}[{part}]"
-    return f"{prefix}.{part}" if prefix else str(part)
+def _key(chain: tuple | None) -> str | None:
+    """The key path ('zero_optimization.stage', 'claims[2].low') of a chain (parent chain, part)."""
+    parts = []
+    while chain is not None:
+        chain, part = chain
+        parts.append(part)
+    text = ""
+    for part in reversed(parts):
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or None
+
+
+def _bad_scalar(value: Any) -> str | None:
+    """What is wrong with a scalar, or None: not finite, or an integer beyond 64 bits."""
+    kind = type(value)
+    if kind is float:
+        return None if math.isfinite(value) else f"{value!r} is not a finite number"
+    if kind is int:
+        return None if -MAX_INT <= value < MAX_INT else f"{value} is out of range (beyond 64 bits)"
+    if kind is _NonFinite:
+        return f"{value.name} is not a finite number"
+    return None
+
+
+def _refuse(path: Path | str | None, chain: tuple | None, problem: str) -> InputError:
+    fix = ("write a finite number (NaN and infinity are not settings)" if "finite" in problem
+           else "write a number of sensible size")
+    return InputError(None if path is None else Path(path), _key(chain), problem, fix)
 
 
 def check_values(data: Any, path: Path | str | None = None) -> None:
     """Refuse nesting past the depth limit, numbers that are not finite, and integers beyond 64 bits,
-    naming the key that holds them. Iterative, so a deep value cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    naming the key that holds them. Iterative (a deep value cannot exhaust the stack), one pass with
+    the key path built only for the error."""
+    problem = _bad_scalar(data)
+    if problem:
+        raise _refuse(path, None, problem)
+    if not isinstance(data, (dict, list)):
+        return
+    stack: list[tuple[Any, tuple | None, int]] = [(data, None, 1)]
     while stack:
-        value, key, level = stack.pop()
+        value, chain, level = stack.pop()
         if level > MAX_DEPTH:
-            raise _too_deep(None if path is None else Path(path), key or None)
-        if isinstance(value, dict):
-            stack.extend((v, _join(key, k), level + 1) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            stack.extend((v, _join(key, i), level + 1) for i, v in enumerate(value))
-        elif isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
-            shown = value.name if isinstance(value, _NonFinite) else repr(value)
-            raise InputError(path, key or None, f"{shown} is not a finite number",
-                             "write a finite number (NaN and infinity are not settings)")
-        elif isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT <= value < MAX_INT:
-            raise InputError(path, key or None, f"{value} is out of range (beyond 64 bits)",
-                             "write a number of sensible size")
+            raise _too_deep(None if path is None else Path(path), _key(chain))
+        for part, item in value.items() if type(value) is dict else enumerate(value):
+            kind = type(item)
+            if kind is dict or kind is list:
+                stack.append((item, (chain, part), level + 1))
+            elif kind is float or kind is int or kind is _NonFinite:
+                problem = _bad_scalar(item)
+                if problem:
+                    raise _refuse(path, (chain, part), problem)
