@@ -19,6 +19,8 @@ from harness.cli.arguments import positive_int, seconds
 from harness.models.inputs import InputError
 from harness.spec.cases import CASES_DIR
 
+MAX_SHARDS = 1024  # slices, one per GPU: far above any host
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="run cases and print a summary table")
@@ -104,8 +106,8 @@ def _slice(selected: list[str], session, select: str, shard: str | None) -> list
         selected = [cid for cid in selected if (ranks(cid) == 1) == (select == "single")]
     if shard:
         k, _, n = shard.partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise ValueError(f"'{shard}': write K/N with 0 <= K < N, e.g. 0/8")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n) <= MAX_SHARDS):
+            raise ValueError(f"'{shard}': write K/N with 0 <= K < N <= {MAX_SHARDS}, e.g. 0/8")
         slices: list[list[str]] = [[] for _ in range(int(n))]
         for members in sorted(_related(selected, session), key=lambda g: (-len(g), g[0])):
             min(slices, key=len).extend(members)
