@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 import harness
 from harness.cli.main import main
 
@@ -180,8 +182,8 @@ def time_limit(seconds: float):
 def invoke(argv: list[str], capsys, work: Path, limit_s: float = TIME_LIMIT_S) -> Outcome:
     """`oom-harness ARGV` in this process, from `work` as the working directory, within a time limit.
     Holds it to the rules every command keeps: no traceback on stderr, no exit code outside 0-2
-    (3 is an internal error), nothing written in the repository, nothing outside `work` (its
-    internal-error log included, which goes to `work/logs`)."""
+    (3 is an internal error, whose log would go to `work/logs`), nothing written in the repository,
+    no process left behind."""
     before = _snapshot()
     capsys.readouterr()
     cwd = os.getcwd()
@@ -199,4 +201,5 @@ def invoke(argv: list[str], capsys, work: Path, limit_s: float = TIME_LIMIT_S) -
     assert code in (0, 1, 2), f"exit {code}: {outcome.err}"
     assert not (work / "logs").exists(), "an internal error was logged"
     assert _snapshot() == before, "the command wrote in the repository"
+    assert not psutil.Process().children(recursive=True), "the command left processes running"
     return outcome

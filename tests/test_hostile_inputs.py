@@ -399,6 +399,23 @@ def test_a_separate_process_prints_one_line_and_no_traceback(kind, tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1 and path.name in done.stderr
 
 
+def test_a_separate_run_names_a_fifo_case_file_and_exits_without_starting_a_case(tmp_path):
+    folder = tmp_path / "in"
+    path = make(folder, "fifo.yaml", YAML_FILES["fifo"])
+    done = _cli("run", "--case-dir", folder, "--out", tmp_path / "out", "--timeout", "5", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert path.name in done.stderr and "not a regular file" in done.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("run.json"))
+
+
+def test_a_separate_bless_refuses_dev_zero_at_once(tmp_path):
+    path = make(tmp_path / "in", "runs.json", JSON_FILES["dev-zero"])
+    done = _cli("bless", path, "--baselines-dir", tmp_path / "out", cwd=tmp_path, timeout=30)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "not a regular file" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_internal_error_exits_3_with_the_log_named_and_the_traceback_kept(tmp_path, capsys, monkeypatch):
     def broken(args):
         return {}["no such key"]
