@@ -114,7 +114,7 @@ def architecture_from_config_json(path: Path | str) -> Architecture:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():  # what exists but is no regular file, the reader names as such
         raise ModelSourceError(
             f"no config.json in {path.parent}",
             "put the model's config.json in that directory (the weights are not needed)",
