@@ -6,12 +6,12 @@ Import the config (`harness.premerge.importers`), predict its per-GPU peaks at f
 lint it (`harness.premerge.lints`), and judge: it fits when the predicted device peak of every process on a
 card, summed, stays within the card's memory times the headroom, and (with --host-ram) the node's
 predicted host RAM within its usable share of the host. Exit codes: 0 fits and no lint of
-severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback).
+severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback);
+3 the predictor failed on a config it should size (harness.cli.main logs the traceback).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,16 +106,12 @@ def run_check(path: Path | str, spec: JobSpec, *, platform: str | None = None,
     prediction = None
     if imported.case is not None:
         predict = predict or _predictor()
-        try:
-            with warnings.catch_warnings():  # library deprecation chatter from the traced model code
-                warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                prediction = predict(imported.case, imported.arch, platform=platform)
-        except Exception as exc:  # one message, not a traceback, unless asked for
-            if os.environ.get("OOM_HARNESS_DEBUG"):
-                raise
-            raise ConfigError(path, None, f"the predictor could not size this config: {type(exc).__name__}: {exc}",
-                              "report it with the config attached (OOM_HARNESS_DEBUG=1 shows the traceback)") from None
+        # A config that imported is valid input: the predictor failing on it is the harness's error
+        # (exit 3, its traceback logged by the command line), not the user's.
+        with warnings.catch_warnings():  # library deprecation chatter from the traced model code
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            prediction = predict(imported.case, imported.arch, platform=platform)
     return CheckResult(config=imported, prediction=prediction, lints=tuple(lint(imported, prediction)))
 
 
