@@ -26,6 +26,12 @@ class CaseError(InputError):
 
     path: Path
     problems: tuple[str, ...]
+    key: typing.ClassVar[None] = None  # each problem names its own field
+    fix: typing.ClassVar[str] = ""  # each problem says what is allowed
+
+    @property
+    def problem(self) -> str:
+        return "; ".join(self.problems)
 
     def __str__(self) -> str:
         lines = [f"{self.path}: invalid case file"]
