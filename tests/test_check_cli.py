@@ -186,14 +186,17 @@ def test_bad_input_with_json_prints_an_error_object(capsys, predicted, tmp_path)
     assert code == 2 and "cutof_len" in json.loads(out)["error"]
 
 
-def test_predictor_failure_is_one_message(capsys, monkeypatch):
+def test_predictor_failure_is_an_internal_error_with_its_traceback_logged(capsys, monkeypatch, tmp_path):
     def broken(case, arch=None, *, platform=None, exclude=frozenset()):
         raise KeyError("num_attention_heads")
 
     monkeypatch.setattr(check, "_predictor", lambda: broken)
     monkeypatch.delenv("OOM_HARNESS_DEBUG", raising=False)
+    monkeypatch.setenv("OOM_HARNESS_LOG_DIR", str(tmp_path))
     code, _, err = run(capsys, GUIDE000, *DCU_ARGS)
-    assert code == 2 and "predictor could not size" in err and "Traceback" not in err
+    assert code == 3 and "internal error (KeyError" in err and "Traceback" not in err
+    (log,) = tmp_path.glob("error-*.log")
+    assert str(log) in err and "num_attention_heads" in log.read_text()
 
 
 def test_subprocess_bad_input_has_no_traceback(tmp_path):

@@ -11,7 +11,7 @@ from harness.spec.units import GIB, MIB, parse_size
         ("64GB", 64 * 10**9),
         ("23.52 GiB", int(23.52 * GIB)),
         ("512 MiB", 512 * MIB),
-        ("1024", 1024),
+        ("1024 B", 1024),
         (2048, 2048),
         ("1.45 GiB", int(1.45 * GIB)),
     ],
@@ -20,10 +20,16 @@ def test_parse_size_reads_units_as_vendors_and_torch_write_them(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["16 GX", "lots", "-3 GB", "", True, -1])
+@pytest.mark.parametrize("bad", ["16 GX", "lots", "-3 GB", "", True, -1, float("nan"), float("inf"), 2**70,
+                                 "9999999999 TiB"])
 def test_parse_size_rejects_what_is_not_a_size(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+def test_a_size_written_without_a_unit_is_refused_with_the_unit_to_write():
+    with pytest.raises(ValueError, match="'64' has no unit; write 64GiB"):
+        parse_size("64")
 
 
 def test_cuda_oom_of_guide_003_is_parsed_with_its_size():

@@ -9,7 +9,6 @@ Nothing measured is ever pasted into code: comparisons read these files.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 import re
 import statistics
@@ -19,6 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_validator
 
 from harness.measure.records import CaseRun, Clocks
+from harness.models.inputs import load_json
 from harness.spec.files import OutsideFolderError, inside, safe_name, write_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results" / "baselines"
@@ -148,7 +148,7 @@ def sourced_runs(paths: list[Path]) -> list[tuple[str, CaseRun]]:
             raise BlessError(f"{path}: no run.json below this folder; name a run folder or a `run --json` file")
         for f in files:
             try:
-                data = json.loads(f.read_text())
+                data = load_json(f)  # within the input limits; an InputError is bad input (exit 2)
             except (OSError, ValueError) as exc:
                 raise BlessError(f"{f}: cannot be read as JSON ({exc})") from exc
             entries = data if isinstance(data, list) else [{"run": data}]

@@ -11,13 +11,10 @@ Exit codes: 0 the case was written, 2 bad input (one line naming the file, the k
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.models.source import model_label
-from harness.premerge.check import EXIT_BAD_INPUT
-from harness.premerge.importers import ConfigError
 from harness.spec.units import fmt_gib
 
 
@@ -33,15 +30,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from harness.models.inputs import InputError
     from harness.premerge.case_writer import write_case
     from harness.spec.files import WriteError
 
     try:
         written = write_case(args.config, spec_from_args(args), Path(args.out), case_id=args.id,
                              card_name=args.card_name, platform=args.platform, force=args.force)
-    except (ConfigError, WriteError) as exc:  # WriteError: the case file could not be written (a full disk)
-        print(f"oom-harness case-from: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except WriteError as exc:  # the case file could not be written: name the option that chose its folder
+        raise InputError(None, "--out", str(exc)) from None
     case, result = written.case, written.check
     print(f"wrote {written.path}")
     print(f"  model {model_label(case.model)}, {case.method.kind}, micro batch {case.train.micro_batch} x accumulation "

@@ -2,18 +2,31 @@
 
     oom-harness run | check | case-from | validate | bless | report
 
-Exit codes: 0 all verdicts hold (or the config fits), 1 a case failed, a claim was refuted or a
-config does not fit, 2 bad input.
+Exit codes, the same for every command (docs/cli.md):
+
+    0  all verdicts hold, the config fits, the file was written
+    1  a case failed, a claim was refuted, a config does not fit (a verdict, on stdout)
+    2  bad input: one line on stderr naming the file, the key and the fix (`InputError`), or a
+       usage error from the argument parser
+    3  an internal error: one line on stderr saying where the traceback was written
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import os
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 from harness.cli import bless, case_from, check, report, run, validate
+from harness.models.inputs import InputError
+from harness.spec.files import WriteError
 
 COMMANDS = (run, check, case_from, validate, bless, report)
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def _stop_on_sigterm() -> None:
@@ -26,14 +39,61 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def log_dir() -> Path:
+    """Where internal errors leave their tracebacks: $OOM_HARNESS_LOG_DIR, else the user's state folder
+    ($XDG_STATE_HOME/oom-harness, ~/.local/state/oom-harness)."""
+    if os.environ.get("OOM_HARNESS_LOG_DIR"):
+        return Path(os.environ["OOM_HARNESS_LOG_DIR"])
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "oom-harness"
+
+
+def _write_traceback(command: str, argv: list[str]) -> Path:
+    """The traceback of the exception being handled, in a file of its own (the state folder, else the
+    temporary folder where that is not writable)."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    text = f"oom-harness {command}\nargv: {argv}\n\n{traceback.format_exc()}"
+    for folder in (log_dir(), Path(tempfile.gettempdir()) / "oom-harness"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"error-{stamp}-{os.getpid()}.log"
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    raise OSError("no writable folder for the traceback")
+
+
 def main(argv=None) -> int:
     _stop_on_sigterm()
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (exit 2) and --help (exit 0), as a code for callers in-process
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        return args.func(args)
+    except (InputError, WriteError) as exc:  # WriteError: a result file that could not be written (disk, rights)
+        print(f"oom-harness {args.command}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        if os.environ.get("OOM_HARNESS_DEBUG"):
+            raise
+        try:
+            where = f"the traceback is in {_write_traceback(args.command, argv)}"
+        except OSError:
+            where = "no folder was writable for the traceback; OOM_HARNESS_DEBUG=1 prints it"
+        print(f"oom-harness {args.command}: internal error ({type(exc).__name__}: {_one_line(str(exc))[:200]}); "
+              f"{where}; please report it with that file", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _one_line(text: str) -> str:
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     oom-harness run                    every case at tiny size (on a GPU host: --fidelity real)
     oom-harness run -k 003 --json out.json
+
+Exit codes: 0 every verdict holds, 1 a verdict failed, 2 bad input (an invalid case file is named
+and skipped, the valid cases still run; bad options are refused before any case runs).
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.cli.arguments import positive_int, seconds
+from harness.models.inputs import InputError
 from harness.spec.cases import CASES_DIR
 from harness.spec.files import WriteError, check_writable, write_atomic
+
+MAX_SHARDS = 1024  # slices, one per GPU: far above any host
 
 
 def add_parser(subparsers) -> None:
@@ -26,8 +33,8 @@ def add_parser(subparsers) -> None:
                         "(default: the bundled results/baselines)")
     p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per case run")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per case run")
     p.add_argument("--variant", action="append",
                      help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
                           "(grad accum cap), combined '2r8L2ga'; repeatable")
@@ -35,13 +42,13 @@ def add_parser(subparsers) -> None:
                      help="only single-rank or only multi-rank cases")
     p.add_argument("--shard", help="K/N: the K-th of N slices of the selected cases (one per GPU)")
     p.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
-    p.add_argument("--repeat", type=int, default=1, help="repetitions of each full-size run (for the spread)")
-    p.add_argument("--grad-accum-cap", type=int, default=None,
+    p.add_argument("--repeat", type=positive_int, default=1, help="repetitions of each full-size run (for the spread)")
+    p.add_argument("--grad-accum-cap", type=positive_int, default=None,
                      help="full-size runs accumulate at most N micro steps (peaks do not change past 2; "
                           "saves time; labelled in every figure)")
     p.add_argument("--full-depth", action="store_true",
                      help="measure cases with depth_points at full depth (a host that holds them)")
-    p.add_argument("--jobs", type=int, default=None,
+    p.add_argument("--jobs", type=positive_int, default=None,
                      help="training processes at once for tiny runs (default: one per CPU core)")
     p.add_argument("--selected-only", action="store_true",
                      help="run only the selected cases: a claim about another case (a fix's peak against its "
@@ -102,8 +109,8 @@ def _slice(selected: list[str], session, select: str, shard: str | None) -> list
         selected = [cid for cid in selected if (ranks(cid) == 1) == (select == "single")]
     if shard:
         k, _, n = shard.partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise ValueError(f"'{shard}': write K/N with 0 <= K < N, e.g. 0/8")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n) <= MAX_SHARDS):
+            raise ValueError(f"'{shard}': write K/N with 0 <= K < N <= {MAX_SHARDS}, e.g. 0/8")
         slices: list[list[str]] = [[] for _ in range(int(n))]
         for members in sorted(_related(selected, session), key=lambda g: (-len(g), g[0])):
             min(slices, key=len).extend(members)
@@ -126,13 +133,7 @@ def run(args) -> int:
     from harness.judge.session import Session, skip_reason
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
-    try:  # refused before any case runs, not after the runs it would lose
-        for path, flag in ((args.json, "--json"), (args.benchmark_json, "--benchmark-json")):
-            if path:
-                check_writable(Path(path), flag)
-    except WriteError as exc:
-        print(f"run: {exc}", file=sys.stderr)
-        return 2
+    _check_outputs(args)
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
@@ -197,8 +198,21 @@ def run(args) -> int:
     if args.fidelity == "tiny" and judged:
         _print_full_size([j.case for j in judged])
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
-    failed = any(j.failed for j in judged) or bool(session.errors)
-    return 1 if failed else 0
+    if any(j.failed for j in judged):
+        return 1
+    return 2 if session.errors else 0  # the valid cases ran; the invalid files were named on stderr
+
+
+def _check_outputs(args) -> None:
+    """Refuse, before any case runs, output files that could not be written after the runs (a missing
+    folder, a folder named as the file): the runs would be lost."""
+    for flag, value in (("--json", args.json), ("--benchmark-json", args.benchmark_json)):
+        if value is not None:
+            check_writable(Path(value), flag)  # a WriteError is bad input (exit 2)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise InputError(None, "--out", f"{args.out} is a file", "name a folder for the reports")
+    if not Path(args.case_dir).is_dir():
+        raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
 
 
 def _print_full_size(cases) -> None:

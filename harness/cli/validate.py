@@ -1,10 +1,14 @@
-"""`oom-harness validate`: check case files against the schema; exit 2 naming each problem."""
+"""`oom-harness validate`: check case files against the schema; exit 2 naming each problem.
+
+A claim that names another case (`lower_peak_than`) must name a case file of the same folder.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from harness.models.inputs import InputError
 from harness.spec.cases import CASES_DIR, CaseError, case_files, load_case
 
 
@@ -19,6 +23,9 @@ def run(args) -> int:
     for p in args.paths or [str(CASES_DIR)]:
         path = Path(p)
         paths += sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+    empty = [p for p in args.paths if Path(p).is_dir() and not any(Path(p).glob("*.yaml"))]
+    if empty:
+        raise InputError(empty[0], None, "holds no case file (*.yaml)", "name a folder of case files, or the files")
     bad = 0
     for path in paths:
         try:

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.models.inputs import InputError, load_json
 from harness.models.registry import ARCH_DIR, Architecture, known_architectures, load_architecture
 
 # Keys whose values decide parameter and activation memory; two configs equal on these are one model.
@@ -39,6 +40,8 @@ _REQUIRED = {
 }
 # Multimodal configs keep the language model in a nested block (Gemma 3: Gemma3ForConditionalGeneration).
 _NESTED_TEXT_KEYS = ("text_config", "language_config", "llm_config")
+_RATIO_KEYS = ("expand_k", "expand_v", "hidden_ratio")
+_MAX_DIM = 2**31 - 1  # vocabularies, widths and layer counts as int32, as the model code indexes them
 _TUNING_SUFFIXES = ("-instruct", "-chat", "-it", "-pt", "-base", "-hf")
 
 
@@ -111,16 +114,16 @@ def architecture_from_config_json(path: Path | str) -> Architecture:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():  # what exists but is no regular file, the reader names as such
         raise ModelSourceError(
             f"no config.json in {path.parent}",
             "put the model's config.json in that directory (the weights are not needed)",
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ModelSourceError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
-                               "copy the model's config.json again") from None
+        data = load_json(path)
+    except InputError as exc:
+        raise ModelSourceError(str(InputError(exc.path, exc.key, exc.problem)),
+                               exc.fix or "copy the model's config.json again") from None
     if not isinstance(data, dict):
         raise ModelSourceError(f"{path} must hold a JSON object", "copy the model's config.json again")
     config = _text_config(data)
@@ -131,9 +134,32 @@ def architecture_from_config_json(path: Path | str) -> Architecture:
             f"{path} lacks {', '.join(missing)}",
             "use the model's full config.json as published with the model",
         )
+    _check_shapes(path, config)
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     name = path.parent.name or path.parent.resolve().name
     return Architecture(name=f"local:{name}", source=str(path.resolve()), config=config)
+
+
+def _check_shapes(path: Path, config: dict) -> None:
+    """The shape keys hold what the model code will compute with: whole numbers above zero (a
+    `vocab_size` of "32000" would fail deep inside the model code), positive finite ratios, a boolean."""
+    for key in SHAPE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if key == "model_type":
+            ok, want = isinstance(value, str), "a string such as \"qwen2\""
+        elif key == "tie_word_embeddings":
+            ok, want = isinstance(value, bool), "true or false"
+        elif key in _RATIO_KEYS:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 2**20
+            want = "a number above zero"
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MAX_DIM
+            want = f"a whole number from 1 to {_MAX_DIM:,}"
+        if not ok:
+            raise ModelSourceError(f"{path}: {key} must be {want}, got {value!r}",
+                                   f"write {key} as the model's published config.json has it")
 
 
 def is_registry_name(model: str) -> bool:

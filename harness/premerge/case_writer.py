@@ -148,10 +148,13 @@ def _header(result: CheckResult) -> str:
             "# `predicted` is the prediction when it was written, kept to compare measurements with.\n")
 
 
+MAX_CASE_ID = 100  # characters: a file name well within every file system's limit
+
+
 def default_case_id(config: Path) -> str:
     """The config file's name as a case id."""
     slug = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", config.stem)).strip("-._")
-    return slug or "config"
+    return slug[:MAX_CASE_ID].strip("-._") or "config"
 
 
 def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_id: str | None = None,
@@ -160,9 +163,10 @@ def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_i
     """Import, predict and write `out_dir/<case_id>.yaml`. Raises ConfigError on bad input."""
     config, out_dir = Path(config), Path(out_dir)
     case_id = case_id or default_case_id(config)
-    if not re.fullmatch(CASE_ID_PATTERN, case_id) or ".." in case_id:
-        raise ConfigError(None, "--id", f"'{case_id}' is not a safe file name",
-                          "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+    if not re.fullmatch(CASE_ID_PATTERN, case_id) or ".." in case_id or len(case_id) > MAX_CASE_ID:
+        raise ConfigError(None, "--id", f"'{case_id[:MAX_CASE_ID]}' is not a safe file name",
+                          f"use up to {MAX_CASE_ID} letters, digits, '.', '_' and '-', starting with a letter or "
+                          "digit")
     path = out_dir / f"{case_id}.yaml"
     if path.exists() and not force:
         raise ConfigError(path, None, "the case file exists", "pass --force to replace it, or --id to name another")
@@ -173,7 +177,11 @@ def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_i
         raise ConfigError(config, None, f"no expected outcome can be predicted: {result.config.unpredictable}",
                           "change the settings the lint names, then run case-from again")
     data = case_data(result, out_dir, case_id, card_name, today)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(out_dir, "--out", f"cannot create the folder ({exc.strerror})",
+                          "name a folder you can write in") from None
     try:
         case = parse_case(data, path)  # the file must load as it will be read: relative to its folder
     except CaseError as exc:

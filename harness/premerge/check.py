@@ -4,19 +4,21 @@
 
 Import the config (`harness.premerge.importers`), predict its per-GPU peaks at full size (`harness.predict.predictor`),
 lint it (`harness.premerge.lints`), and judge: it fits when the predicted device peak of every process on a
-card, summed, stays within the card's memory times the headroom. Exit codes: 0 fits and no lint of
-severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback).
+card, summed, stays within the card's memory times the headroom, and (with --host-ram) the node's
+predicted host RAM within its usable share of the host. Exit codes: 0 fits and no lint of
+severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback);
+3 the predictor failed on a config it should size (harness.cli.main logs the traceback).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.judge.host_ram import HOST_RAM_FRACTION
 from harness.premerge.importers import ConfigError, ImportedConfig, JobSpec, import_config
 from harness.premerge.lints import Lint, lint
 from harness.spec.units import GIB, fmt_gib
@@ -46,8 +48,21 @@ class CheckResult:
         return None if self.prediction is None else self.config.node_host_ram(self.prediction.host_ram)
 
     @property
+    def host_ram_limit(self) -> int | None:
+        """What the node's training processes may hold of the host's RAM (--host-ram), if it is known."""
+        return None if self.config.host_ram is None else int(self.config.host_ram * HOST_RAM_FRACTION)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """The node's predicted host RAM within its share of the host; None where the host is not given."""
+        if self.host_ram_limit is None or self.node_host_ram is None:
+            return None
+        return self.node_host_ram <= self.host_ram_limit
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.card_peak is None else self.card_peak <= self.budget
+        """The card peak within the budget, and the host RAM within the host's share where it is given."""
+        return None if self.card_peak is None else self.card_peak <= self.budget and self.host_fits is not False
 
     @property
     def errors(self) -> list[Lint]:
@@ -66,6 +81,9 @@ class CheckResult:
         if self.fits is None:
             return "NOT PREDICTED: " + (self.config.unpredictable or "no prediction")
         head = "FITS" if self.fits else "DOES NOT FIT"
+        if self.host_fits is False:
+            head += (f" (host RAM: {fmt_gib(self.node_host_ram)} predicted on the node, "
+                     f"{fmt_gib(self.host_ram_limit)} usable of {fmt_gib(self.config.host_ram)})")
         return head + (f", but {len(self.errors)} lint error(s)" if self.errors and self.fits else "")
 
 
@@ -88,16 +106,12 @@ def run_check(path: Path | str, spec: JobSpec, *, platform: str | None = None,
     prediction = None
     if imported.case is not None:
         predict = predict or _predictor()
-        try:
-            with warnings.catch_warnings():  # library deprecation chatter from the traced model code
-                warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                prediction = predict(imported.case, imported.arch, platform=platform)
-        except Exception as exc:  # one message, not a traceback, unless asked for
-            if os.environ.get("OOM_HARNESS_DEBUG"):
-                raise
-            raise ConfigError(path, None, f"the predictor could not size this config: {type(exc).__name__}: {exc}",
-                              "report it with the config attached (OOM_HARNESS_DEBUG=1 shows the traceback)") from None
+        # A config that imported is valid input: the predictor failing on it is the harness's error
+        # (exit 3, its traceback logged by the command line), not the user's.
+        with warnings.catch_warnings():  # library deprecation chatter from the traced model code
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            prediction = predict(imported.case, imported.arch, platform=platform)
     return CheckResult(config=imported, prediction=prediction, lints=tuple(lint(imported, prediction)))
 
 
@@ -122,6 +136,7 @@ def as_json(result: CheckResult) -> dict[str, Any]:
         "host_ram_node_gib": _gib(result.node_host_ram),
         "node_processes": result.config.node_processes,
         "host_ram_available_gib": _gib(c.host_ram),
+        "host_ram_fits": result.host_fits,
         "gpu_memory_gib": _gib(c.gpu_memory),
         "budget_gib": _gib(result.budget),
         "headroom_gib": _gib(None if result.card_peak is None else result.budget - result.card_peak),

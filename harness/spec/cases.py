@@ -12,18 +12,26 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from harness.models.inputs import InputError, load_yaml
 from harness.spec.schema import Case
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
 
 @dataclass(frozen=True)
-class CaseError(Exception):
+class CaseError(InputError):
+    """A case file that is not a case: one problem per line, each naming its field (bad input: exit 2)."""
+
     path: Path
     problems: tuple[str, ...]
+    key: typing.ClassVar[None] = None  # each problem names its own field
+    fix: typing.ClassVar[str] = ""  # each problem says what is allowed
+
+    @property
+    def problem(self) -> str:
+        return "; ".join(self.problems)
 
     def __str__(self) -> str:
         lines = [f"{self.path}: invalid case file"]
@@ -114,15 +122,10 @@ def parse_case(data: object, path: Path) -> Case:
 def load_case(path: Path | str) -> Case:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CaseError(path, (f"cannot read the file: {exc.strerror}",)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise CaseError(path, (f"not valid YAML{where}: {getattr(exc, 'problem', exc)}",)) from None
+        data = load_yaml(path)
+    except InputError as exc:
+        where = f"{exc.key}: " if exc.key else ""
+        raise CaseError(path, (where + exc.problem + (f"; {exc.fix}" if exc.fix else ""),)) from None
     case = parse_case(data, path)
     if case.id != path.stem:
         raise CaseError(path, (f"id: '{case.id}' must equal the file name without '.yaml' ('{path.stem}')",))

@@ -3,11 +3,13 @@
 Every size inside the harness is an integer number of bytes. Text from users and case files is
 parsed here, so "23.52 GiB", "64GB", "512 MiB" and plain byte counts all mean what they say:
 GB/MB are powers of ten (as card vendors print them), GiB/MiB powers of two (as PyTorch and
-nvidia-smi report them). Reports always speak GiB.
+nvidia-smi report them). A size written as text needs its unit ("64" is refused, not read as 64
+bytes); numbers are byte counts, as the harness writes them back. Reports always speak GiB.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -28,24 +30,39 @@ GIB = 2**30
 MIB = 2**20
 
 
+MAX_SIZE = 2**60  # 1 EiB: far above any card or host; a larger figure is a typo or hostile
+
+
 def parse_size(value: str | int | float) -> int:
-    """Return a size in bytes. Numbers are bytes; strings carry a unit (B, KB..TB, KiB..TiB)."""
+    """Return a size in bytes. Strings carry a unit (B, KB..TB, KiB..TiB): '64' alone is refused, as
+    it would silently mean 64 bytes. Numbers are bytes (sizes the harness wrote itself); finite,
+    not negative, at most 1 EiB."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a size")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"size {value!r} is not a finite number; write a size with a unit, e.g. '64 GiB'")
         if value < 0:
             raise ValueError(f"size {value!r} is negative")
+        if value > MAX_SIZE:
+            raise ValueError(f"size {value!r} is above 1 EiB; write a size with a unit, e.g. '64 GiB'")
         return int(value)
     match = _SIZE_RE.match(str(value))
     if not match:
         raise ValueError(
             f"{value!r} is not a size; write a number and a unit, e.g. '16 GB', '23.52 GiB', '512 MiB'"
         )
-    unit = match["unit"].lower() or "b"
+    if not match["unit"]:
+        num = match["num"]
+        raise ValueError(f"{value!r} has no unit; write {num}GiB (or {num}GB, {num}MiB; B for bytes)")
+    unit = match["unit"].lower()
     if unit not in _UNITS:
         allowed = ", ".join(k.upper().replace("I", "i") for k in _UNITS)
         raise ValueError(f"unknown unit {match['unit']!r} in {value!r}; allowed: {allowed}")
-    return int(float(match["num"]) * _UNITS[unit])
+    size = int(float(match["num"]) * _UNITS[unit])
+    if size > MAX_SIZE:
+        raise ValueError(f"{value!r} is above 1 EiB; check the number and its unit")
+    return size
 
 
 def gib(nbytes: int | float | None) -> float | None:

@@ -55,7 +55,7 @@ def import_config(path: Path | str, spec: JobSpec = JobSpec()) -> ImportedConfig
     path = Path(path)
     if path.is_dir():
         raise ConfigError(path, None, "is a directory, not a config file", "name a YAML or JSON config file")
-    if spec.deepspeed is not None and not Path(spec.deepspeed).is_file():
+    if spec.deepspeed is not None and not Path(spec.deepspeed).exists():
         raise ConfigError(spec.deepspeed, None, "no such DeepSpeed config file", "check the --deepspeed path")
     data = read_mapping(path)
     fmt = detect_format(path, data)
@@ -73,4 +73,4 @@ def parse_size_arg(text: str, flag: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise ConfigError(None, flag, str(exc), "write a size with a unit, e.g. 64GiB or 16 GB") from None
+        raise ConfigError(None, flag, str(exc)) from None

@@ -33,6 +33,7 @@ _COMMON_SOURCE_KEYS = {
     "train.learning_rate": "learning_rate", "train.dataloader_workers": "dataloader_num_workers",
     "train.prefetch_factor": "dataloader_prefetch_factor", "target.card.memory": "--gpu-memory",
     "target.card.count": "--gpus", "target.headroom": "--headroom", "target.host_ram": "--host-ram",
+    "launch.procs_per_card": "--procs-per-gpu", "launch.ranks": "--gpus",
 }
 
 

@@ -39,6 +39,9 @@ def import_case(path: Path, spec: JobSpec) -> ImportedConfig:
     has_ds = written.deepspeed is not None
     init = init_order_of(spec, InitOrder(written.launch.init_order, "the case file's launch.init_order", path))
     data = written.model_dump(mode="json")
+    # Claims go back as the objects read: dumped, a size range's bounds are bare byte counts, which the
+    # schema refuses (a size needs its unit) and which are not what the file says.
+    data["claims"] = list(written.claims)
     data["model"] = model.case_model
     ranks = written.launch.ranks
     if spec.gpus is not None or spec.procs_per_gpu is not None or spec.launcher is not None:

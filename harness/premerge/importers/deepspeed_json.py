@@ -133,7 +133,7 @@ def deepspeed_of(config_path: Path, ref: Any, spec: JobSpec,
 
 
 def _read_deepspeed_file(path: Path, referrer: Path | None, key: str | None) -> dict[str, Any]:
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a device: the reader refuses it by its kind
         if referrer is not None:
             raise ConfigError(referrer, key, f"the DeepSpeed config {path} does not exist",
                               "give a path relative to this config's folder, or pass --deepspeed")

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from harness.models.inputs import InputError
 
 
-class ConfigError(Exception):
-    """A config the harness cannot check, with where (file, key) and what to do (fix)."""
-
-    def __init__(self, path: Path | str | None, key: str | None, problem: str, fix: str = ""):
-        super().__init__(problem)
-        self.path = None if path is None else Path(path)
-        self.key = key
-        self.problem = problem
-        self.fix = fix
-
-    def __str__(self) -> str:
-        where = ": ".join(str(p) for p in (self.path, self.key) if p)
-        text = f"{where}: {self.problem}" if where else self.problem
-        return text + (f". Fix: {self.fix}" if self.fix else "")
+class ConfigError(InputError):
+    """A config the harness cannot check, with where (file, key) and what to do (fix); bad input, so
+    the command line exits 2 on it."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from harness.models.inputs import InputError, read_text
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.records import InitOrder, JobSpec
 
+MAX_SCRIPT_BYTES = 4 * 2**20  # a training script; far above any real one
 _MODEL_LOADERS = ("from_pretrained", "from_config")
 _DS_CONFIGURERS = ("HfDeepSpeedConfig", "TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "Init",
                    "initialize", "Accelerator")
@@ -20,13 +22,13 @@ def scan_init_order(script: Path) -> InitOrder:
     (guide 002). A static look at the source: the first of each, by line."""
     script = Path(script)
     try:
-        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(script, None, "no such training script", "check the --script path") from None
-    except UnicodeDecodeError:
-        raise ConfigError(script, None, "is not a text file (not UTF-8)", "name the Python training script") from None
+        tree = ast.parse(read_text(script, MAX_SCRIPT_BYTES), filename=str(script))
+    except InputError as exc:
+        raise ConfigError(exc.path, None, exc.problem, exc.fix or "check the --script path") from None
     except SyntaxError as exc:
         raise ConfigError(script, None, f"not valid Python at line {exc.lineno}: {exc.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ConfigError(script, None, "nests too deep to parse", "name the training script itself") from None
     loads, configures = [], []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):

@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from harness.models.inputs import InputError, load_data
 from harness.premerge.importers.errors import ConfigError
 
 
 def read_mapping(path: Path) -> dict[str, Any]:
-    """A YAML or JSON file's settings (by extension), or one ConfigError saying what is wrong."""
+    """A YAML or JSON file's settings (by extension), within the input limits of `harness.models.inputs`,
+    or one ConfigError saying what is wrong."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(path, None, "no such file", "check the path") from None
-    except IsADirectoryError:
-        raise ConfigError(path, None, "is a directory, not a config file", "name a YAML or JSON file") from None
-    except OSError as exc:
-        raise ConfigError(path, None, f"cannot read the file ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(path, None, "is not a text file (not UTF-8)", "name a YAML or JSON config file") from None
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(path, None, f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                              "fix the JSON syntax (no comments or trailing commas in JSON)") from None
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(path, None, f"not valid YAML{where}: {getattr(exc, 'problem', None) or exc}",
-                              "fix the YAML syntax") from None
+        data = load_data(path)
+    except InputError as exc:
+        raise ConfigError(exc.path, exc.key, exc.problem, exc.fix) from None
     if not isinstance(data, dict):
         raise ConfigError(path, None, f"must hold a mapping of settings, not {type(data).__name__}",
                           "write one 'key: value' per setting")
@@ -87,6 +67,8 @@ class Reader:
             return default
         if isinstance(value, str) and re.fullmatch(r"\s*-?\d+(\.0*)?(e\d+)?\s*", value):
             value = float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(key, f"must be a whole number, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
             raise self.fail(key, f"must be a whole number, got {value!r}")
         if int(value) < minimum:
@@ -100,9 +82,12 @@ class Reader:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise self.fail(key, f"must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise self.fail(key, f"must be a finite number, got {value!r}")
+        return number
 
     def str(self, key: str, default: str | None) -> str | None:
         value = self.data.get(key)
