@@ -26,6 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per case run")
+    p.add_argument("--wait-for-card", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for a card another harness is measuring (default: refuse at once; "
+                        "the full-size runs then fail as card_busy, naming the other harness)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per case run")
     p.add_argument("--variant", action="append",
                      help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
@@ -126,7 +129,8 @@ def run(args) -> int:
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
-                      baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR)
+                      baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR,
+                      wait_for_card_s=args.wait_for_card)
     for err in session.errors:
         print(str(err), file=sys.stderr)
     matched = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
