@@ -104,6 +104,35 @@ def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tm
     assert _wait_gone([int((out / f"pid{r}").read_text()) for r in (0, 1)]) == []
 
 
+def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path):
+    """The real worker, sent SIGTERM mid-step (as torchrun and DeepSpeed's launcher stop the other
+    ranks once one has died), writes its report with the figures so far and why it stopped."""
+    import threading
+
+    from harness.spec.cases import CASES_DIR
+
+    case = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
+    job = Job([sys.executable, "-m", "harness.runtime.worker", "--case", str(case), "--out-dir", str(tmp_path),
+               "--steps", "1000"])
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(run=run_jobs([job], tmp_path, 300, "x", "tiny", 1)))
+    thread.start()
+    log = tmp_path / "log.txt"
+    deadline = time.monotonic() + 120
+    while "step 3/1000" not in (log.read_text() if log.exists() else ""):
+        assert thread.is_alive() and time.monotonic() < deadline, "the worker did not reach its third step"
+        time.sleep(0.1)
+    (worker,) = [p for p in psutil.Process().children()
+                 if "harness.runtime.worker" in p.cmdline() and str(tmp_path) in p.cmdline()]
+    worker.send_signal(signal.SIGTERM)
+    thread.join(60)
+    (rank,) = result["run"].ranks
+    assert rank.error.kind == Failure.crash and rank.error.phase == "step"
+    assert "stopped by SIGTERM" in rank.error.message
+    assert rank.load is not None and rank.load.allocated > 0
+    assert rank.step is not None and rank.step.allocated > 0 and len(rank.step_times_s) >= 3
+
+
 # --- (b) a rank hung in a collective -----------------------------------------------------------------------
 
 _HANGING_RANKS = '''

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -210,6 +211,14 @@ def run(args) -> int:
     return code
 
 
+class Stopped(BaseException):
+    """SIGTERM, as an exception: a BaseException, so no library's `except Exception` swallows it."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"stopped by {signal.Signals(signum).name}: a launcher stops every rank once one has failed")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", required=True)
@@ -223,6 +232,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
+    # torchrun and DeepSpeed's launcher stop every rank with SIGTERM once one has failed: the
+    # survivors still write what they measured, and say why they stopped
+    signal.signal(signal.SIGTERM, _stop)
     # every thread's stack into the rank's stack file shortly before the launcher's deadline
     # (harness.runtime.process_tree)
     from harness.runtime.process_tree import arm_stack_dump, exit_with_owner
