@@ -402,6 +402,26 @@ def test_a_full_disk_for_the_run_record_fails_that_case_and_the_next_case_runs(t
     assert (tmp_path / "tiny" / "003-qlora-fix-r32-seq1024-gc" / "run.json").is_file()
 
 
+def test_a_full_disk_for_the_json_of_a_run_is_said_and_the_cases_go_on(tmp_path, monkeypatch, capsys):
+    import pathlib
+
+    from harness.cli.run import _write_json
+    from harness.judge.session import Session
+    from harness.spec.cases import CASES_DIR
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    session = Session(case_dir=CASES_DIR, run_root=tmp_path / "runs")
+    with monkeypatch.context() as disk:
+        disk.setattr(pathlib.Path, "write_text", full)
+        assert _write_json(tmp_path / "runs.json", session) is False
+    said = capsys.readouterr().err
+    assert f"--json {tmp_path / 'runs.json'} could not be written: No space left on device" in said
+    assert str(tmp_path / "runs") in said
+    assert _write_json(tmp_path / "runs.json", session) is True and (tmp_path / "runs.json").read_text() == "[]"
+
+
 # --- (f) the harness itself killed ---------------------------------------------------------------------------------
 
 
@@ -576,3 +596,33 @@ def test_fault_ballast_exits_when_its_harness_is_killed(tmp_path):
     finally:
         harness.kill()
         harness.wait()
+
+
+@pytest.mark.gpu
+def test_fault_cards_are_locked_by_their_uuid_and_a_second_harness_is_refused(tmp_path, monkeypatch):
+    """On a CUDA host: the cards are named by NVML's UUID, and `oom-harness run --fidelity real`
+    while another harness holds them ends at once with card_busy, starting no worker."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA card")
+    from harness.runtime import card_lock
+
+    monkeypatch.setenv("HARNESS_LOCK_DIR", str(tmp_path / "locks"))
+    keys = card_lock.card_keys("cuda", torch.cuda.device_count())
+    assert len(keys) == torch.cuda.device_count()
+    pytest.importorskip("pynvml")
+    assert all(k.startswith(("GPU-", "MIG-")) for k in keys), keys
+    holders = [_lock_holder(tmp_path, key) for key in keys]
+    try:
+        started = time.monotonic()
+        cli = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--fidelity", "real",
+                              "-k", "003-qlora-fix-r16-seq512-gc", "--out", str(tmp_path / "runs")],
+                             capture_output=True, text=True, timeout=300)
+        assert cli.returncode == 1, cli.stdout + cli.stderr
+        assert "card_busy" in cli.stdout
+        assert time.monotonic() - started < 120
+        assert not list((tmp_path / "runs").rglob("log.txt"))  # no worker started
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -51,15 +52,24 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _write_json(path: Path, session) -> None:
-    """Every run of the session (each variant and repetition), the judged ones with their verdicts."""
+def _write_json(path: Path, session) -> bool:
+    """Every run of the session (each variant and repetition), the judged ones with their verdicts.
+    A full disk or an unwritable folder is said and returns False: the next cases still run."""
     verdicts = {id(j.run): [v.__dict__ for v in j.verdicts] for j in session.judged()}
     entries = [{"case": r.case_id, "fidelity": r.fidelity, "variant": r.variant,
                 "run": json.loads(r.model_dump_json()), "verdicts": verdicts.get(id(r), [])}
                for r in session.all_runs()]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)
+        return True
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"--json {path} could not be written: {exc.strerror or exc}; the runs go on, and each run's "
+              f"record is in its folder under {session.run_root}", file=sys.stderr, flush=True)
+        return False
 
 
 def _related(selected: list[str], session) -> list[list[str]]:
@@ -154,6 +164,7 @@ def run(args) -> int:
     if args.variant:
         return _measure_variants(args, session, selected, run_root)
     skipped = []
+    json_written = True
     if args.selected_only:
         session.selected_only = {(cid, args.fidelity) for cid in selected}
     session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
@@ -171,7 +182,7 @@ def run(args) -> int:
                 extra = session.run(cid, args.fidelity, variant, rep)
                 print(f"    repetition {rep + 1}{variant.suffix}: {_measure_line(extra)}", flush=True)
         if args.json:  # rewritten after every case, so an interrupted run keeps what it measured
-            _write_json(Path(args.json), session)
+            json_written = _write_json(Path(args.json), session)
     judged = session.judged()
     if args.benchmark_json:
         _write_benchmark(Path(args.benchmark_json), session)
@@ -191,7 +202,7 @@ def run(args) -> int:
     if args.fidelity == "tiny" and judged:
         _print_full_size([j.case for j in judged])
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
-    failed = any(j.failed for j in judged) or bool(session.errors)
+    failed = any(j.failed for j in judged) or bool(session.errors) or not json_written
     return 1 if failed else 0
 
 
@@ -225,7 +236,7 @@ def _measure_variants(args, session, selected: list[str], run_root: Path) -> int
                 failed |= not run.ok
                 print(f"{cid}{v.suffix} rep {rep + 1}: {_measure_line(run)} ({run.wall_s:.0f} s)", flush=True)
                 if args.json:
-                    _write_json(Path(args.json), session)
+                    failed |= not _write_json(Path(args.json), session)
     if args.benchmark_json:
         _write_benchmark(Path(args.benchmark_json), session)
     print(f"reports in {run_root}")
