@@ -133,6 +133,27 @@ def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path):
     assert rank.step is not None and rank.step.allocated > 0 and len(rank.step_times_s) >= 3
 
 
+_DEEPSPEED_LOG = """\
+[INFO] [launch.py:245:main] process 100 spawned with command: ['python', '-m', 'worker', '--local_rank=0']
+[INFO] [launch.py:245:main] process 101 spawned with command: ['python', '-m', 'worker', '--local_rank=1']
+[INFO] [launch.py:253:sigkill_handler] Killing subprocess 100
+[INFO] [launch.py:253:sigkill_handler] Killing subprocess 101
+[ERROR] [launch.py:259:sigkill_handler] ['python', '-m', 'worker', '--local_rank=1'] exits with return code = -9
+"""
+
+
+def test_deepspeeds_launcher_names_no_rank_so_the_one_without_a_report_is_named():
+    """DeepSpeed's launcher prints its last rank's command with whichever rank's exit code: the
+    rank killed is the one that wrote no report (the stopped ones write theirs)."""
+    from harness.runtime.launcher import classify
+
+    stopped = _report(1, ErrorInfo(kind=Failure.crash, message="Stopped: stopped by SIGTERM", phase="step"))
+    error = classify(False, 60, [1], [stopped], _DEEPSPEED_LOG, 2)
+    assert error.kind == Failure.host_oom and error.message.startswith("rank 0 was killed by SIGKILL")
+    both = [_report(0, ErrorInfo(kind=Failure.crash, message="ValueError: bad target")), stopped]
+    assert classify(False, 60, [1], both, _DEEPSPEED_LOG.replace("-9", "1"), 2) is None  # their reports say it
+
+
 # --- (b) a rank hung in a collective -----------------------------------------------------------------------
 
 _HANGING_RANKS = '''

@@ -298,7 +298,7 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
                          message=f"{said or f'a worker exited {EXIT_NO_REPORT}: it could not write its report'}; "
                                  "what it measured is lost: free space in the run's folder or point the run at "
                                  "another one")
-    death = unreported_death(log, {r.rank for r in ranks})
+    death = unreported_death(log, {r.rank for r in ranks}, expected_reports)
     if death is not None:
         # a rank that died without a report (killed, or failed before it could write one)
         kind = Failure.host_oom if death.signal_name == "SIGKILL" else Failure.crash

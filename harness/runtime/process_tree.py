@@ -23,6 +23,8 @@ worker and ballast exits once that process is gone (`exit_with_owner`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import os
 import re
@@ -91,7 +93,18 @@ def arm_stack_dump(out_dir: Path, rank: int, slot: int = 0) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _dump_file = open(path, "w")  # faulthandler writes to it from its own thread, later
     faulthandler.dump_traceback_later(float(after), exit=False, file=_dump_file)
+    atexit.register(_disarm, path)
     return path
+
+
+def _disarm(path: Path) -> None:
+    """At a normal exit: no dump is coming, and an empty stack file is no result."""
+    faulthandler.cancel_dump_traceback_later()
+    if _dump_file is not None:
+        _dump_file.close()
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
 
 
 def where_ranks_stuck(out_dir: Path) -> list[tuple[str, str, str]]:
