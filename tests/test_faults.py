@@ -157,19 +157,21 @@ def test_deepspeeds_launcher_names_no_rank_so_the_one_without_a_report_is_named(
 # --- (b) a rank hung in a collective -----------------------------------------------------------------------
 
 _HANGING_RANKS = '''
-import sys, time
+import os, sys, time
 from pathlib import Path
-from harness.runtime.process_tree import arm_stack_dump, exit_with_owner
-import os
+from harness.runtime.process_tree import STACK_DUMP_ENV, arm_stack_dump, exit_with_owner
 
-out = Path(sys.argv[1])
-arm_stack_dump(out, int(os.environ["RANK"]))  # as the worker does at its start
 exit_with_owner()
 import torch, torch.distributed as dist
 
+out = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 (out / f"pid{rank}").write_text(str(os.getpid()))
+# the worker arms its dump at its start, for shortly before the launcher's deadline; here it is armed
+# once each rank is where it hangs, so a slow start on a loaded host cannot dump it elsewhere
+os.environ[STACK_DUMP_ENV] = "1"
+arm_stack_dump(out, rank)
 
 
 def wait_for_the_peer():
@@ -194,6 +196,7 @@ def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_
     assert time.monotonic() - started < 45
     assert run.error is not None and run.error.kind == Failure.timeout
     message = run.error.message
+    assert "rank 0 stuck at" in message, message
     assert "rank 0 stuck at" in message and "in all_reduce" in message.split("rank 0 stuck at")[1].split(";")[0]
     assert "rank 1 stuck at" in message and "in stall_before_the_collective" in message.split("rank 1 stuck at")[1]
     log = Path(run.run_dir, "log.txt").read_text()

@@ -179,6 +179,12 @@ def _clear_earlier(out_dir: Path) -> list[str]:
     return removed
 
 
+def _note(log, line: str) -> None:
+    """A line of the launcher's own in the case's log; a full disk loses the line, not the run."""
+    with contextlib.suppress(OSError):
+        log.write(f"[harness.runtime.launcher] {line}\n".encode())
+
+
 def _not_written(case_id: str, fidelity: str, out_dir: Path, exc: OSError) -> CaseRun:
     return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                    error=ErrorInfo(kind=Failure.write_error,
@@ -205,7 +211,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         earlier = _clear_earlier(out_dir)
-        log = open(log_path, "wb")  # closed by the with below
+        log = open(log_path, "wb", buffering=0)  # closed by the with below; unbuffered, so closing cannot fail
     except OSError as exc:
         return _not_written(case_id, fidelity, out_dir, exc)
     started = time.monotonic()
@@ -215,8 +221,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
     card_free = None
     with log, _reaped(procs):
         if earlier:
-            log.write(f"[harness.runtime.launcher] removed {len(earlier)} files an earlier run left in "
-                      f"{out_dir}: {', '.join(earlier)}\n".encode())
+            _note(log, f"removed {len(earlier)} files an earlier run left in {out_dir}: {', '.join(earlier)}")
         if ballast_leave_bytes:
             try:
                 ballast, card_free = _start_ballast(ballast_leave_bytes, out_dir, log)
@@ -227,9 +232,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
         for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
                                for job in jobs} - {""}):
             for lock in jit_locks.remove_stale(Path(ext_dir)):
-                log.write(f"[harness.runtime.launcher] removed {lock}: a JIT build was interrupted and no process "
-                          f"holds its lock, which would hang this run\n".encode())
-            log.flush()
+                _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
+                           "which would hang this run")
         for job in jobs:
             env = dict(os.environ)
             env.update(job.env)
@@ -257,10 +261,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             _kill_group(ballast)
             ballast.wait()
         stuck = process_tree.where_ranks_stuck(out_dir) if timed_out else []
-        with contextlib.suppress(OSError):  # a full disk keeps the stacks in their own files
-            for who, _, dump in stuck:
-                log.write(f"\n[harness.runtime.launcher] the stacks of {who} before the timeout:\n{dump}".encode())
-            log.flush()
+        for who, _, dump in stuck:  # on a full disk they stay in their own files
+            _note(log, f"the stacks of {who} before the timeout:\n{dump}")
     wall = time.monotonic() - started
     codes = [p.returncode for p in procs]
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
