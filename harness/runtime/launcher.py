@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport
+from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
 from harness.runtime import compile_cache, jit_locks, process_tree
 from harness.runtime.platform import Platform, parse_oom
 from harness.runtime.rank_deaths import unreported_death
@@ -226,6 +226,9 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             try:
                 ballast, card_free = _start_ballast(ballast_leave_bytes, out_dir, log)
                 procs.append(ballast)
+                if short_of(card_free, ballast_leave_bytes):
+                    _note(log, f"the card has {card_free / 2**30:.2f} GiB free for the jobs, less than the emulated "
+                               f"{ballast_leave_bytes / 2**30:.2f} GiB card: another process holds memory on it")
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
