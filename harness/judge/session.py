@@ -212,8 +212,7 @@ class Session:
     def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
         out = self.run_root / fidelity / (case_id + variant.suffix) / (f"rep{repetition}" if repetition else "")
-        if fidelity == "real" and self.platform != plat.Platform.cpu:
-            # full-size figures are the card's: no other harness may measure it meanwhile
+        if fidelity == "real":  # full-size figures are the card's: no other harness may measure it meanwhile
             try:
                 card_lock.take(card_lock.card_keys(self.platform.value, self.accelerators), self.wait_for_card_s, _say)
             except card_lock.CardBusy as exc:

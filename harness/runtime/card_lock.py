@@ -4,7 +4,10 @@ Two harnesses on one GPU (two CI jobs on one runner, an engineer's `pytest -m gp
 nightly job runs) would each measure the other's memory and time, and each other's out-of-memory
 errors would read as the configs'. A harness takes the lock of every card it can see before its
 first full-size run and keeps it until it exits. Tiny runs take none: their figures are byte counts
-of the process's own tensors, which another process does not change, and many run at once by design.
+of each process's own tensors, which another process does not change, many run at once by design,
+and a tiny suite on a GPU host (a test suite starting harnesses within harnesses) would refuse
+itself. A tiny run beside a full-size one on the same card still takes some of its memory, which the
+full-size run's start records (harness.measure.records.CaseRun.card_shortfall).
 
 The lock is an `flock` on one file per card in a folder every user of the host shares
 (`HARNESS_LOCK_DIR`, default /tmp/oom-harness-locks). The kernel releases it when its holder exits,
@@ -12,7 +15,7 @@ however it exits: a harness killed with SIGKILL leaves the file, unlocked, and t
 takes it at once. The file names its holder (pid, command, since when) for the message of the
 harness that finds it taken. Cards are named by NVML's UUID where it is installed, else by their
 index (CUDA_VISIBLE_DEVICES may renumber them; its indices are read in PCI bus order, which is
-CUDA's order among identical cards); a host without accelerators by its host name.
+CUDA's order among identical cards).
 
 A harness that finds a card taken refuses at once: each full-size run is a `card_busy` failure
 that names the holder. `--wait-for-card SECONDS` (pytest: `--harness-wait-for-card`) waits that
@@ -26,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,9 +63,10 @@ def _nvml_uuid(index: int) -> str | None:
 
 
 def card_keys(platform: str, count: int) -> list[str]:
-    """A name for each card this process can see, stable across processes that see it differently."""
+    """A name for each card this process can see, stable across processes that see it differently
+    (none on a host without accelerators, where no full-size run is made)."""
     if platform == "cpu" or count == 0:
-        return [f"host-{socket.gethostname()}"]
+        return []
     visible = (os.environ.get("CUDA_VISIBLE_DEVICES") if platform == "cuda" else
                os.environ.get("HIP_VISIBLE_DEVICES") or os.environ.get("CUDA_VISIBLE_DEVICES"))
     entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(count)]
@@ -82,6 +86,7 @@ def _holder() -> str:
 
 
 _HELD: dict[str, int] = {}  # card -> the descriptor holding its flock, for the whole process
+_GUARD = threading.Lock()  # the session's threads take cards one at a time: two descriptors of one process conflict
 
 
 def _try(key: str) -> str | None:
@@ -109,6 +114,11 @@ def take(keys: list[str], wait_s: float = 0.0, say=None) -> None:
     already is not taken again). Cards are taken in sorted order, so two harnesses never hold one
     each and wait for the other's. `wait_s` 0 refuses at once; otherwise wait up to `wait_s`
     seconds, and `say` hears once whom for. Raises CardBusy naming the holder and the option."""
+    with _GUARD:
+        _take(keys, wait_s, say)
+
+
+def _take(keys: list[str], wait_s: float, say) -> None:
     deadline = time.monotonic() + wait_s
     said = False
     for key in sorted(set(keys) - set(_HELD)):
@@ -130,7 +140,8 @@ def held() -> set[str]:
 
 def release() -> None:
     """Let other harnesses take the cards this process holds (its exit does it too)."""
-    for fd in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)  # closing the only descriptor releases the flock
-    _HELD.clear()
+    with _GUARD:
+        for fd in _HELD.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)  # closing the only descriptor releases the flock
+        _HELD.clear()
