@@ -2,7 +2,7 @@
 message), never a crashed or hung harness, and nothing that was measured is lost.
 
 Small scripts stand in for the workers (as in test_launcher.py); the real worker runs only where
-its own code is what is tested. The tests marked `gpu` need a CUDA card: `pytest -m gpu -k fault`.
+its own code is what is tested. The tests marked `gpu` need a CUDA card: `pytest -m gpu tests/test_faults.py`.
 """
 
 from __future__ import annotations
