@@ -192,7 +192,7 @@ def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_
     out = tmp_path / "run"
     out.mkdir()
     started = time.monotonic()
-    run = run_jobs([_torchrun(script, str(out))], out, 20, "x", "tiny", 2)
+    run = run_jobs([_torchrun(script, str(out))], out, 15, "x", "tiny", 2)
     assert time.monotonic() - started < 45
     assert run.error is not None and run.error.kind == Failure.timeout
     message = run.error.message
