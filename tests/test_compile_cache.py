@@ -77,7 +77,8 @@ def test_the_predictors_device_overhead_is_fitted_on_warm_runs_only(tmp_path):
 
     def entry(case_id, reserved_gib, device_gib, cache):
         rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=1, platform="cuda",
-                          device_name="NVIDIA H100 80GB HBM3", triton_cache=cache, step_times_s=[1.0, 0.4, 0.4],
+                          device_name="NVIDIA H100 80GB HBM3", triton_cache=cache,
+                          step_times_s=[1.0, 0.4, 0.4], tokens_per_step=1024,
                           step=Memory(allocated=int(3 * GIB), reserved=int(reserved_gib * GIB),
                                       device=int(device_gib * GIB)))
         run = CaseRun(case_id=case_id, fidelity="real", command=[], returncode=0, wall_s=1, ranks=[rank])

@@ -50,14 +50,14 @@ def test_a_full_disk_mid_session_is_reported_and_the_runs_go_on(tmp_path, monkey
 
     out = tmp_path / "runs.json"
     out.write_text("[]")
-    session = SimpleNamespace(judged=lambda: [], all_runs=lambda: [])
+    session = SimpleNamespace(judged=lambda: [], all_runs=lambda: [], run_root=tmp_path / "runs")
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(files.os, "fsync", full)
     _write_json(out, session)  # no exception: the session's later cases still run
-    assert f"run: --json {out}: could not be written (No space left on device)" in capsys.readouterr().err
+    assert f"run: --json {out} could not be written: No space left on device" in capsys.readouterr().err
     assert out.read_text() == "[]"
 
 

@@ -42,6 +42,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def wait_seconds(text: str) -> float:
+    """A wait in seconds: zero (do not wait) up to a week."""
+    value = _finite(text)
+    if not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; write seconds from 0 to {MAX_SECONDS:.0f} "
+                                         "(a week), e.g. 600")
+    return value
+
+
 def fraction(text: str) -> float:
     """A share of something, above 0 and at most 1 (a card's headroom)."""
     value = _finite(text)

@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.cli.arguments import positive_int, seconds
+from harness.cli.arguments import positive_int, seconds, wait_seconds
 from harness.models.inputs import InputError
 from harness.spec.cases import CASES_DIR
-from harness.spec.files import WriteError, check_writable, write_atomic
+from harness.spec.files import WriteError, check_writable, os_reason, write_atomic
 
 MAX_SHARDS = 1024  # slices, one per GPU: far above any host
 
@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
     p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per case run")
+    p.add_argument("--wait-for-card", type=wait_seconds, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for a card another harness is measuring (default: refuse at once; "
+                        "the full-size runs then fail as card_busy, naming the other harness)")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per case run")
     p.add_argument("--variant", action="append",
                      help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
@@ -56,17 +59,21 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _write_json(path: Path, session) -> None:
+def _write_json(path: Path, session) -> bool:
     """Every run of the session (each variant and repetition), the judged ones with their verdicts. A
-    failed write (a full disk) is reported and the runs go on: their reports stay in the run folder."""
+    failed write (a full disk) is said and returns False: the runs go on, their records stay in the
+    run folder."""
     verdicts = {id(j.run): [v.__dict__ for v in j.verdicts] for j in session.judged()}
     entries = [{"case": r.case_id, "fidelity": r.fidelity, "variant": r.variant,
                 "run": json.loads(r.model_dump_json()), "verdicts": verdicts.get(id(r), [])}
                for r in session.all_runs()]
     try:
         write_atomic(path, json.dumps(entries, indent=1))
+        return True
     except WriteError as exc:
-        print(f"run: --json {exc}", file=sys.stderr)
+        print(f"run: --json {path} could not be written: {os_reason(exc)}; the runs go on, and each run's "
+              f"record is in its folder under {session.run_root}", file=sys.stderr, flush=True)
+        return False
 
 
 def _related(selected: list[str], session) -> list[list[str]]:
@@ -137,7 +144,8 @@ def run(args) -> int:
     run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
-                      baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR)
+                      baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR,
+                      wait_for_card_s=args.wait_for_card)
     for err in session.errors:
         print(str(err), file=sys.stderr)
     matched = [cid for cid in sorted(session.cases) if not args.k or any(k in cid for k in args.k)]
@@ -161,6 +169,7 @@ def run(args) -> int:
     if args.variant:
         return _measure_variants(args, session, selected, run_root)
     skipped = []
+    json_written = True
     if args.selected_only:
         session.selected_only = {(cid, args.fidelity) for cid in selected}
     session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
@@ -178,7 +187,7 @@ def run(args) -> int:
                 extra = session.run(cid, args.fidelity, variant, rep)
                 print(f"    repetition {rep + 1}{variant.suffix}: {_measure_line(extra)}", flush=True)
         if args.json:  # rewritten after every case, so an interrupted run keeps what it measured
-            _write_json(Path(args.json), session)
+            json_written = _write_json(Path(args.json), session)
     judged = session.judged()
     if args.benchmark_json:
         _write_benchmark(Path(args.benchmark_json), session)
@@ -200,7 +209,8 @@ def run(args) -> int:
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     if any(j.failed for j in judged):
         return 1
-    return 2 if session.errors else 0  # the valid cases ran; the invalid files were named on stderr
+    # the valid cases ran; the invalid files, or the --json that could not be written, were named on stderr
+    return 2 if session.errors or not json_written else 0
 
 
 def _check_outputs(args) -> None:
@@ -245,7 +255,7 @@ def _measure_variants(args, session, selected: list[str], run_root: Path) -> int
                 failed |= not run.ok
                 print(f"{cid}{v.suffix} rep {rep + 1}: {_measure_line(run)} ({run.wall_s:.0f} s)", flush=True)
                 if args.json:
-                    _write_json(Path(args.json), session)
+                    failed |= not _write_json(Path(args.json), session)
     if args.benchmark_json:
         _write_benchmark(Path(args.benchmark_json), session)
     print(f"reports in {run_root}")

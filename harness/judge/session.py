@@ -7,6 +7,7 @@ than the failing config" reuses the failing config's run), keeps every report on
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -25,12 +26,14 @@ from harness.judge.verdicts import (
     check_outcome,
     judge_on_variant,
     lower_peak_on_variants,
+    on_a_short_card,
 )
-from harness.measure.records import CaseRun
+from harness.measure.records import CaseRun, ErrorInfo, Failure
+from harness.runtime import card_lock
 from harness.runtime import platform as plat
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.spec.cases import CaseError, load_cases
-from harness.spec.files import inside, write_atomic
+from harness.spec.files import inside, os_reason, write_atomic
 from harness.spec.identity import case_digest, model_name
 from harness.spec.schema import Case
 from harness.spec.variants import Variant, parse_variant
@@ -84,6 +87,27 @@ def plan(case: Case, fidelity: str, accelerators: int, full_depth: bool = False,
             depths = depths[:1]  # a mistake shows at any depth; no figure is extrapolated
         return [Variant(ranks=capped, layers=d, grad_accum=accum) for d in depths]
     return [Variant(ranks=capped, grad_accum=accum)]
+
+
+def _say(line: str) -> None:
+    """A line for the person waiting (past pytest's capture: a wait for a card can be long)."""
+    print(f"[oom-harness] {line}", file=sys.__stderr__ or sys.stderr, flush=True)
+
+
+def _keep_record(run: CaseRun, path: Path) -> None:
+    """Write a run's record whole (a temporary file, then a rename). A full disk or an unwritable
+    folder fails the run with a message that says so; the harness goes on with the next case, and
+    the figures stay in this session for its verdicts, summary and --json."""
+    try:
+        write_atomic(path, run.model_dump_json(indent=1))
+    except OSError as exc:  # WriteError: no half record is left
+        if run.error is not None and run.error.kind == Failure.write_error:
+            return  # the run already says its folder cannot be written
+        before = (f" (the run itself: {run.error.kind.value}: {run.error.message.splitlines()[0][:200]})"
+                  if run.error else "")
+        run.error = ErrorInfo(kind=Failure.write_error,
+                              message=f"the run record {path} could not be written: {os_reason(exc)}; free space "
+                                      f"there or point the run at another folder{before}")
 
 
 class _ProcessBudget:
@@ -149,6 +173,9 @@ class Session:
     # 004's plan A compares with its failing case, which compiles on an empty Triton cache for
     # minutes); a set leaves claims about other cases not checkable instead
     selected_only: set[tuple[str, str]] | None = None
+    # seconds to wait for a card another harness is measuring before a full-size run (0: refuse at
+    # once; harness.runtime.card_lock)
+    wait_for_card_s: float = 0.0
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
     _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
@@ -181,10 +208,17 @@ class Session:
     def _execute(self, case_id: str, fidelity: str, variant: Variant, repetition: int) -> CaseRun:
         case, path = self.cases[case_id]
         out = inside(self.run_root, fidelity, case_id + variant.suffix, f"rep{repetition}" if repetition else "")
+        if fidelity == "real":  # full-size figures are the card's: no other harness may measure it meanwhile
+            try:
+                card_lock.take(card_lock.card_keys(self.platform.value, self.accelerators), self.wait_for_card_s, _say)
+            except card_lock.CardBusy as exc:
+                return CaseRun(case_id=case_id, fidelity=fidelity, variant=variant.text, command=[], returncode=None,
+                               wall_s=0.0, error=ErrorInfo(kind=Failure.card_busy, message=str(exc)),
+                               run_dir=str(out))
         emulate = case.target.card.memory if fidelity == "real" and not variant.uncapped else None
         run = run_case(case, path, fidelity, out, self.platform, self.timeout_s, self.steps, emulate, variant)
         run.case_digest, run.model = case_digest(case), model_name(case)  # what `bless` checks the run against
-        write_atomic(out / "run.json", run.model_dump_json(indent=1))
+        _keep_record(run, out / "run.json")
         return run
 
     def all_runs(self) -> list[CaseRun]:
@@ -254,6 +288,7 @@ class Session:
             # the first run that failed (if any) decides the outcome of a depth series
             run = next((r for r in runs if not r.ok), run)
         outcome = judge_on_variant(case, variants[-1], check_outcome(measured_case, run), run, extrapolation)
+        outcome = on_a_short_card(outcome, run)
         outcome = as_recorded(outcome, case.expect.finding, fidelity)
         host_ram = check_host_ram(case, variants[-1], run, extrapolation)
         claims = check_claims(measured_case, run, lookup)

@@ -130,6 +130,21 @@ def check_outcome(case: Case, run: CaseRun) -> Verdict:
                    f"on {fmt_gib(card)}")
 
 
+def on_a_short_card(verdict: Verdict, run: CaseRun) -> Verdict:
+    """An out-of-memory error on a card that had less memory free at the start than the card it
+    emulates (another process held the rest) says nothing about the config: neither a refutation of
+    a fit nor a confirmation of a guide's OOM."""
+    short = run.card_shortfall()
+    err = run.first_error()
+    if verdict.what != "outcome" or short is None or err is None or err.kind != Failure.oom:
+        return verdict
+    free, card = short
+    return Verdict("outcome", "not_checkable",
+                   f"the card had {fmt_gib(free)} free at the start, less than the {fmt_gib(card)} card it emulates: "
+                   f"another process held memory on it, so this out-of-memory error says nothing about the config "
+                   f"({_first_line(err.message)})")
+
+
 def judge_on_variant(case: Case, variant, verdict: Verdict, run: CaseRun, extrapolation=None) -> Verdict:
     """What a verdict measured on a variant says about the case as written.
 

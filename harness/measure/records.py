@@ -91,12 +91,24 @@ class Clocks(BaseModel):
     slowed: dict[str, float] = Field(default_factory=dict)  # slowdown reason -> share of the samples
 
 
+# free memory this far below an emulated card is rounding (the ballast's last block, a context's
+# pages), not another process
+CARD_SLACK = 64 * 2**20
+
+
+def short_of(free: int | None, card: int | None) -> bool:
+    """Whether `free` bytes at a run's start fall short of an emulated card of `card` bytes."""
+    return free is not None and bool(card) and free < card - CARD_SLACK
+
+
 class Failure(str, Enum):
     oom = "oom"  # device (or emulated card) out of memory
     host_oom = "host_oom"  # killed by the kernel, most likely for host memory
     timeout = "timeout"
     crash = "crash"  # an exception other than OOM
     no_report = "no_report"  # exited 0 without a report
+    write_error = "write_error"  # a result could not be written (disk full, read-only or unwritable folder)
+    card_busy = "card_busy"  # another harness was measuring the card (harness.runtime.card_lock)
 
 
 class ErrorInfo(BaseModel):
@@ -116,6 +128,9 @@ class RankReport(BaseModel):
     device_name: str
     emulated_card_bytes: int | None = None
     context_bytes: int | None = None  # device memory of the CUDA/HIP context, outside the allocator
+    # device memory free for this process when it started, its own context counted as free; under an
+    # emulated card, less than the card means another process held memory (harness.runtime.measurement)
+    card_free_at_start: int | None = None
     load: Memory | None = None
     step: Memory | None = None
     weights: Weights | None = None
@@ -181,6 +196,11 @@ class CaseRun(BaseModel):
     error: ErrorInfo | None = None
     log_tail: str = ""
     run_dir: str = ""
+    # jobs sharing an emulated card (harness.runtime.ballast): the card's size and the device memory
+    # the ballast left them, less than that size where another process held memory
+    emulated_card_bytes: int | None = None
+    card_free_at_start: int | None = None
+
     # what identifies the case this run measured (harness.spec.identity), checked by `oom-harness bless`:
     # None in runs recorded before they were kept
     case_digest: str | None = None
@@ -204,6 +224,15 @@ class CaseRun(BaseModel):
         if self.error is not None:
             return self.error
         return next((r.error for r in self.ranks if r.error is not None), None)
+
+    def card_shortfall(self) -> tuple[int, int] | None:
+        """(free, emulated) bytes where the card had less memory free at the start than the card it
+        emulates (another process held the rest), else None. An out-of-memory error in such a run
+        says nothing about the config."""
+        found = [(r.card_free_at_start, r.emulated_card_bytes) for r in self.ranks]
+        found.append((self.card_free_at_start, self.emulated_card_bytes))
+        short = [(free, card) for free, card in found if short_of(free, card)]
+        return min(short) if short else None
 
     def per_card_peak(self, procs_per_card: int) -> int | None:
         """The figure a card must hold: the worst rank for a sharded job (never the sum over

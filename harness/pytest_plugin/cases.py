@@ -50,6 +50,9 @@ def pytest_addoption(parser):
                     help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
     group.addoption("--harness-benchmark-json", default=None,
                     help="write full-size throughput in pytest-benchmark's JSON format to this file")
+    group.addoption("--harness-wait-for-card", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to this long for a card another harness is measuring (default: refuse at once; "
+                         "the full-size runs then fail as card_busy, naming the other harness)")
     group.addoption("--harness-selected-only", action="store_true",
                     help="run only the selected cases: a claim about another case (a fix's peak against its "
                          "failing config, a family's speed order) is not checkable instead of running it")
@@ -65,6 +68,7 @@ def _session(config) -> Session:
             steps=config.getoption("--harness-steps"),
             full_depth=config.getoption("--harness-full-depth"),
             grad_accum_cap=config.getoption("--harness-grad-accum-cap"),
+            wait_for_card_s=config.getoption("--harness-wait-for-card"),
         )
     return config.stash[_SESSION]
 

@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport
+from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
 from harness.runtime import compile_cache, jit_locks, process_tree
 from harness.runtime.platform import Platform, parse_oom
+from harness.runtime.rank_deaths import unreported_death
+from harness.runtime.reports import EXIT_NO_REPORT, REPORT_NOT_WRITTEN
 from harness.spec.schema import Case
 from harness.spec.variants import Variant
 
@@ -142,7 +144,9 @@ def _reaped(procs: list[subprocess.Popen]):
         raise
 
 
-def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> subprocess.Popen:
+def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> tuple[subprocess.Popen, int | None]:
+    """The ballast process, once it holds the card's spare memory, and the device memory it left
+    free (below `leave_bytes` where another process held memory on the card before it)."""
     ready = out_dir / "ballast.ready"
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "harness.runtime.ballast", "--leave", str(leave_bytes),
@@ -154,31 +158,85 @@ def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120)
             _kill_group(proc)
             raise RuntimeError("the ballast process could not take the card's spare memory; see log.txt")
         time.sleep(0.2)  # waiting on another process's CUDA start-up; nothing to block on
-    return proc
+    text = ready.read_text().strip()
+    return proc, int(text) if text.isdigit() else None
+
+
+EARLIER_RESULTS = ("rank*.json", "rank*.tmp", process_tree.STACKS_GLOB, "run.json", "run.tmp", "ballast.ready",
+                   "probes-card*.lock")  # what a run leaves in its folder: cleared before the next run there
+
+
+def _clear_earlier(out_dir: Path) -> list[str]:
+    """Remove what an earlier run left in this folder (finished, or cut short with the harness
+    killed): its reports would otherwise be read as this run's, and a half-written one as a
+    corrupt result. Returns the names removed."""
+    removed = []
+    for pattern in EARLIER_RESULTS:
+        for path in sorted(out_dir.glob(pattern)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def _note(log, line: str) -> None:
+    """A line of the launcher's own in the case's log; a full disk loses the line, not the run."""
+    with contextlib.suppress(OSError):
+        log.write(f"[harness.runtime.launcher] {line}\n".encode())
+
+
+def _not_written(case_id: str, fidelity: str, out_dir: Path, exc: OSError) -> CaseRun:
+    return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
+                   error=ErrorInfo(kind=Failure.write_error,
+                                   message=f"cannot write the run's folder {out_dir}: {exc.strerror or exc}; "
+                                           "free space there or point the run at a writable folder"),
+                   run_dir=str(out_dir))
+
+
+def _read_reports(out_dir: Path) -> tuple[list[RankReport], list[str]]:
+    """The rank reports in the folder, and a line for each that cannot be read (cut short by a
+    full disk, or not a report): those are missing reports, never a crash of the harness."""
+    reports, unreadable = [], []
+    for path in sorted(out_dir.glob("rank*.json")):
+        try:
+            reports.append(RankReport.model_validate_json(path.read_text()))
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError and UnicodeDecodeError are ValueErrors
+            unreadable.append(f"{path.name} is not a readable report ({str(exc).splitlines()[0][:200]})")
+    return reports, unreadable
 
 
 def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
              expected_reports: int, ballast_leave_bytes: int | None = None) -> CaseRun:
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "log.txt"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        earlier = _clear_earlier(out_dir)
+        log = open(log_path, "wb", buffering=0)  # closed by the with below; unbuffered, so closing cannot fail
+    except OSError as exc:
+        return _not_written(case_id, fidelity, out_dir, exc)
     started = time.monotonic()
     procs: list[subprocess.Popen] = []
     timed_out = False
     ballast = None
-    with open(log_path, "wb") as log, _reaped(procs):
+    card_free = None
+    with log, _reaped(procs):
+        if earlier:
+            _note(log, f"removed {len(earlier)} files an earlier run left in {out_dir}: {', '.join(earlier)}")
         if ballast_leave_bytes:
             try:
-                ballast = _start_ballast(ballast_leave_bytes, out_dir, log)
+                ballast, card_free = _start_ballast(ballast_leave_bytes, out_dir, log)
                 procs.append(ballast)
+                if short_of(card_free, ballast_leave_bytes):
+                    _note(log, f"the card has {card_free / 2**30:.2f} GiB free for the jobs, less than the emulated "
+                               f"{ballast_leave_bytes / 2**30:.2f} GiB card: another process holds memory on it")
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
         for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
                                for job in jobs} - {""}):
             for lock in jit_locks.remove_stale(Path(ext_dir)):
-                log.write(f"[harness.runtime.launcher] removed {lock}: a JIT build was interrupted and no process "
-                          f"holds its lock, which would hang this run\n".encode())
-            log.flush()
+                _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
+                           "which would hang this run")
         for job in jobs:
             env = dict(os.environ)
             env.update(job.env)
@@ -205,30 +263,54 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             procs.remove(ballast)
             _kill_group(ballast)
             ballast.wait()
+        stuck = process_tree.where_ranks_stuck(out_dir) if timed_out else []
+        for who, _, dump in stuck:  # on a full disk they stay in their own files
+            _note(log, f"the stacks of {who} before the timeout:\n{dump}")
     wall = time.monotonic() - started
     codes = [p.returncode for p in procs]
-    log_text = log_path.read_text(errors="replace")
-    ranks = [RankReport.model_validate_json(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    ranks, unreadable = _read_reports(out_dir)
     run = CaseRun(case_id=case_id, fidelity=fidelity, command=jobs[0].argv if jobs else [],
                   returncode=max(codes, key=abs) if codes else None, wall_s=wall, ranks=ranks,
-                  log_tail=log_text[-6000:], run_dir=str(out_dir))
-    run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports)
+                  log_tail=log_text[-6000:], run_dir=str(out_dir),
+                  emulated_card_bytes=ballast_leave_bytes, card_free_at_start=card_free)
+    run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports,
+                         [(who, where) for who, where, _ in stuck], unreadable)
     return run
 
 
 def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[RankReport], log: str,
-             expected_reports: int) -> ErrorInfo | None:
+             expected_reports: int, stuck: list[tuple[str, str]] = (), unreadable: list[str] = ()) -> ErrorInfo | None:
     """Turn what the processes left behind into one error (or None when all went well).
-    Errors the workers wrote themselves stay in their rank reports; this covers the rest."""
+    Errors the workers wrote themselves stay in their rank reports; this covers the rest.
+    `stuck`: (who, where) of each rank that dumped its stacks before a timeout; `unreadable`: a line
+    for each report that could not be read."""
     if timed_out:
         message = f"no result after {timeout_s:.0f} s; every process of the run was killed"
         progress = _last_progress(log)
         if progress:
             message += f"; last progress: {progress!r}"
-        stuck = process_tree.where_stuck(log)
         if stuck:
-            message += f"; stuck at {stuck} (all stacks in log.txt)"
+            message += "; " + "; ".join(f"{who} stuck at {where}" for who, where in stuck) + " (all stacks in log.txt)"
+        elif where := process_tree.where_stuck(log):
+            message += f"; stuck at {where} (all stacks in log.txt)"
+        elif not progress:
+            message += f"; {_tail_note(log)}"
         return ErrorInfo(kind=Failure.timeout, message=message)
+    if EXIT_NO_REPORT in codes or REPORT_NOT_WRITTEN in log:
+        said = next((ln.strip() for ln in reversed(log.splitlines()) if REPORT_NOT_WRITTEN in ln), None)
+        return ErrorInfo(kind=Failure.write_error,
+                         message=f"{said or f'a worker exited {EXIT_NO_REPORT}: it could not write its report'}; "
+                                 "what it measured is lost: free space in the run's folder or point the run at "
+                                 "another one")
+    death = unreported_death(log, {r.rank for r in ranks}, expected_reports)
+    if death is not None:
+        # a rank that died without a report (killed, or failed before it could write one)
+        kind = Failure.host_oom if death.signal_name == "SIGKILL" else Failure.crash
+        why = (" (the kernel's OOM killer is the usual sender of SIGKILL: check host RAM)"
+               if kind == Failure.host_oom else "")
+        detail = "" if death.signal_name else f": {_last_error_line(log)}"
+        return ErrorInfo(kind=kind, message=f"{death.describe()}{why}{detail}; the launcher stopped the other ranks")
     reported = [r for r in ranks if r.error is not None]
     if reported:
         return None  # the worker's own classification is in its report
@@ -246,17 +328,27 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
         oom = parse_oom(log)
         if oom is not None:
             return ErrorInfo(kind=Failure.oom, message=oom.message, tried_to_allocate=oom.tried_to_allocate)
-        return ErrorInfo(kind=Failure.crash, message=_last_error_line(log) or f"exit codes {codes}")
+        return ErrorInfo(kind=Failure.crash, message=_last_error_line(log) or f"exit codes {codes}; {_tail_note(log)}")
     if len(ranks) < expected_reports:
-        return ErrorInfo(kind=Failure.no_report,
-                         message=f"exited 0 but wrote {len(ranks)} of {expected_reports} reports")
+        message = f"exited 0 but wrote {len(ranks)} of {expected_reports} reports"
+        if unreadable:
+            message += "; " + "; ".join(unreadable)
+        return ErrorInfo(kind=Failure.no_report, message=f"{message}; {_tail_note(log)}")
     return None
+
+
+def _tail_note(log: str, lines: int = 3) -> str:
+    """What the log says last, for a run that left nothing else to go on."""
+    kept = [ln.strip() for ln in log.strip().splitlines() if ln.strip()][-lines:]
+    if not kept:
+        return "log.txt is empty: the processes printed nothing"
+    return "the log ends: " + " | ".join(kept)[-600:]
 
 
 def _last_progress(log: str) -> str | None:
     """The last line a worker printed about where it is (`progress` in harness.runtime.worker)."""
     for line in reversed(log.splitlines()):
-        if line.startswith("[harness.runtime.worker]"):
+        if line.startswith("[harness.runtime.worker]") and REPORT_NOT_WRITTEN not in line:
             return line.strip()[:300]
     return None
 

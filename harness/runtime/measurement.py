@@ -6,6 +6,19 @@ from __future__ import annotations
 import sys
 
 
+def card_room(device, context_bytes: int | None, read_free=None) -> int:
+    """Device memory free for this process at its start, its own context counted as free: what an
+    emulated card of that size would offer it. Less than the emulated card means another process
+    holds memory on the card (harness.measure.records.CaseRun.card_shortfall). `read_free` is
+    `torch.cuda.mem_get_info` unless given: (free, total) bytes of `device`."""
+    if read_free is None:
+        import torch
+
+        read_free = torch.cuda.mem_get_info
+    free, _ = read_free(device)
+    return int(free) + (context_bytes or 0)
+
+
 class Measurement:
     """The phase-by-phase figures of one process, on whichever platform it runs."""
 
@@ -24,6 +37,7 @@ class Measurement:
         self.on_cpu = device.type == "cpu"
         self.limit = emulated_card_bytes
         self.context_bytes = None
+        self.card_free_at_start = None
         reader = device_memory_reader(device)
         if self.on_cpu:
             self.alloc = LiveTensorTracker()
@@ -32,6 +46,7 @@ class Measurement:
             torch.zeros(1, device=device)  # create the context, so its size can be read
             if reader is not None and reader.per_process:
                 self.context_bytes = max(0, (reader.read() or 0) - torch.cuda.memory_reserved(device))
+            self.card_free_at_start = card_room(device, self.context_bytes)
             if emulated_card_bytes:
                 # A smaller card on a bigger one: the allocator may use what the card has left
                 # after this process's context (which the real card holds too).

@@ -6,11 +6,13 @@ that kills torchrun's group orphans the ranks, which go on holding the GPU the n
 The tree is therefore collected through the parent links (psutil) before anything is killed.
 
 Shortly before the launcher's deadline every worker dumps the Python stack of each of its threads
-into the case's log: `faulthandler.dump_traceback_later`, armed by `harness.runtime.worker` from
-`STACK_DUMP_ENV`. Its watchdog is a C thread of the worker, so the dump needs neither the GIL nor
-a signal. (Asking the workers with SIGUSR1 at the deadline printed nothing on an H100 host for
-ranks compiling Triton kernels; the cause was not found.) `where_stuck` reads the
-innermost frames back, so a timeout names the line a run hung on.
+into a file of its own in the run's folder (`stacks-rank<R>[-slot<S>].txt`, appended to the case's
+log after a timeout): `faulthandler.dump_traceback_later`, armed by `arm_stack_dump` from
+`STACK_DUMP_ENV`. One file per rank is what lets a timeout say where each rank was: a collective
+that hangs shows as one rank waiting in `all_reduce` and another somewhere else. The watchdog is
+a C thread of the worker, so the dump needs neither the GIL nor a signal. (Asking the workers with
+SIGUSR1 at the deadline printed nothing on an H100 host for ranks compiling Triton kernels; the
+cause was not found.) `where_stuck` reads the innermost frames back, so a timeout names the line a run hung on.
 
 Jobs run in sessions of their own, so nothing stops them when the harness itself is stopped
 without a chance to clean up: `timeout` sends SIGTERM to its own process group only, and a SIGKILL
@@ -21,12 +23,16 @@ worker and ballast exits once that process is gone (`exit_with_owner`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import faulthandler
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -66,6 +72,53 @@ def exit_with_owner(interval_s: float = 1.0, owner_text: str | None = None) -> t
     thread = threading.Thread(target=watch, name="harness-owner-watch", daemon=True)
     thread.start()
     return thread
+
+
+STACKS_GLOB = "stacks-rank*.txt"
+_dump_file = None  # kept open for faulthandler's watchdog thread
+
+
+def stack_file(out_dir: Path, rank: int, slot: int = 0) -> Path:
+    return Path(out_dir) / (f"stacks-rank{rank}" + (f"-slot{slot}" if slot else "") + ".txt")
+
+
+def arm_stack_dump(out_dir: Path, rank: int, slot: int = 0) -> Path | None:
+    """Dump every thread's stack into this rank's stack file `STACK_DUMP_ENV` seconds from now
+    (nothing is armed when the launcher set no deadline)."""
+    global _dump_file
+    after = os.environ.get(STACK_DUMP_ENV)
+    if not after:
+        return None
+    path = stack_file(out_dir, rank, slot)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _dump_file = open(path, "w")  # faulthandler writes to it from its own thread, later
+    faulthandler.dump_traceback_later(float(after), exit=False, file=_dump_file)
+    atexit.register(_disarm, path)
+    return path
+
+
+def _disarm(path: Path) -> None:
+    """At a normal exit: no dump is coming, and an empty stack file is no result."""
+    faulthandler.cancel_dump_traceback_later()
+    if _dump_file is not None:
+        _dump_file.close()
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
+
+
+def where_ranks_stuck(out_dir: Path) -> list[tuple[str, str, str]]:
+    """(who, where, dump) for every rank that dumped its stacks into the run's folder: who is
+    'rank 1' or 'rank 0 slot 1', where as `where_stuck` reads it."""
+    found = []
+    for path in sorted(Path(out_dir).glob(STACKS_GLOB)):
+        text = path.read_text(errors="replace")
+        place = where_stuck(text)
+        if place is None:
+            continue
+        rank, _, slot = path.stem.removeprefix("stacks-rank").partition("-slot")
+        found.append((f"rank {rank}" + (f" slot {slot}" if slot else ""), place, text))
+    return found
 
 
 def stack_dump_after(timeout_s: float) -> float:

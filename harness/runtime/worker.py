@@ -11,24 +11,23 @@ Run by the launcher, never in the test process (one fresh process per case run):
 
 Each rank writes DIR/rank<R>[-slot<S>].json (a `RankReport`), also when it fails: an OOM is
 recorded with its numbers and the phase it happened in, and the exit code says what happened
-(0 ok, 3 out of memory, 1 any other error).
+(0 ok, 3 out of memory, 1 any other error, 5 the report could not be written: a full disk or an
+unwritable folder).
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from harness.spec.files import write_atomic
+from harness.runtime.reports import EXIT_NO_REPORT, write_report
 
 EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
-
-
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -59,7 +58,7 @@ def run(args) -> int:
     import torch
 
     from harness.measure.clocks import host_cpu
-    from harness.measure.records import ErrorInfo, Failure, RankReport, Zero
+    from harness.measure.records import ErrorInfo, Failure, RankReport, Zero, short_of
     from harness.runtime import compile_cache
     from harness.runtime.build import build_model, prepare_checkpoint
     from harness.runtime.data import loader
@@ -115,6 +114,10 @@ def run(args) -> int:
     code = EXIT_OK
     cache_entries = compile_cache.entries(compile_cache.triton_cache_dir())
     meas = Measurement(device, args.emulate_card_bytes)
+    report.card_free_at_start = meas.card_free_at_start
+    if short_of(meas.card_free_at_start, args.emulate_card_bytes):
+        progress(f"the card has {meas.card_free_at_start / 2**30:.2f} GiB free at the start, less than the emulated "
+                 f"{args.emulate_card_bytes / 2**30:.2f} GiB card: another process holds memory on it")
     try:
         with meas:
             engine = None
@@ -200,11 +203,20 @@ def run(args) -> int:
     finally:
         report.triton_cache = compile_cache.state(cache_entries,
                                                   platform != Platform.cpu and compile_cache.uses_triton_kernels())
-        write_atomic(out_path, report.model_dump_json(indent=1))
-    if code != EXIT_OK:
+        if not write_report(report, out_path):
+            code = EXIT_NO_REPORT
+    if report.error is not None:
         print(f"[harness.runtime.worker] {case.id} rank {rank}: {report.error.kind.value} in {phase}: "
               f"{report.error.message.splitlines()[-1] if report.error.message else ''}", file=sys.stderr)
     return code
+
+
+class Stopped(BaseException):
+    """SIGTERM, as an exception: a BaseException, so no library's `except Exception` swallows it."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"stopped by {signal.Signals(signum).name}: a launcher stops every rank once one has failed")
 
 
 def main(argv=None) -> int:
@@ -220,11 +232,14 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by DeepSpeed's launcher; LOCAL_RANK in the environment is used otherwise")
     args = parser.parse_args(argv)
-    # every thread's stack into the log shortly before the launcher's deadline (harness.runtime.process_tree)
-    from harness.runtime.process_tree import STACK_DUMP_ENV, exit_with_owner
+    # torchrun and DeepSpeed's launcher stop every rank with SIGTERM once one has failed: the
+    # survivors still write what they measured, and say why they stopped
+    signal.signal(signal.SIGTERM, _stop)
+    # every thread's stack into the rank's stack file shortly before the launcher's deadline
+    # (harness.runtime.process_tree)
+    from harness.runtime.process_tree import arm_stack_dump, exit_with_owner
 
-    if os.environ.get(STACK_DUMP_ENV):
-        faulthandler.dump_traceback_later(float(os.environ[STACK_DUMP_ENV]), exit=False)
+    arm_stack_dump(Path(args.out_dir), int(os.environ.get("RANK", "0")), args.slot)
     exit_with_owner()  # a harness stopped without cleaning up leaves no worker on the card
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

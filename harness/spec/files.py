@@ -77,6 +77,12 @@ def check_writable(path: Path, what: str) -> None:
         raise WriteError(f"{what} {path}: not writable; name a file in a folder you can write to")
 
 
+def os_reason(exc: OSError) -> str:
+    """What the operating system said (e.g. 'No space left on device'), also for a WriteError."""
+    cause = exc.__cause__ if isinstance(exc, WriteError) and isinstance(exc.__cause__, OSError) else exc
+    return os.strerror(cause.errno) if cause.errno else str(cause)
+
+
 def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
     """Write `text` to `path` whole or not at all: a temporary file in the same folder, flushed and
     synced, renamed over `path`. With `root`, `path` must resolve inside it (OutsideFolderError). A
@@ -98,8 +104,7 @@ def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise WriteError(f"{path}: could not be written ({reason}); the previous file, if any, is unchanged. "
+        raise WriteError(f"{path}: could not be written ({os_reason(exc)}); the previous file, if any, is unchanged. "
                          "Free space or choose another folder, then run again") from exc
     finally:
         if tmp is not None:
