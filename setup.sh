@@ -56,7 +56,7 @@ PY
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ -n "$host_dirs" ]; then
-  host_torch=$("$PYTHON" -c 'import torch; print(torch.__version__, torch.__file__)')
+  host_torch=$("$PYTHON" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null)
   echo "setup: keeping the torch of $PYTHON: ${host_torch%% *} (${host_torch#* })"
   printf '%s\n' "$host_dirs" > "$venv_site/$HOST_PTH"
 else
@@ -82,7 +82,7 @@ if [ ! -x "$VENV/bin/pytest" ]; then
 fi
 
 if [ -n "$host_dirs" ]; then  # the host's torch must still be the one imported
-  kept=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.__file__)')
+  kept=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null)
   if [ "$kept" != "$host_torch" ]; then
     echo "setup.sh: torch changed: $PYTHON has $host_torch, $VENV imports $kept" >&2
     exit 1
