@@ -71,8 +71,13 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     exit 1
   fi
 fi
-echo "setup: installing the harness and its libraries"
-pip install "${pip_args[@]}" -e ".[gpu,test]"
+extras="gpu,test"
+if "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' \
+     2>/dev/null; then
+  extras+=",cpu"  # Triton for the CPU build (GPU builds of torch bring their own)
+fi
+echo "setup: installing the harness and its libraries (extras: $extras)"
+pip install "${pip_args[@]}" -e ".[$extras]"
 # pip writes no pytest script where pytest came from $PYTHON's packages: install it into the venv
 # itself (same version, its dependencies already present), so .venv/bin/pytest exists.
 if [ ! -x "$VENV/bin/pytest" ]; then
