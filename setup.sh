@@ -10,7 +10,7 @@
 # venv sees that interpreter's site-packages through a .pth file, so pip counts torch (and what
 # came with it) as installed and never replaces it; the venv's own packages come first. Where
 # $PYTHON has no torch, the CPU wheel torch==2.13.0 is installed first, so no later requirement
-# pulls a multi-GB CUDA build.
+# pulls a multi-GB CUDA build. Extras: gpu and test always, cpu (Triton) with a CPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")"
 
