@@ -3,11 +3,14 @@
 #
 #   ./setup.sh                     set up, then run the bundled cases in tiny mode
 #   ./setup.sh --no-run            set up only
-#   ./setup.sh --wheelhouse DIR    install offline from a folder of wheels (air-gapped hosts)
+#   ./setup.sh --wheelhouse DIR    install offline from a folder of wheels (ci/build-wheelhouse.sh makes it)
+#   PYTHON=/opt/env/bin/python ./setup.sh   use that interpreter and keep its torch
 #
-# torch: a torch already importable by $PYTHON (the CUDA or ROCm build of a GPU host) is kept, and
-# the venv sees it (--system-site-packages). Where there is none, the CPU wheel torch==2.13.0 is
-# installed first, so no later requirement pulls a multi-GB CUDA build.
+# torch: the torch of $PYTHON (a CUDA or ROCm build: system Python, venv or conda) is kept. The new
+# venv sees that interpreter's site-packages through a .pth file, so pip counts torch (and what
+# came with it) as installed and never replaces it; the venv's own packages come first. Where
+# $PYTHON has no torch, the CPU wheel torch==2.13.0 is installed first, so no later requirement
+# pulls a multi-GB CUDA build. Extras: gpu and test always, cpu (Triton) with a CPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,10 +18,12 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 RUN=1
 WHEELHOUSE=""
+CPU_TORCH="torch==2.13.0"
+HOST_PTH="_oom_harness_host_python.pth"
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-run) RUN=0 ;;
-    --wheelhouse) WHEELHOUSE=$2; shift ;;
+    --wheelhouse) WHEELHOUSE=${2:?--wheelhouse needs a folder}; shift ;;
     *) echo "setup.sh: unknown option $1 (use --no-run, --wheelhouse DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -26,23 +31,71 @@ done
 
 pip_args=(-q --disable-pip-version-check)
 if [ -n "$WHEELHOUSE" ]; then
-  pip_args+=(--no-index --find-links "$WHEELHOUSE")
+  [ -d "$WHEELHOUSE" ] || { echo "setup.sh: --wheelhouse $WHEELHOUSE: no such folder" >&2; exit 2; }
+  pip_args+=(--no-index --find-links "$(cd "$WHEELHOUSE" && pwd)")
+fi
+pip() { "$VENV/bin/python" -m pip "$@"; }
+
+# The folders that hold $PYTHON's torch and its other packages (its site-packages, wherever that
+# interpreter keeps them), asked of the interpreter itself; empty where it has no torch.
+host_dirs=$("$PYTHON" - <<'PY' 2>/dev/null || true
+import os, site, sys
+try:
+    import torch
+except Exception:
+    sys.exit(0)
+dirs = [os.path.dirname(os.path.dirname(torch.__file__)), *site.getsitepackages()]
+seen = []
+for d in dirs:
+    if os.path.isdir(d) and d not in seen:
+        seen.append(d)
+print("\n".join(seen))
+PY
+)
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -n "$host_dirs" ]; then
+  host_torch=$("$PYTHON" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null)
+  echo "setup: keeping the torch of $PYTHON: ${host_torch%% *} (${host_torch#* })"
+  printf '%s\n' "$host_dirs" > "$venv_site/$HOST_PTH"
+else
+  rm -f "$venv_site/$HOST_PTH"
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  if "$PYTHON" -c "import torch" 2>/dev/null; then
-    echo "setup: keeping this host's torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
-    "$PYTHON" -m venv --system-site-packages "$VENV"
-  else
-    "$PYTHON" -m venv "$VENV"
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "setup: no torch found; installing the CPU build $CPU_TORCH"
+  if ! pip install "${pip_args[@]}" "$CPU_TORCH"; then
+    echo "setup.sh: could not install $CPU_TORCH${WHEELHOUSE:+ from $WHEELHOUSE}. Give PYTHON= an interpreter" \
+         "that has torch${WHEELHOUSE:+, or build the wheelhouse with ci/build-wheelhouse.sh --with-torch}." >&2
+    exit 1
   fi
 fi
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "setup: no torch found; installing the CPU build torch==2.13.0"
-  "$VENV/bin/python" -m pip install "${pip_args[@]}" "torch==2.13.0"
+extras="gpu,test"
+if "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' \
+     2>/dev/null; then
+  extras+=",cpu"  # Triton for the CPU build (GPU builds of torch bring their own)
 fi
-echo "setup: installing the harness and its libraries"
-"$VENV/bin/python" -m pip install "${pip_args[@]}" -e ".[gpu]"
+echo "setup: installing the harness and its libraries (extras: $extras)"
+pip install "${pip_args[@]}" -e ".[$extras]"
+# pip writes no pytest script where pytest came from $PYTHON's packages: install it into the venv
+# itself (same version, its dependencies already present), so .venv/bin/pytest exists.
+if [ ! -x "$VENV/bin/pytest" ]; then
+  pytest_version=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("pytest"))')
+  pip install "${pip_args[@]}" --ignore-installed --no-deps "pytest==$pytest_version" 2>/dev/null \
+    || pip install "${pip_args[@]}" --ignore-installed "pytest>=8.1"
+fi
+
+if [ -n "$host_dirs" ]; then  # the host's torch must still be the one imported
+  kept=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null)
+  if [ "$kept" != "$host_torch" ]; then
+    echo "setup.sh: torch changed: $PYTHON has $host_torch, $VENV imports $kept" >&2
+    exit 1
+  fi
+fi
+for cmd in oom-harness pytest; do
+  [ -x "$VENV/bin/$cmd" ] || { echo "setup.sh: $VENV/bin/$cmd is missing after the install" >&2; exit 1; }
+done
 "$VENV/bin/python" -c "import torch, transformers, peft, deepspeed; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, deepspeed {deepspeed.__version__}')" 2>/dev/null
 
 if [ "$RUN" = 1 ]; then

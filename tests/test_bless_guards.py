@@ -343,7 +343,7 @@ def test_check_names_a_corrupt_baseline_and_still_answers(tmp_path, monkeypatch,
     shutil.copytree(RESULTS_DIR, root)
     broken = next(root.glob("*/*.json"))
     broken.write_text(broken.read_text()[:200])
-    monkeypatch.setattr(calibration.calibrate, "__defaults__", (None, frozenset(), root))
+    monkeypatch.setattr(calibration.calibrate, "__defaults__", (None, frozenset(), root, CASES_DIR))
     code = main(["check", str(CASES_DIR / "001-ladder-rung1-zero2.yaml")])
     out, err = capsys.readouterr()
     assert code in (0, 1), err

@@ -1,7 +1,13 @@
-"""The pytest surface: one test per case and fidelity, markers, and a bad file that fails alone."""
+"""The pytest surface: the plugin loads through its entry point, stays inert until asked, and turns
+each case file into an item per fidelity with markers; a bad file fails alone."""
 
+import importlib.metadata
 import shutil
 
+import pytest
+
+from harness.pytest_plugin.settings import settings
+from harness.spec import suite
 from harness.spec.cases import CASES_DIR
 
 pytest_plugins = ["pytester"]
@@ -10,6 +16,7 @@ GOOD = "003-qlora-fix-r16-seq512-gc"
 
 
 def _case_dir(pytester):
+    """A team's folder of case files: no test file, no conftest.py (the entry point loads the plugin)."""
     cases = pytester.mkdir("mycases")
     shutil.copy(CASES_DIR / f"{GOOD}.yaml", cases)
     # the good case claims a lower peak than this one; keep the reference valid
@@ -18,23 +25,97 @@ def _case_dir(pytester):
     bad = (CASES_DIR / f"{GOOD}.yaml").read_text().replace("stage: 3", "").replace(
         "id: 003-qlora-fix-r16-seq512-gc", "id: 003-broken").replace("seq_len: 512", "seq_len: 0")
     (cases / "003-broken.yaml").write_text(bad.replace("micro_batch: 1", "micro_batch: 1\n  gradient_acumulation: 4"))
-    pytester.makepyfile(test_cases="""
-        from harness.pytest_plugin.cases import check_case
-
-        def test_case(harness_case, harness_session):
-            check_case(harness_case, harness_session)
-    """)
-    pytester.makeconftest('pytest_plugins = ["harness.pytest_plugin.cases"]')
     return cases
+
+
+def test_the_plugin_is_registered_through_the_pytest11_entry_point():
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="pytest11")}
+    assert found.get("oom-harness") == "harness.pytest_plugin.plugin"
+
+
+def test_the_plugin_is_inert_in_a_project_that_did_not_ask_for_it(pytester):
+    _case_dir(pytester)
+    pytester.makepyfile(test_own="def test_own():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["plugins: *oom-harness*", "collected 1 item"])  # loaded, and adds nothing
+    assert "oom-harness cases" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("--help")
+    result.stdout.fnmatch_lines(["*--case-dir*", "*--baselines-dir*", "*--premerge-dir*", "*harness_case_dir*"])
+
+
+def test_a_project_asks_in_its_ini_and_pytest_collects_the_cases_outside_its_testpaths(pytester):
+    _case_dir(pytester)
+    pytester.mkdir("tests")
+    (pytester.path / "tests" / "test_own.py").write_text("def test_own():\n    pass\n")
+    pytester.makepyprojecttoml("""
+        [tool.pytest.ini_options]
+        testpaths = ["tests"]
+        harness_case_dir = "mycases"
+    """)
+    result = pytester.runpytest_subprocess("--collect-only", "-q", "-m", "gpu")
+    result.stdout.fnmatch_lines([f"mycases/{GOOD}.yaml::{GOOD}-real"])
+    assert f"{GOOD}-tiny" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("--collect-only", "-q", "tests")  # paths given: only those
+    result.stdout.fnmatch_lines(["tests/test_own.py::test_own", "1 test collected*"])
+
+
+def test_the_bundled_suite_on_request(pytester):
+    result = pytester.runpytest_subprocess("--harness", "--collect-only", "-q", "-m", "tiny")
+    collected = {line.rsplit("::", 1)[-1] for line in result.stdout.lines if "::" in line}
+    assert collected == {f"{p.stem}-tiny" for p in suite.CASES_DIR.glob("*.yaml")}
+
+
+def test_folders_come_from_the_command_line_or_relative_to_the_ini_file(pytester, tmp_path, monkeypatch):
+    cases = _case_dir(pytester)
+    pytester.makeini("[pytest]\nharness_case_dir = mycases\nharness_baselines_dir = perf/baselines\n")
+    config = pytester.parseconfigure()
+    chosen = settings(config)
+    assert chosen.case_dir == cases.resolve()
+    assert chosen.baselines_dir == (pytester.path / "perf" / "baselines").resolve()
+    config = pytester.parseconfigure(f"--baselines-dir={tmp_path}")
+    assert settings(config).baselines_dir == tmp_path.resolve()
+    from harness.pytest_plugin.cases import _session
+    from harness.runtime import platform
+
+    # no torch import inside an in-process pytester run (its module snapshot would drop torch half-loaded)
+    monkeypatch.setattr(platform, "detect", lambda: platform.Platform.cpu)
+    monkeypatch.setattr(platform, "accelerator_count", lambda: 0)
+    assert _session(config).baseline_root == tmp_path.resolve()  # what full-size runs are held to
+
+
+def test_the_bundled_baselines_are_the_default(pytester):
+    _case_dir(pytester)
+    config = pytester.parseconfigure("--case-dir", "mycases")
+    assert settings(config).baselines_dir == suite.BASELINES_DIR
+
+
+def test_a_missing_folder_is_a_usage_error_naming_the_option(pytester):
+    result = pytester.runpytest_subprocess("--case-dir", "nowhere")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--case-dir / harness_case_dir: no such folder: *nowhere*"])
+
+
+def test_premerge_items_come_from_the_folders_configs_and_its_sidecar(pytester):
+    folder = pytester.mkdir("configs")
+    for name in ("003-qwen7b-qlora-fix1.json", "ds_z2_config.json"):
+        shutil.copy(suite.EXAMPLE_CONFIGS_DIR / name, folder)
+    (folder / "premerge.yaml").write_text(
+        "defaults: {gpus: 1, gpu_memory: 16GiB}\nconfigs:\n  gone.yaml: {expect: oom}\n")
+    result = pytester.runpytest_subprocess("--premerge-dir", "configs", "-p", "no:cacheprovider", "-rA")
+    result.stdout.fnmatch_lines(["PASSED configs/003-qwen7b-qlora-fix1.json::premerge",
+                                 "FAILED configs/premerge.yaml::premerge?gone.yaml?*"])
+    result.stdout.fnmatch_lines(["*premerge.yaml: configs.gone.yaml: no such training config in *configs"])
+    result.assert_outcomes(passed=1, failed=1)  # the DeepSpeed JSON is checked through the config using it
 
 
 def test_every_case_is_collected_at_each_fidelity_with_its_markers(pytester):
     cases = _case_dir(pytester)
     result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "gpu")
-    result.stdout.fnmatch_lines([f"*test_case?{GOOD}-real?*"])
+    result.stdout.fnmatch_lines([f"mycases/{GOOD}.yaml::{GOOD}-real"])
     assert f"{GOOD}-tiny" not in result.stdout.str()
     result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "tiny")
-    result.stdout.fnmatch_lines([f"*test_case?{GOOD}-tiny?*", "*test_case?invalid-003-broken?*"])
+    result.stdout.fnmatch_lines(["mycases/003-broken.yaml::invalid-003-broken", f"mycases/{GOOD}.yaml::{GOOD}-tiny"])
 
 
 def test_a_malformed_case_fails_alone_naming_file_field_and_allowed_values(pytester):

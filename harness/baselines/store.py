@@ -20,8 +20,9 @@ from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_va
 from harness.measure.records import CaseRun, Clocks
 from harness.models.inputs import load_json
 from harness.spec.files import OutsideFolderError, inside, safe_name, write_atomic
+from harness.spec.suite import BASELINES_DIR
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "results" / "baselines"
+RESULTS_DIR = BASELINES_DIR  # the bundled suite's baselines (harness.spec.suite)
 
 
 class PlatformInfo(BaseModel):

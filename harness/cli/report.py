@@ -6,11 +6,17 @@ import json
 import sys
 from pathlib import Path
 
+from harness.spec.suite import BASELINES_DIR, CASES_DIR
+
 
 def add_parser(subparsers) -> None:
     rep = subparsers.add_parser("report", help="print the baselines (or the runs given) as a markdown table")
     rep.add_argument("runs", nargs="*", help="`run --fidelity real --json` files or run folders: report these "
                                               "runs and their failed verdicts instead of the committed baselines")
+    rep.add_argument("--case-dir", default=str(CASES_DIR),
+                     help="folder of the baselines' case files (default: the bundled suite)")
+    rep.add_argument("--baselines-dir", default=str(BASELINES_DIR),
+                     help="folder of baselines (default: the bundled suite's)")
     rep.set_defaults(func=run)
 
 
@@ -22,12 +28,14 @@ def run(args) -> int:
     from harness.report.markdown import report_markdown
 
     if not args.runs:
-        print(report_markdown(load_baselines()))
+        print(report_markdown(load_baselines(Path(args.baselines_dir)), Path(args.case_dir)))
         return 0
     paths = [Path(r) for r in args.runs]
     try:
         # every run its own baseline, whatever exists in results/: reported, never compared or written
-        table = report_markdown(list(baselines_of(sourced_runs(paths), replace=True).values()))
+        case_dirs = [Path(args.case_dir)]
+        table = report_markdown(list(baselines_of(sourced_runs(paths), replace=True, case_dirs=case_dirs).values()),
+                                Path(args.case_dir))
         failed = _failed_verdicts(paths)
     except BlessError as exc:
         print(f"report: {exc}", file=sys.stderr)

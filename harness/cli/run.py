@@ -205,7 +205,7 @@ def run(args) -> int:
     if found:
         print(f"\n{FINDINGS_TITLE.capitalize()}:\n" + found)
     if args.fidelity == "tiny" and judged:
-        _print_full_size([j.case for j in judged])
+        _print_full_size([j.case for j in judged], session.baseline_root)
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
     if any(j.failed for j in judged):
         return 1
@@ -225,12 +225,12 @@ def _check_outputs(args) -> None:
         raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
 
 
-def _print_full_size(cases) -> None:
+def _print_full_size(cases, baselines_dir: Path) -> None:
     """Under a tiny run: each case's predicted full-size peak against its card, and its last baseline."""
     from harness.baselines.store import load_baselines
     from harness.report import full_size
 
-    rows = full_size.full_size(cases, load_baselines())
+    rows = full_size.full_size(cases, load_baselines(baselines_dir))
     print(f"\n{full_size.TITLE}:\n{full_size.table(rows)}")
 
 

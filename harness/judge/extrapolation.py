@@ -23,6 +23,7 @@ the residual visible.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import median
 
 from harness.baselines.store import Baseline, Figures
@@ -139,13 +140,14 @@ class DepthCheck:
         return max(0.0, self.measured / self.extrapolated - 1)
 
 
-def every_fit(baselines: list[Baseline]) -> list[tuple[Case, Extrapolation]]:
-    """Every (case, depth fit) the baselines allow, each fit carrying its model's full-depth check."""
+def every_fit(baselines: list[Baseline], case_dir: Path | None = None) -> list[tuple[Case, Extrapolation]]:
+    """Every (case, depth fit) the baselines allow, each fit carrying its model's full-depth check.
+    The cases are read from `case_dir` (default: the bundled suite's)."""
     from harness.spec.cases import CASES_DIR, load_case
 
     pairs = []
     for case_id in sorted({b.case_id for b in baselines if b.variant}):
-        path = CASES_DIR / f"{case_id}.yaml"
+        path = (case_dir or CASES_DIR) / f"{case_id}.yaml"
         if path.exists():
             case = load_case(path)
             pairs += [(case, e) for e in extrapolate(case, baselines)]
@@ -155,9 +157,9 @@ def every_fit(baselines: list[Baseline]) -> list[tuple[Case, Extrapolation]]:
     return pairs
 
 
-def depth_checks(baselines: list[Baseline]) -> list[DepthCheck]:
+def depth_checks(baselines: list[Baseline], case_dir: Path | None = None) -> list[DepthCheck]:
     """Every extrapolation the baselines hold a finished full-depth measurement for."""
-    return _checks(every_fit(baselines))
+    return _checks(every_fit(baselines, case_dir))
 
 
 def _checks(pairs: list[tuple[Case, Extrapolation]]) -> list[DepthCheck]:

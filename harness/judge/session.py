@@ -200,7 +200,7 @@ class Session:
         """The full-depth checks among the baselines (for depth series only)."""
         from harness.judge.extrapolation import depth_checks
 
-        return depth_checks(self._baselines)
+        return depth_checks(self._baselines, self.case_dir)
 
     def plan(self, case_id: str, fidelity: str) -> list[Variant]:
         return plan(self.cases[case_id][0], fidelity, self.accelerators, self.full_depth, self.grad_accum_cap)

@@ -13,9 +13,9 @@ FLOPs and is not counted. Linear-attention layers (GLA) count only their project
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from importlib import resources
 
-_CARDS = json.loads((Path(__file__).with_name("cards.json")).read_text())
+_CARDS = json.loads(resources.files(__package__).joinpath("cards.json").read_text(encoding="utf-8"))
 
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")

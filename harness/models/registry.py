@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
-ARCH_DIR = Path(__file__).resolve().parent / "architectures"
+ARCH_DIR = resources.files(__package__).joinpath("architectures")  # package data, in the wheel too
 
 # Fields that only matter for loading checkpoints or generation; they never reach the model class.
 _META_KEYS = {"_source", "_name", "_notes"}
@@ -39,11 +39,11 @@ class UnknownArchitecture(KeyError):
 
 
 def known_architectures() -> list[str]:
-    return sorted(p.stem for p in ARCH_DIR.glob("*.json"))
+    return sorted(p.name.removesuffix(".json") for p in ARCH_DIR.iterdir() if p.name.endswith(".json"))
 
 
 def load_architecture(name: str) -> Architecture:
-    path = ARCH_DIR / f"{name}.json"
+    path = ARCH_DIR.joinpath(f"{name}.json")
     if not path.is_file():
         raise UnknownArchitecture(name)
     data = json.loads(path.read_text(encoding="utf-8"))

@@ -17,13 +17,12 @@ gives its architecture wherever the case is used (tiny rule, model building, pre
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.models.inputs import InputError, load_json
-from harness.models.registry import ARCH_DIR, Architecture, known_architectures, load_architecture
+from harness.models.registry import Architecture, known_architectures, load_architecture
 
 # Keys whose values decide parameter and activation memory; two configs equal on these are one model.
 SHAPE_KEYS = (
@@ -73,11 +72,10 @@ def _stem(name: str) -> str:
 def _hub_ids() -> dict[str, str]:
     """Each registry entry's hub id, as its `_source` names it first (`org/Name ...`)."""
     ids: dict[str, str] = {}
-    for path in sorted(ARCH_DIR.glob("*.json")):
-        source = json.loads(path.read_text(encoding="utf-8")).get("_source", "")
-        match = re.match(r"\s*([\w.-]+/[\w.-]+?)[.:,]?(?:\s|$)", source)
+    for name in known_architectures():
+        match = re.match(r"\s*([\w.-]+/[\w.-]+?)[.:,]?(?:\s|$)", load_architecture(name).source)
         if match:
-            ids[path.stem] = match.group(1)
+            ids[name] = match.group(1)
     return ids
 
 

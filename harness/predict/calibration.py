@@ -40,6 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from harness.baselines.store import RESULTS_DIR, load_baselines
+from harness.spec.cases import CASES_DIR
 
 FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
 OPTIONAL = ("triton_cold_overhead",)  # no prior: left out where nothing was measured
@@ -72,13 +73,13 @@ class _Obs:
 
 
 @lru_cache(maxsize=4)
-def _observations(root: str) -> tuple[_Obs, ...]:
-    from harness.spec.cases import CASES_DIR, load_case
+def _observations(root: str, case_dir: str) -> tuple[_Obs, ...]:
+    from harness.spec.cases import load_case
 
     out = []
     for b in load_baselines(Path(root)):
         try:
-            case = load_case(CASES_DIR / f"{b.case_id}.yaml")
+            case = load_case(Path(case_dir) / f"{b.case_id}.yaml")
         except Exception:  # a baseline of a case that no longer exists
             continue
         if case.expect.outcome == "detected":
@@ -110,8 +111,8 @@ def largest_gather_bytes(case) -> int:
     return max(int(cfg.get("vocab_size", 0)), inter) * hidden * half
 
 
-def platforms(root: Path = RESULTS_DIR) -> list[str]:
-    return sorted({o.platform for o in _observations(str(root))})
+def platforms(root: Path = RESULTS_DIR, case_dir: Path = CASES_DIR) -> list[str]:
+    return sorted({o.platform for o in _observations(str(root), str(case_dir))})
 
 
 def _fit(obs: list[_Obs], select, value) -> tuple[float | None, list[str]]:
@@ -122,8 +123,11 @@ def _fit(obs: list[_Obs], select, value) -> tuple[float | None, list[str]]:
     return statistics.median(v for _, v in pts), sorted({c for c, _ in pts})
 
 
-def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RESULTS_DIR) -> Calibration:
-    every = [o for o in _observations(str(root)) if o.case_id not in exclude]
+def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RESULTS_DIR,
+              case_dir: Path = CASES_DIR) -> Calibration:
+    """The constants fitted on the baselines in `root` of the cases in `case_dir` (default: the
+    bundled suite's, which the predictor's accuracy is measured on)."""
+    every = [o for o in _observations(str(root), str(case_dir)) if o.case_id not in exclude]
     label = platform or "pooled"
     notes = []
     if platform is None:

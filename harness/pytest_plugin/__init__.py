@@ -1,1 +1,1 @@
-"""The pytest plugin (registered through the pytest11 entry point): case tests and premerge tests."""
+"""The pytest plugin (`plugin`, registered through the pytest11 entry point): case tests and pre-merge tests."""

@@ -1,13 +1,15 @@
-"""The pytest plugin: every case file becomes a test at each fidelity, selected by markers.
+"""Case tests: every case file of the case folder becomes a test item at each fidelity, selected by markers.
 
     pytest                      every case at tiny size on the CPU (the default tier)
     pytest -m gpu               every case at full size on the GPUs of this host
     pytest -m dcu               the cases whose target is a Hygon DCU, at full size
-    pytest -k 003               one guide's cases
+    pytest -k 003               the cases whose id contains 003
 
-Loaded from the project's conftest.py. A malformed case file is one failing test whose message
-names the file, the field and the fix; the other cases still run. A run that fails (OOM, crash,
-timeout) is a test failure with the numbers, never an error of the harness.
+The plugin (harness.pytest_plugin.plugin) collects the case files itself, so a repository needs
+no test file: `harness_case_dir` in its pytest ini (or `--case-dir`) is enough. A malformed case
+file is one failing item whose message names the file, the field and the fix; the other cases
+still run. A run that fails (OOM, crash, timeout) is a test failure with the numbers, never an
+error of the harness.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from harness.judge.session import Session, skip_reason
+from harness.pytest_plugin.settings import settings
 from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S
-from harness.spec.cases import CASES_DIR, CaseError
+from harness.spec.cases import CaseError
 
 _SESSION = pytest.StashKey[Session]()
 
@@ -35,36 +38,15 @@ class CaseParam:
     error: CaseError | None = None
 
 
-def pytest_addoption(parser):
-    group = parser.getgroup("oom-harness")
-    group.addoption("--case-dir", default=str(CASES_DIR), help="folder of case files (default: cases/)")
-    group.addoption("--harness-run-dir", default=None,
-                    help="where workers write their reports (default: a temporary folder)")
-    group.addoption("--case-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per case run")
-    group.addoption("--harness-steps", type=int, default=None, help="optimizer steps per case run")
-    group.addoption("--harness-jobs", type=int, default=None,
-                    help="training processes at once for tiny runs (default: one per CPU core)")
-    group.addoption("--harness-full-depth", action="store_true",
-                    help="measure cases with depth_points at full depth (a host that holds them)")
-    group.addoption("--harness-grad-accum-cap", type=int, default=None,
-                    help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
-    group.addoption("--harness-benchmark-json", default=None,
-                    help="write full-size throughput in pytest-benchmark's JSON format to this file")
-    group.addoption("--harness-wait-for-card", type=float, default=0.0, metavar="SECONDS",
-                    help="wait up to this long for a card another harness is measuring (default: refuse at once; "
-                         "the full-size runs then fail as card_busy, naming the other harness)")
-    group.addoption("--harness-selected-only", action="store_true",
-                    help="run only the selected cases: a claim about another case (a fix's peak against its "
-                         "failing config, a family's speed order) is not checkable instead of running it")
-
-
 def _session(config) -> Session:
     if _SESSION not in config.stash:
         run_dir = config.getoption("--harness-run-dir") or tempfile.mkdtemp(prefix="oom-harness-")
+        chosen = settings(config)
         config.stash[_SESSION] = Session(
-            case_dir=Path(config.getoption("--case-dir")),
+            case_dir=chosen.case_dir,
             run_root=Path(run_dir),
-            timeout_s=config.getoption("--case-timeout"),
+            baseline_root=chosen.baselines_dir,
+            timeout_s=config.getoption("--case-timeout") or DEFAULT_TIMEOUT_S,
             steps=config.getoption("--harness-steps"),
             full_depth=config.getoption("--harness-full-depth"),
             grad_accum_cap=config.getoption("--harness-grad-accum-cap"),
@@ -84,44 +66,59 @@ def _marks(case, fidelity: str) -> list:
     return marks
 
 
-def pytest_generate_tests(metafunc):
-    if "harness_case" not in metafunc.fixturenames:
-        return
-    session = _session(metafunc.config)
-    params = []
-    for case_id, (case, _) in sorted(session.cases.items()):
-        for fidelity in FIDELITIES:
-            params.append(pytest.param(CaseParam(case_id, fidelity), id=f"{case_id}-{fidelity}",
-                                       marks=_marks(case, fidelity)))
-    for err in session.errors:
-        params.append(pytest.param(CaseParam(None, "tiny", err), id=f"invalid-{err.path.stem}",
-                                   marks=[pytest.mark.tiny]))
-    metafunc.parametrize("harness_case", params)
-
-
 _PLANNED = pytest.StashKey[list]()
+_STARTED = pytest.StashKey[Session]()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
-    """Remember which cases were selected, so their tiny runs can start together. Last, after
-    `-m`/`-k` have deselected: `pytest -m gpu` on a GPU host once started every tiny case in the
-    background, on the same GPU and CPUs as the full-size runs it was measuring."""
-    config.stash[_PLANNED] = [
-        (item.callspec.params["harness_case"].case_id, item.callspec.params["harness_case"].fidelity)
-        for item in items
-        if hasattr(item, "callspec") and "harness_case" in item.callspec.params
-        and item.callspec.params["harness_case"].error is None
-    ]
+class CaseFile(pytest.File):
+    """One case file: an item per fidelity, or one failing item naming what is wrong with it."""
+
+    def collect(self):
+        session = _session(self.config)
+        case_id = self.path.stem
+        if case_id in session.cases:
+            case = session.cases[case_id][0]
+            for fidelity in FIDELITIES:
+                item = CaseItem.from_parent(self, name=f"{case_id}-{fidelity}", param=CaseParam(case_id, fidelity))
+                for mark in _marks(case, fidelity):
+                    item.add_marker(mark)
+                yield item
+        for err in session.errors:
+            if err.path.resolve() == self.path.resolve():
+                item = CaseItem.from_parent(self, name=f"invalid-{case_id}", param=CaseParam(None, "tiny", err))
+                item.add_marker(pytest.mark.tiny)
+                yield item
 
 
-@pytest.fixture(scope="session")
-def harness_session(request) -> Session:
-    session = _session(request.config)
-    if request.config.getoption("--harness-selected-only"):
-        session.selected_only = set(request.config.stash.get(_PLANNED, []))
-    session.prefetch(request.config.stash.get(_PLANNED, []), request.config.getoption("--harness-jobs"))
-    return session
+class CaseItem(pytest.Item):
+    def __init__(self, *, param: CaseParam, **kwargs):
+        super().__init__(**kwargs)
+        self.param = param
+
+    def runtest(self) -> None:
+        check_case(self.param, _started(self.config))
+
+    def reportinfo(self):
+        return self.path, None, f"case {self.name}"
+
+
+def remember_selected(config, items) -> None:
+    """Remember which cases were selected, so their tiny runs can start together. Called last,
+    after `-m`/`-k` have deselected: `pytest -m gpu` on a GPU host once started every tiny case in
+    the background, on the same GPU and CPUs as the full-size runs it was measuring."""
+    config.stash[_PLANNED] = [(item.param.case_id, item.param.fidelity) for item in items
+                              if isinstance(item, CaseItem) and item.param.error is None]
+
+
+def _started(config) -> Session:
+    """The session, its selected runs started on first use (never at collection: --collect-only runs nothing)."""
+    if _STARTED not in config.stash:
+        session = _session(config)
+        if config.getoption("--harness-selected-only"):
+            session.selected_only = set(config.stash.get(_PLANNED, []))
+        session.prefetch(config.stash.get(_PLANNED, []), config.getoption("--harness-jobs"))
+        config.stash[_STARTED] = session
+    return config.stash[_STARTED]
 
 
 def check_case(param: CaseParam, session: Session) -> None:
@@ -146,7 +143,7 @@ def check_case(param: CaseParam, session: Session) -> None:
         pytest.skip(f"inconclusive here: {judgement.outcome.detail}")
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
+def terminal_summary(terminalreporter, config) -> None:
     if _SESSION not in config.stash:
         return
     session = config.stash[_SESSION]

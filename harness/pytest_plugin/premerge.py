@@ -1,6 +1,6 @@
-"""`pytest -m premerge`: every training config of a folder checked like `oom-harness check`.
+"""Pre-merge tests: every training config of a folder checked like `oom-harness check`, one item each.
 
-    pytest -m premerge                                  configs/examples/
+    pytest -m premerge                                  the folders of harness_premerge_dirs (ini)
     pytest -m premerge --premerge-dir configs/team-a    another folder (repeatable)
     pytest -m premerge --premerge-files configs/team-a/ds_z3.json   only what a pull request touched
 
@@ -12,8 +12,9 @@ A folder's `premerge.yaml` says what each config runs on (the config files do no
       old-32b.yaml: {expect: oom}
       plain-python.json: {launcher: python, lints: [deepspeed-plain-python]}   # mistakes it must show
 
-Each YAML/JSON training config in the folder is one test (DeepSpeed JSONs are checked through the
-configs that use them). It fails with the check's table when a config expected to fit does not, when
+Each YAML/JSON training config in the folder is one item (DeepSpeed JSONs are checked through the
+configs that use them); a broken premerge.yaml, or an entry naming no config, is a failing item of
+premerge.yaml. An item fails with the check's table when a config expected to fit does not, when
 a lint of severity error fires that the entry does not list, or when one it lists does not fire.
 `--premerge-files` keeps the configs whose own file, DeepSpeed file or premerge.yaml is listed.
 """
@@ -30,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harness.premerge.check import CheckResult, run_check, table
 from harness.premerge.importers import ConfigError, ConfigFormat, JobSpec, detect_format, read_mapping, resolve_path
+from harness.pytest_plugin.settings import settings
 from harness.spec.units import parse_size
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "configs" / "examples"
 SIDECAR = "premerge.yaml"
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -191,27 +192,46 @@ def check_entry(entry: PremergeEntry) -> CheckResult:
     return result
 
 
-# --- pytest hooks -------------------------------------------------------------------------------
+# --- collection (harness.pytest_plugin.plugin hands these files over) ----------------------------
+
+_ENTRIES = pytest.StashKey[dict]()
 
 
-def pytest_addoption(parser):
-    group = parser.getgroup("oom-harness premerge")
-    group.addoption("--premerge-dir", action="append", default=None,
-                    help=f"folder of training configs with a {SIDECAR} (repeatable; default configs/examples)")
-    group.addoption("--premerge-files", action="append", default=None,
-                    help="check only configs touched by these files (configs, DeepSpeed JSONs, sidecars; repeatable)")
+def folder_entries(config, folder: Path) -> list[PremergeEntry]:
+    """A folder's entries, read once a run, narrowed to what `--premerge-files` touches."""
+    cache = config.stash.setdefault(_ENTRIES, {})
+    if folder not in cache:
+        found = entries(folder)
+        changed = settings(config).premerge_files
+        cache[folder] = select(found, list(changed)) if changed else found
+    return cache[folder]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "premerge: pre-merge config checks on a CPU (oom-harness check as tests)")
+class PremergeFile(pytest.File):
+    """A training config (its entry), or the folder's premerge.yaml (the problems it has)."""
+
+    def collect(self):
+        me = self.path.resolve()
+        for entry in folder_entries(self.config, me.parent):
+            mine = entry.config.resolve() == me if entry.problem is None else me.name == SIDECAR
+            if mine:
+                name = "premerge" if entry.problem is None else f"premerge[{entry.config.name}]"
+                item = PremergeItem.from_parent(self, name=name, entry=entry)
+                item.add_marker(pytest.mark.premerge)
+                yield item
 
 
-def pytest_generate_tests(metafunc):
-    if "premerge_entry" not in metafunc.fixturenames:
-        return
-    folders = metafunc.config.getoption("--premerge-dir") or [str(DEFAULT_DIR)]
-    found = [e for folder in folders for e in entries(Path(folder))]
-    changed = metafunc.config.getoption("--premerge-files")
-    if changed:
-        found = select(found, [c for item in changed for c in item.split(",") if c])
-    metafunc.parametrize("premerge_entry", found, ids=[e.test_id for e in found])
+class PremergeItem(pytest.Item):
+    def __init__(self, *, entry: PremergeEntry, **kwargs):
+        super().__init__(**kwargs)
+        self.entry = entry
+
+    def runtest(self) -> None:
+        check_entry(self.entry)
+
+    def reportinfo(self):
+        return self.path, None, f"premerge {self.entry.test_id}"
+
+
+def is_premerge_file(path: Path) -> bool:
+    return path.suffix.lower() in _CONFIG_SUFFIXES

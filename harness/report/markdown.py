@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.baselines.store import MEMORY_FLOOR, Baseline
 from harness.judge.extrapolation import every_fit
 from harness.judge.host_ram import node_text
@@ -11,9 +13,9 @@ from harness.spec.units import fmt_gib
 from harness.spec.variants import parse_variant
 
 
-def report_markdown(baselines: list[Baseline]) -> str:
+def report_markdown(baselines: list[Baseline], case_dir: Path = CASES_DIR) -> str:
     """One row per baseline: target card, measured peaks, headroom, speed, and the guide's
-    memory claims beside the measurement."""
+    memory claims beside the measurement. The baselines' cases are read from `case_dir`."""
 
     lines = [
         ("| case | measured on | target card (budget) | outcome "
@@ -22,7 +24,7 @@ def report_markdown(baselines: list[Baseline]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in baselines:
-        case = load_case(CASES_DIR / f"{b.case_id}.yaml")
+        case = load_case(case_dir / f"{b.case_id}.yaml")
         r = b.runs[0]
         budget = case.budget_bytes
         head = "-" if r.per_card_peak is None else f"{(budget - r.per_card_peak) / 2**30:+.2f} GiB"
@@ -71,7 +73,7 @@ def report_markdown(baselines: list[Baseline]) -> str:
             claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
         lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {host} | {rate} | "
                      f"{mfu} | {'; '.join(claims) or '-'} |")
-    extra = extrapolation_markdown(baselines)
+    extra = extrapolation_markdown(baselines, case_dir)
     return "\n".join(lines) + ("\n\n" + extra if extra else "")
 
 
@@ -88,13 +90,13 @@ def _against_guide(case, outcome: str, carries: bool = True) -> str:
     return f"expected {expected}"
 
 
-def extrapolation_markdown(baselines: list[Baseline]) -> str:
+def extrapolation_markdown(baselines: list[Baseline], case_dir: Path = CASES_DIR) -> str:
     """Depth fits of the measured variants: the full-depth figures they predict, labelled as
     extrapolated, the full-depth measurement beside them where one exists, and the margin the
     model's full-depth check adds before a fit is judged."""
 
     rows = []
-    for case, e in every_fit(baselines):
+    for case, e in every_fit(baselines, case_dir):
         peak = e.values.get("per_card_peak")
         budget = case.budget_bytes
         judged = e.peak_with_margin() if case.expect.outcome == "fits" else peak

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from harness.models.inputs import InputError, load_yaml
 from harness.spec.schema import Case
-
-CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
+from harness.spec.suite import CASES_DIR  # the bundled suite's cases, the default folder
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""The pytest plugin, loaded through the `pytest11` entry point: inert until a project asks for it.
+
+Installing oom-harness adds this plugin to every pytest run of the environment, so it does
+nothing (adds no test, starts nothing) unless one of these is set, on the command line or in the
+project's pytest ini / pyproject `[tool.pytest.ini_options]`:
+
+    harness_case_dir = "perf/cases"          --case-dir DIR       case tests, one item per case file and fidelity
+    harness = true                           --harness            case tests of the bundled example suite
+    harness_premerge_dirs = ["configs/ds"]   --premerge-dir DIR   pre-merge checks of training configs
+
+and where full-size runs find their baselines (default: the bundled suite's):
+
+    harness_baselines_dir = "perf/baselines" --baselines-dir DIR
+
+The plugin collects the case files and training configs itself: a repository needs no test file
+and no conftest.py. When pytest runs without paths (`pytest`, `pytest -m gpu`) and a configured
+folder lies outside what it would collect (its `testpaths`), the folder is collected too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.pytest_plugin.settings import BASELINES_DIR, CASE_DIR, PREMERGE_DIRS, SUITE, settings
+
+MARKERS = (
+    "tiny: a case at tiny size on a CPU (the default tier)",
+    "gpu: a case at full size on real GPUs",
+    "multigpu: a full-size case that needs several GPUs",
+    "dcu: a case whose target is a Hygon DCU (ROCm/HIP)",
+    "premerge: pre-merge config checks on a CPU (oom-harness check over a folder of configs and its premerge.yaml)",
+)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("oom-harness")
+    group.addoption(SUITE[0], action="store_true",
+                    help="run the case tests of the bundled example suite (where no case folder is set)")
+    group.addoption(CASE_DIR[0], default=None,
+                    help=f"folder of case files: one test per case and fidelity (ini: {CASE_DIR[1]})")
+    group.addoption(BASELINES_DIR[0], default=None,
+                    help=f"folder of baselines for full-size runs (ini: {BASELINES_DIR[1]}; "
+                         "default: the bundled suite's)")
+    group.addoption("--harness-run-dir", default=None,
+                    help="where workers write their reports (default: a temporary folder)")
+    group.addoption("--case-timeout", type=float, default=None, help="seconds per case run (default: 900)")
+    group.addoption("--harness-steps", type=int, default=None, help="optimizer steps per case run")
+    group.addoption("--harness-jobs", type=int, default=None,
+                    help="training processes at once for tiny runs (default: one per CPU core)")
+    group.addoption("--harness-full-depth", action="store_true",
+                    help="measure cases with depth_points at full depth (a host that holds them)")
+    group.addoption("--harness-grad-accum-cap", type=int, default=None,
+                    help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
+    group.addoption("--harness-benchmark-json", default=None,
+                    help="write full-size throughput in pytest-benchmark's JSON format to this file")
+    group.addoption("--harness-wait-for-card", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to this long for a card another harness is measuring (default: refuse at once; "
+                         "the full-size runs then fail as card_busy, naming the other harness)")
+    group.addoption("--harness-selected-only", action="store_true",
+                    help="run only the selected cases: a claim about another case (a fix's peak against its "
+                         "failing config, a family's speed order) is not checkable instead of running it")
+    group.addoption(PREMERGE_DIRS[0], action="append", default=None,
+                    help=f"folder of training configs with a premerge.yaml: one test per config (repeatable; "
+                         f"ini: {PREMERGE_DIRS[1]})")
+    group.addoption("--premerge-files", action="append", default=None,
+                    help="check only configs touched by these files (configs, DeepSpeed JSONs, premerge.yaml; "
+                         "repeatable; without a pre-merge folder: the bundled example configs)")
+    parser.addini(SUITE[1], type="bool", default=False, help="oom-harness: run the bundled example suite's cases")
+    parser.addini(CASE_DIR[1], default="", help="oom-harness: folder of case files, relative to this file")
+    parser.addini(BASELINES_DIR[1], default="", help="oom-harness: folder of baselines, relative to this file")
+    parser.addini(PREMERGE_DIRS[1], type="paths", default=[],
+                  help="oom-harness: folders of training configs to check before merging")
+
+
+def pytest_configure(config):
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    chosen = settings(config)
+    if chosen.active and _args_are_defaults(config):
+        covered = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
+        config.args.extend(str(f) for f in chosen.folders()
+                           if not any(f == c or c in f.parents for c in covered))
+
+
+def _args_are_defaults(config) -> bool:
+    """True where pytest was given no paths (it collects `testpaths` or the current folder)."""
+    source = getattr(config, "args_source", None)
+    return source is not None and source != pytest.Config.ArgsSource.ARGS
+
+
+def pytest_collect_file(file_path: Path, parent):
+    chosen = settings(parent.config)
+    if not chosen.active:
+        return None
+    folder = file_path.parent.resolve()
+    if chosen.case_dir is not None and folder == chosen.case_dir and file_path.suffix == ".yaml":
+        from harness.pytest_plugin.cases import CaseFile
+
+        return CaseFile.from_parent(parent, path=file_path)
+    if folder in chosen.premerge_dirs:
+        from harness.pytest_plugin.premerge import PremergeFile, is_premerge_file
+
+        if is_premerge_file(file_path):
+            return PremergeFile.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    if settings(config).case_dir is not None:
+        from harness.pytest_plugin.cases import remember_selected
+
+        remember_selected(config, items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if settings(config).case_dir is not None:
+        from harness.pytest_plugin.cases import terminal_summary
+
+        terminal_summary(terminalreporter, config)

@@ -1,0 +1,33 @@
+"""Where the bundled suite lives: the example cases, their baselines and the example training configs.
+
+In a checkout they are the repository's top-level `cases/`, `results/baselines/` and
+`configs/examples/`. An installed wheel carries copies of them in `harness/_bundled/` (the build
+step in setup.py puts them there), found with `importlib.resources`. Every default that names the
+bundled suite (`--case-dir`, the baselines folder, the pre-merge example configs) asks this module;
+a team points the options at its own folders instead.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+BUNDLED = "_bundled"  # the folder of the package that holds the suite in a wheel
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _root() -> Path:
+    """The folder holding `cases/`, `results/baselines/` and `configs/examples/`."""
+    if (CHECKOUT / "pyproject.toml").is_file() and (CHECKOUT / "cases").is_dir():
+        return CHECKOUT
+    bundled = resources.files("harness").joinpath(BUNDLED)
+    if not isinstance(bundled, Path):
+        raise RuntimeError(f"the bundled suite of oom-harness is not a folder on disk ({bundled}); "
+                           "install the package unzipped (pip installs it so)")
+    return bundled
+
+
+ROOT = _root()
+CASES_DIR = ROOT / "cases"
+BASELINES_DIR = ROOT / "results" / "baselines"
+EXAMPLE_CONFIGS_DIR = ROOT / "configs" / "examples"

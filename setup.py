@@ -1,0 +1,35 @@
+"""Build step: the wheel carries the bundled suite (cases, baselines, example configs) as package data.
+
+The repository keeps `cases/`, `results/baselines/` and `configs/examples/` at its top level, beside
+the package; a wheel holds only the package. `build_py` copies them into `harness/_bundled/`, where
+`harness.spec.suite` finds them once installed. Everything else is in pyproject.toml.
+"""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+# what the wheel carries, relative to the checkout; harness.spec.suite reads it back from harness/_bundled/
+SHIPPED = {"cases": "*.yaml", "results/baselines": "*/*.json", "configs/examples": "*"}
+
+
+class BuildPyWithSuite(build_py):
+    def run(self):
+        super().run()
+        if self.editable_mode:  # an editable install reads the checkout itself
+            return
+        target = Path(self.build_lib) / "harness" / "_bundled"
+        for folder, pattern in SHIPPED.items():
+            files = sorted(p for p in (HERE / folder).glob(pattern) if p.is_file())
+            if not files:
+                raise SystemExit(f"setup.py: nothing matches {folder}/{pattern}; the bundled suite is incomplete")
+            for src in files:
+                dest = target / src.relative_to(HERE)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest)
+
+
+setup(cmdclass={"build_py": BuildPyWithSuite})
