@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_va
 
 from harness.measure.records import CaseRun, Clocks
 from harness.models.inputs import load_json
-from harness.spec.files import OutsideFolderError, inside, safe_name, write_atomic
+from harness.spec.files import FileName, FileNameOrEmpty, OutsideFolderError, inside, write_atomic
 from harness.spec.suite import BASELINES_DIR
 
 RESULTS_DIR = BASELINES_DIR  # the bundled suite's baselines (harness.spec.suite)
@@ -75,8 +75,8 @@ class Figures(BaseModel):
 
 
 class Baseline(BaseModel):
-    case_id: str
-    variant: str = ""  # '' as the case is written; '2r', '8L', '2r8L' (harness.spec.variants)
+    case_id: FileName
+    variant: FileNameOrEmpty = ""  # '' as the case is written; '2r', '8L', '2r8L' (harness.spec.variants)
     platform: PlatformInfo
     emulated_card_bytes: int | None
     measured: str  # how: "full depth", "2 of 8 ranks, 8 of 64 layers" (harness.spec.variants.Variant.label)
@@ -84,16 +84,6 @@ class Baseline(BaseModel):
     runs: list[Figures]  # one per repetition
     recorded: str
     note: str = ""
-
-    @field_validator("case_id")
-    @classmethod
-    def _safe_case_id(cls, value):
-        return safe_name(value, "case_id")
-
-    @field_validator("variant")
-    @classmethod
-    def _safe_variant(cls, value):
-        return safe_name(value, "variant", empty_ok=True)
 
     def values(self, attr: str) -> list[float]:
         """One figure over the repetitions that have it."""

@@ -8,7 +8,7 @@ from enum import Enum
 
 from pydantic import BaseModel, Field, NonNegativeInt, field_validator
 
-from harness.spec.files import safe_name
+from harness.spec.files import FileName, FileNameOrEmpty
 
 Bytes = NonNegativeInt  # a measured size: a negative one is an edited or corrupt record
 
@@ -119,7 +119,7 @@ class ErrorInfo(BaseModel):
 
 
 class RankReport(BaseModel):
-    case_id: str
+    case_id: FileName
     fidelity: str
     rank: int
     world_size: int
@@ -153,11 +153,6 @@ class RankReport(BaseModel):
     host_cpu: str | None = None  # the host CPU's model name
     error: ErrorInfo | None = None
 
-    @field_validator("case_id")
-    @classmethod
-    def _safe_case_id(cls, value):
-        return safe_name(value, "case_id")
-
     @field_validator("step_times_s")
     @classmethod
     def _finite_times(cls, value):
@@ -186,9 +181,9 @@ class RankReport(BaseModel):
 class CaseRun(BaseModel):
     """A whole case run: all ranks (or all processes sharing a card)."""
 
-    case_id: str
+    case_id: FileName
     fidelity: str
-    variant: str = ""  # '' as written, else how it was measured (harness.spec.variants: '2r8L2ga')
+    variant: FileNameOrEmpty = ""  # '' as written, else how it was measured (harness.spec.variants: '2r8L2ga')
     command: list[str]
     returncode: int | None
     wall_s: float
@@ -205,16 +200,6 @@ class CaseRun(BaseModel):
     # None in runs recorded before they were kept
     case_digest: str | None = None
     model: str | None = None
-
-    @field_validator("case_id")
-    @classmethod
-    def _safe_case_id(cls, value):
-        return safe_name(value, "case_id")
-
-    @field_validator("variant")
-    @classmethod
-    def _safe_variant(cls, value):
-        return safe_name(value, "variant", empty_ok=True)
 
     @property
     def ok(self) -> bool:

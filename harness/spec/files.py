@@ -13,6 +13,9 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 # letters, digits, '.', '_', '-', starting with a letter or digit (harness.spec.schema.CASE_ID_PATTERN)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -46,12 +49,19 @@ def name_problem(value: str, empty_ok: bool = False) -> str | None:
     return None
 
 
-def safe_name(value: str, what: str, empty_ok: bool = False) -> str:
-    """`value` if it can name a file, else UnsafeNameError naming `what` (for pydantic validators)."""
+def safe_name(value: str, what: str | None = None, empty_ok: bool = False) -> str:
+    """`value` if it can name a file, else UnsafeNameError (naming `what` where given; pydantic names
+    the field itself)."""
     problem = name_problem(value, empty_ok)
     if problem:
-        raise UnsafeNameError(f"{what}: {problem}")
+        raise UnsafeNameError(f"{what}: {problem}" if what else problem)
     return value
+
+
+# Fields of records read back from JSON anyone can edit, that later name files (a case id, a variant):
+# refused unless they are safe names, whichever model holds them.
+FileName = Annotated[str, AfterValidator(safe_name)]
+FileNameOrEmpty = Annotated[str, AfterValidator(lambda value: safe_name(value, empty_ok=True))]
 
 
 def inside(root: Path, *parts: str) -> Path:
