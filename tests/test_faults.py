@@ -32,22 +32,6 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(pids: list[int], within_s: float = 10) -> list[int]:
-    deadline = time.monotonic() + within_s
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
-        time.sleep(0.1)
-    return alive
-
-
 def _torchrun(script: Path, *args: str) -> Job:
     return Job([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args])
@@ -86,7 +70,7 @@ except Exception as exc:  # as the worker does: the survivor reports what it saw
 
 
 @pytest.mark.parametrize("sig, kind", [("SIGKILL", Failure.host_oom), ("SIGSEGV", Failure.crash)])
-def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tmp_path, sig, kind):
+def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tmp_path, sig, kind, still_running):
     """One of two ranks dies of a signal while they all-reduce: the case names that rank and signal
     (not its peer's "Connection closed by peer"), the other rank is stopped, and nothing is left."""
     script = tmp_path / "ranks.py"
@@ -101,7 +85,7 @@ def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tm
     assert "stopped the other ranks" in run.error.message
     assert run.first_error() is run.error
     assert [r.rank for r in run.ranks if r.error] in ([0], [])  # the survivor's report, when it wrote one, is kept
-    assert _wait_gone([int((out / f"pid{r}").read_text()) for r in (0, 1)]) == []
+    assert still_running([int((out / f"pid{r}").read_text()) for r in (0, 1)], 10) == []
 
 
 def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path):
@@ -186,7 +170,7 @@ stall_before_the_collective() if rank == 1 else wait_for_the_peer()
 '''
 
 
-def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_was(tmp_path):
+def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_was(tmp_path, still_running):
     script = tmp_path / "ranks.py"
     script.write_text(_HANGING_RANKS)
     out = tmp_path / "run"
@@ -201,7 +185,7 @@ def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_
     assert "rank 1 stuck at" in message and "in stall_before_the_collective" in message.split("rank 1 stuck at")[1]
     log = Path(run.run_dir, "log.txt").read_text()
     assert "the stacks of rank 0 before the timeout" in log and "the stacks of rank 1 before the timeout" in log
-    assert _wait_gone([int((out / f"pid{r}").read_text()) for r in (0, 1)]) == []
+    assert still_running([int((out / f"pid{r}").read_text()) for r in (0, 1)], 10) == []
 
 
 # --- (c) a worker that prints nothing and writes no report -----------------------------------------------------

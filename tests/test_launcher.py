@@ -134,7 +134,7 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def test_stopping_the_harness_kills_the_running_case(tmp_path):
+def test_stopping_the_harness_kills_the_running_case(tmp_path, still_running):
     """A run interrupted from outside (SIGTERM to the CLI, Ctrl-C) takes its process groups with it."""
     import threading
 
@@ -169,26 +169,10 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path):
             run_jobs([job], tmp_path / "run", 120, "x", "tiny", 1)
     finally:
         launcher.subprocess.Popen = saved
-    assert len(pids) == 1 and _wait_gone(pids) == []
+    assert len(pids) == 1 and still_running(pids, 5) == []
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(pids: list[int], within_s: float = 5) -> list[int]:
-    deadline = time.monotonic() + within_s
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
-        time.sleep(0.1)
-    return alive
-
-
-def test_a_timeout_kills_torchruns_ranks_too(tmp_path):
+def test_a_timeout_kills_torchruns_ranks_too(tmp_path, still_running):
     """torchrun starts each rank in a session of its own; killing torchrun's group used to leave
     the ranks running (on a GPU: holding the card the next case measures)."""
     script = tmp_path / "rank.py"
@@ -202,7 +186,7 @@ def test_a_timeout_kills_torchruns_ranks_too(tmp_path):
     run = run_jobs([job], tmp_path / "run", 10, "x", "tiny", 2)
     assert run.error.kind == Failure.timeout
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
-    assert _wait_gone(pids) == [], "torchrun's ranks outlived the timeout"
+    assert still_running(pids, 5) == [], "torchrun's ranks outlived the timeout"
 
 
 def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
