@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.baselines.store import Baseline, Figures
+from harness.report.columns import aligned
 from harness.spec.schema import Case
 from harness.spec.units import fmt_gib
 from harness.spec.variants import parse_variant
@@ -85,10 +86,7 @@ def full_size(cases: list[Case], baselines: list[Baseline], predict=None) -> lis
 
 def table(rows: list[FullSize]) -> str:
     cells = [COLUMNS] + [r.row() for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(cells)
 
 
 TITLE = ("At full size: the predicted peak per card (device figure, as `oom-harness check` gives it) against "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from harness.judge.host_ram import node_host_need
 from harness.judge.session import Judgement
+from harness.report.columns import aligned
 from harness.spec.units import GIB, fmt_gib, fmt_mib
 
 COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/card", "loss", "outcome", "claims")
@@ -60,10 +61,7 @@ def _row(j: Judgement) -> tuple[str, ...]:
 
 def table(judgements: list[Judgement]) -> str:
     rows = [COLUMNS] + [_row(j) for j in judgements]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(rows)
 
 
 def consulted_line(consulted: list[tuple[str, str, str]], option: str) -> str:
