@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_validator
 
 from harness.measure.records import CaseRun, Clocks
-from harness.models.inputs import load_json
+from harness.models.inputs import InputError, load_json
 from harness.spec.files import FileName, FileNameOrEmpty, OutsideFolderError, inside, write_atomic
 from harness.spec.suite import BASELINES_DIR
 
@@ -122,8 +122,12 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
     )
 
 
-class BlessError(ValueError):
-    """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline."""
+class BlessError(InputError):
+    """A runs file that cannot be blessed, or runs that would mix software stacks in one baseline: bad
+    input, which the command line answers with exit 2 (the message names the file)."""
+
+    def __init__(self, message: str):
+        super().__init__(None, None, message)
 
 
 # No card holds this much: a peak above it is an edited or corrupt record, not a measurement.

@@ -23,19 +23,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from harness.baselines.store import RESULTS_DIR, BlessError, bless
-    from harness.spec.files import WriteError
+    from harness.baselines.store import RESULTS_DIR, bless
 
     if args.append and args.replace:
         print("bless: --append adds to a baseline, --replace writes it anew; pass one of them", file=sys.stderr)
         return 2
     root = Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR
-    try:
-        paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append,
-                      root=root, case_dirs=[Path(d) for d in args.case_dir], replace=args.replace)
-    except (BlessError, WriteError) as exc:
-        print(f"bless: {exc}", file=sys.stderr)
-        return 2
+    # a BlessError or a WriteError is bad input: main answers it with one line and exit 2
+    paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append,
+                  root=root, case_dirs=[Path(d) for d in args.case_dir], replace=args.replace)
     for path in paths:
         print(f"wrote {path}")
     return 0
