@@ -10,6 +10,7 @@ and skipped, the valid cases still run; bad options are refused before any case 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,6 +57,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--selected-only", action="store_true",
                      help="run only the selected cases: a claim about another case (a fix's peak against its "
                           "failing config, a family's speed order) is not checkable instead of running it")
+    p.add_argument("--memory-history", action="store_true",
+                   help="GPU runs record rank 0's allocator history into the run's folder (rank0-memory.json.gz), "
+                        "for the report's memory timeline; slows the step, so compare no throughput from it")
     p.set_defaults(func=run)
 
 
@@ -137,6 +141,11 @@ def _measure_line(run) -> str:
 
 def run(args) -> int:
     from harness.baselines.store import RESULTS_DIR
+
+    if args.memory_history:
+        from harness.runtime.memory_history import ENV
+
+        os.environ[ENV] = "1"  # the workers inherit it (harness.runtime.memory_history)
     from harness.judge.session import Session, skip_reason
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 

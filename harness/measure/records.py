@@ -151,6 +151,8 @@ class RankReport(BaseModel):
     cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.runtime.launcher.cpu_threads)
     clocks: Clocks | None = None  # the card's SM clock during the timed steps (NVIDIA; harness.measure.clocks)
     host_cpu: str | None = None  # the host CPU's model name
+    # the rank's allocator timeline, a file in the run's folder (harness.measure.timeline); "" when not recorded
+    memory_timeline: FileNameOrEmpty = ""
     error: ErrorInfo | None = None
 
     @field_validator("step_times_s")

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import stat
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,8 @@ def _human(nbytes: int) -> str:
     return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
-def read_text(path: Path | str, max_bytes: int) -> str:
-    """A regular file's text (UTF-8), at most `max_bytes` long; never blocks on a FIFO or a device."""
+def read_bytes(path: Path | str, max_bytes: int) -> bytes:
+    """A regular file's bytes, at most `max_bytes` of them; never blocks on a FIFO or a device."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -77,12 +78,39 @@ def read_text(path: Path | str, max_bytes: int) -> str:
         raw = f.read(max_bytes + 1)  # a file that grows (or lies about its size) is still cut off
     if len(raw) > max_bytes:
         raise _too_big(path, len(raw), max_bytes)
+    return raw
+
+
+def read_text(path: Path | str, max_bytes: int) -> str:
+    """A regular file's text (UTF-8), at most `max_bytes` long; never blocks on a FIFO or a device."""
+    path = Path(path)
+    raw = read_bytes(path, max_bytes)
     if b"\x00" in raw:
         raise InputError(path, None, "is a binary file, not text", "name a YAML or JSON text file")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise InputError(path, None, "is not a text file (not UTF-8)", "save it as UTF-8 text") from None
+
+
+def load_gzip_json(path: Path | str, max_bytes: int, max_unpacked: int) -> Any:
+    """A gzip-compressed JSON file: at most `max_bytes` on disk and `max_unpacked` once unpacked (a
+    small file that unpacks to gigabytes is refused, not inflated)."""
+    path = Path(path)
+    raw = read_bytes(path, max_bytes)
+    try:
+        unpacker = zlib.decompressobj(wbits=31)  # 31: the gzip container
+        text = unpacker.decompress(raw, max_unpacked + 1)
+    except zlib.error as exc:
+        raise InputError(path, None, f"is not a gzip file ({exc})", "name a .json.gz file the harness wrote") from None
+    if len(text) > max_unpacked or unpacker.unconsumed_tail:
+        raise InputError(path, None, f"unpacks to more than {_human(max_unpacked)}",
+                         "name a .json.gz file the harness wrote") from None
+    try:
+        return parse_json(text.decode("utf-8"), path)
+    except UnicodeDecodeError:
+        raise InputError(path, None, "does not unpack to UTF-8 text",
+                         "name a .json.gz file the harness wrote") from None
 
 
 def _regular(path: Path, mode: int) -> None:

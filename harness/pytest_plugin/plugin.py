@@ -19,6 +19,7 @@ folder lies outside what it would collect (its `testpaths`), the folder is colle
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,9 @@ def pytest_addoption(parser):
     group.addoption("--harness-selected-only", action="store_true",
                     help="run only the selected cases: a claim about another case (a fix's peak against its "
                          "failing config, a family's speed order) is not checkable instead of running it")
+    group.addoption("--memory-history", action="store_true",
+                    help="GPU runs record rank 0's allocator history into its run folder (rank0-memory.json.gz; "
+                         "slows the step: not for throughput)")
     group.addoption(PREMERGE_DIRS[0], action="append", default=None,
                     help=f"folder of training configs with a premerge.yaml: one test per config (repeatable; "
                          f"ini: {PREMERGE_DIRS[1]})")
@@ -78,6 +82,10 @@ def pytest_configure(config):
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     chosen = settings(config)
+    if config.getoption("--memory-history", default=False):
+        from harness.runtime.memory_history import ENV
+
+        os.environ[ENV] = "1"  # the workers inherit it (harness.runtime.memory_history)
     if chosen.active and _args_are_defaults(config):
         covered = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
         config.args.extend(str(f) for f in chosen.folders()

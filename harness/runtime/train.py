@@ -7,9 +7,14 @@ import statistics
 import time
 
 
-def train_steps(trainer, shape, batches, device, meas, report, progress) -> None:
-    """Run `shape.steps` optimizer steps; append each step's seconds and mean loss to `report`."""
+def train_steps(trainer, shape, batches, device, meas, report, progress, history=None) -> None:
+    """Run `shape.steps` optimizer steps; append each step's seconds and mean loss to `report`.
+    `history` (harness.runtime.memory_history), where recording, labels each phase of the step."""
     import torch
+
+    def phase(name: str) -> None:
+        if history is not None:
+            history.phase(name)
 
     engine, model = trainer.engine, trainer.model
     for _ in range(shape.steps):
@@ -17,11 +22,14 @@ def train_steps(trainer, shape, batches, device, meas, report, progress) -> None
         t0 = time.perf_counter()
         losses = []
         for _micro in range(shape.grad_accum):
+            phase("forward")
             batch = next(batches).to(device, non_blocking=True)
             out = trainer.runner(input_ids=batch, labels=batch)
             loss = out.loss
+            phase("backward")
             if engine is not None:
                 engine.backward(loss)
+                phase("optimizer")
                 engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             else:
                 (loss / shape.grad_accum).backward()
@@ -29,6 +37,7 @@ def train_steps(trainer, shape, batches, device, meas, report, progress) -> None
             del out, loss
             meas.check_cpu_limit()
         if engine is None:
+            phase("optimizer")
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)

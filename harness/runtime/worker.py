@@ -114,6 +114,11 @@ def run(args) -> int:
     code = EXIT_OK
     cache_entries = compile_cache.entries(compile_cache.triton_cache_dir())
     meas = Measurement(device, args.emulate_card_bytes)
+    from harness.runtime.memory_history import History, wanted
+
+    history = History(wanted(platform != Platform.cpu, rank), device, Path(args.out_dir), dict(
+        case_id=case.id, variant=args.variant, fidelity=args.fidelity, platform=platform.value,
+        device_name=device_name, rank=rank, emulated_card_bytes=args.emulate_card_bytes))
     report.card_free_at_start = meas.card_free_at_start
     if short_of(meas.card_free_at_start, args.emulate_card_bytes):
         progress(f"the card has {meas.card_free_at_start / 2**30:.2f} GiB free at the start, less than the emulated "
@@ -128,6 +133,7 @@ def run(args) -> int:
                 import deepspeed
 
                 deepspeed.init_distributed(dist_backend=dist_backend(platform), verbose=False)
+            history.start()
             layers = case.layers if args.fidelity == "real" else None
             checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len, layers)
             phase = "load"
@@ -143,6 +149,7 @@ def run(args) -> int:
 
             progress(f"loaded, {report.load.allocated / 2**30:.2f} GiB peak allocated")
             phase = "engine"
+            history.phase("engine")
             trainer = start_engine(case, model, ds_config)
             engine, runner = trainer.engine, trainer.runner
             meas.check_cpu_limit()
@@ -153,8 +160,9 @@ def run(args) -> int:
             batches = iter(loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum))
             meas.sync()
             meas.reset()
-            train_steps(trainer, shape, batches, device, meas, report, progress)
+            train_steps(trainer, shape, batches, device, meas, report, progress, history)
             report.step = meas.figures()
+            history.finish()  # before the probes, whose allocations are not the step's
             report.clocks = meas.sampler.clocks()
             report.weights = weights(model)
             from harness.measure.flops import flops_per_token, linear_weight_count
@@ -201,6 +209,8 @@ def run(args) -> int:
         except Exception:  # measuring after a CUDA error can fail too; keep what we have
             pass
     finally:
+        if history.finish() is not None:  # at an OOM too: the timeline up to it is the most telling part
+            report.memory_timeline = history.path.name
         report.triton_cache = compile_cache.state(cache_entries,
                                                   platform != Platform.cpu and compile_cache.uses_triton_kernels())
         if not write_report(report, out_path):

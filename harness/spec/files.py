@@ -93,8 +93,8 @@ def os_reason(exc: OSError) -> str:
     return os.strerror(cause.errno) if cause.errno else str(cause)
 
 
-def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
-    """Write `text` to `path` whole or not at all: a temporary file in the same folder, flushed and
+def write_atomic(path: Path, text: str | bytes, root: Path | None = None) -> Path:
+    """Write `text` (or bytes) to `path` whole or not at all: a temporary file in the same folder, flushed and
     synced, renamed over `path`. With `root`, `path` must resolve inside it (OutsideFolderError). A
     failed write (ENOSPC, EACCES) removes the temporary file, leaves any old file as it was and raises
     WriteError naming the file."""
@@ -107,7 +107,7 @@ def write_atomic(path: Path, text: str, root: Path | None = None) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

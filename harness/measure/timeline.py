@@ -1,0 +1,198 @@
+"""A training step's memory timeline: every allocator action of one rank, compact, with its phases.
+
+A GPU worker started with `OOM_HARNESS_MEMORY_HISTORY=1` (`oom-harness run --memory-history`,
+`pytest --memory-history`) records PyTorch's allocator history
+(`torch.cuda.memory._record_memory_history`) from before the model is loaded to the end of the
+training steps, and keeps it here as columns rather than PyTorch's pickled snapshot: a 7B LoRA
+step is a few hundred kilobytes gzipped instead of tens of megabytes of stack frames. What is kept:
+
+- every action, in order, with its time, address, size and stream (`ACTIONS`): enough to replay the
+  stream through a model of the caching allocator (`harness.predict`) and to draw allocated and
+  reserved memory over time (`harness.report`);
+- for each allocation, the call site that asked for it (one frame: the innermost one in model,
+  adapter, DeepSpeed or optimizer code), so the largest live tensors at the peak can be named;
+- the phase of each action (load, forward, backward, optimizer), from the marks the worker sets.
+
+Reading is bounded (`harness.models.inputs.load_gzip_json`) and validated: a timeline file is input.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+from harness.models.inputs import load_gzip_json
+from harness.spec.files import write_atomic
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+           "segment_unmap", "oom", "snapshot")
+ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, SNAPSHOT = \
+    range(len(ACTIONS))
+PHASES = ("load", "engine", "forward", "backward", "optimizer")
+MAX_FILE_BYTES = 64 * 2**20
+MAX_UNPACKED_BYTES = 512 * 2**20
+# Frames of these libraries name an allocation better than the torch internals under them.
+_NAMING_PARTS = ("/transformers/", "/peft/", "/deepspeed/", "/bitsandbytes/", "/fla/", "/accelerate/",
+                 "/torch/optim/", "/torch/utils/checkpoint", "/harness/")
+
+
+class MemoryTimeline(BaseModel):
+    """One rank's allocator actions as parallel columns (index i of each column is action i)."""
+
+    schema_version: int = 1
+    case_id: str
+    variant: str = ""
+    fidelity: str
+    platform: str
+    device_name: str
+    rank: int = 0
+    torch_version: str
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF during the run
+    emulated_card_bytes: int | None = None
+    recorded: str  # ISO date and time
+    dropped: bool = False  # the recording's ring buffer was full: the oldest actions are missing
+    t_us: list[int] = Field(description="microseconds since the first action")
+    action: list[int]
+    addr: list[int]
+    size: list[int]
+    stream: list[int]
+    site: list[int]  # index into `sites`, -1 when no frame was recorded
+    phase: list[int]  # index into PHASES, -1 before the first mark
+    sites: list[str] = []
+
+    @model_validator(mode="after")
+    def _columns_agree(self) -> MemoryTimeline:
+        n = len(self.t_us)
+        for name in ("action", "addr", "size", "stream", "site", "phase"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"column {name!r} has {len(getattr(self, name))} entries, t_us has {n}")
+        if any(not 0 <= a < len(ACTIONS) for a in self.action):
+            raise ValueError(f"an action code is outside 0..{len(ACTIONS) - 1}")
+        if any(not -1 <= s < len(self.sites) for s in self.site):
+            raise ValueError("a site index names no entry of `sites`")
+        if any(not -1 <= p < len(PHASES) for p in self.phase):
+            raise ValueError(f"a phase index is outside -1..{len(PHASES) - 1}")
+        if any(s < 0 for s in self.size):
+            raise ValueError("a size is negative")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.t_us)
+
+    def save(self, path: Path) -> Path:
+        data = json.dumps(self.model_dump(), separators=(",", ":")).encode()
+        return write_atomic(Path(path), gzip.compress(data, compresslevel=6, mtime=0))
+
+    @classmethod
+    def load(cls, path: Path) -> MemoryTimeline:
+        from pydantic import ValidationError
+
+        from harness.models.inputs import InputError
+
+        data = load_gzip_json(path, MAX_FILE_BYTES, MAX_UNPACKED_BYTES)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InputError(Path(path), ".".join(str(x) for x in first["loc"]) or None, first["msg"],
+                             "use a timeline file the harness wrote; it cannot be repaired by hand") from None
+
+    def curve(self) -> Curve:
+        """Allocated and reserved bytes after each action."""
+        allocated, reserved = [], []
+        a = r = 0
+        for act, size in zip(self.action, self.size, strict=True):
+            if act == ALLOC:
+                a += size
+            elif act == FREE_COMPLETED:
+                a -= size
+            elif act in (SEGMENT_ALLOC, SEGMENT_MAP):
+                r += size
+            elif act in (SEGMENT_FREE, SEGMENT_UNMAP):
+                r -= size
+            allocated.append(a)
+            reserved.append(r)
+        return Curve(allocated, reserved)
+
+    def phase_spans(self) -> list[tuple[str, int, int]]:
+        """(phase, first action index, last action index + 1) for each run of one phase, in order."""
+        spans: list[tuple[str, int, int]] = []
+        start = 0
+        for i in range(1, len(self.phase) + 1):
+            if i == len(self.phase) or self.phase[i] != self.phase[start]:
+                if self.phase[start] >= 0:
+                    spans.append((PHASES[self.phase[start]], start, i))
+                start = i
+        return spans
+
+    def live_at(self, index: int) -> list[LiveBlock]:
+        """The allocations live just after action `index`, largest first."""
+        live: dict[int, LiveBlock] = {}
+        for i in range(index + 1):
+            act = self.action[i]
+            if act == ALLOC:
+                site = self.sites[self.site[i]] if self.site[i] >= 0 else "?"
+                phase = PHASES[self.phase[i]] if self.phase[i] >= 0 else "?"
+                live[self.addr[i]] = LiveBlock(self.addr[i], self.size[i], site, phase)
+            elif act == FREE_COMPLETED:
+                live.pop(self.addr[i], None)
+        return sorted(live.values(), key=lambda b: -b.size)
+
+
+@dataclass(frozen=True)
+class LiveBlock:
+    addr: int
+    size: int
+    site: str
+    phase: str  # the phase that allocated it
+
+
+@dataclass(frozen=True)
+class Curve:
+    allocated: list[int]
+    reserved: list[int]
+
+    def peak(self, which: str = "allocated") -> tuple[int, int]:
+        """(action index, bytes) of the first maximum of `which`."""
+        values = getattr(self, which)
+        if not values:
+            return -1, 0
+        best = max(range(len(values)), key=values.__getitem__)
+        return best, values[best]
+
+
+def site_of(frames: list[dict]) -> str | None:
+    """The frame that names an allocation: the innermost one in model, adapter, DeepSpeed, optimizer
+    or harness code, else the innermost Python frame."""
+    if not frames:
+        return None
+    chosen = next((f for f in frames if any(part in f.get("filename", "") for part in _NAMING_PARTS)), frames[0])
+    parts = Path(chosen.get("filename", "?")).parts
+    return f"{'/'.join(parts[-2:])}:{chosen.get('line', 0)} {chosen.get('name', '?')}"
+
+
+def from_snapshot(snapshot: dict, device_index: int, phase_of, **meta) -> MemoryTimeline:
+    """A `MemoryTimeline` from `torch.cuda.memory._snapshot()`'s trace of one device;
+    `phase_of(entry)` gives each entry's index of PHASES (or -1)."""
+    traces = snapshot.get("device_traces") or []
+    entries = traces[device_index] if device_index < len(traces) else []
+    sites: dict[str, int] = {}
+    cols: dict[str, list[int]] = {k: [] for k in ("t_us", "action", "addr", "size", "stream", "site", "phase")}
+    t0 = entries[0].get("time_us", 0) if entries else 0
+    for e in entries:
+        act = e.get("action")
+        if act not in ACTIONS:
+            continue
+        site = site_of(e.get("frames") or []) if act == "alloc" else None
+        cols["t_us"].append(int(e.get("time_us", t0)) - t0)
+        cols["action"].append(ACTIONS.index(act))
+        cols["addr"].append(int(e.get("addr", 0)))
+        cols["size"].append(int(e.get("size", 0)))
+        cols["stream"].append(int(e.get("stream", 0)))
+        cols["site"].append(sites.setdefault(site, len(sites)) if site is not None else -1)
+        cols["phase"].append(phase_of(e))
+    return MemoryTimeline(**meta, **cols, sites=list(sites))
