@@ -24,21 +24,21 @@ def _entry(action, addr, size, t, phase="", frames=()):
 
 def _snapshot():
     return {"segments": [], "device_traces": [[
-        _entry("segment_alloc", 0, 20 << 20, 1000, "load"),
-        _entry("alloc", 0, 8 << 20, 1001, "load", [TORCH, MODEL]),
-        _entry("alloc", 8 << 20, 4 << 20, 1002, "forward", [TORCH]),
-        _entry("free_requested", 8 << 20, 4 << 20, 1003, "backward"),
-        _entry("free_completed", 8 << 20, 4 << 20, 1003, "backward"),
-        _entry("alloc", 12 << 20, 6 << 20, 1004, "backward", [MODEL]),
-        _entry("segment_free", 100, 2 << 20, 1005, "optimizer"),
-        _entry("made_up_action", 0, 1, 1006, "optimizer"),
+        _entry("segment_alloc", 0, 20 << 20, 100_000, "load"),
+        _entry("alloc", 0, 8 << 20, 100_100, "load", [TORCH, MODEL]),
+        _entry("alloc", 8 << 20, 4 << 20, 100_200, "forward", [TORCH]),
+        _entry("free_requested", 8 << 20, 4 << 20, 100_300, "backward"),
+        _entry("free_completed", 8 << 20, 4 << 20, 100_300, "backward"),
+        _entry("alloc", 12 << 20, 6 << 20, 100_400, "backward", [MODEL]),
+        _entry("segment_free", 100, 2 << 20, 100_500, "optimizer"),
+        _entry("made_up_action", 0, 1, 100_600, "optimizer"),
     ]]}
 
 
 def test_a_snapshot_becomes_columns_with_phases_and_named_sites():
     t = from_snapshot(_snapshot(), 0, lambda e: _phase_index(e, []), **META)
     assert len(t) == 7  # the unknown action is dropped, not guessed
-    assert t.t_us[0] == 0 and t.t_us[-1] == 5
+    assert t.t_us[0] == 0 and t.t_us[-1] == 500
     assert [PHASES[p] for p in t.phase] == ["load", "load", "forward", "backward", "backward", "backward", "optimizer"]
     # the model's frame names the allocation, not the torch function under it
     assert t.sites[t.site[1]] == "qwen2/modeling_qwen2.py:77 forward"
@@ -124,3 +124,23 @@ def test_a_gpu_run_records_its_timeline_and_it_agrees_with_the_measured_peak(tmp
     assert step_peak == pytest.approx(report.step.allocated, rel=0.02)
     _, peak = curve.peak("allocated")
     assert any(b.site != "?" for b in timeline.live_at(curve.allocated.index(peak))[:5])
+
+
+def test_segments_from_before_the_recording_come_first_so_the_replay_starts_empty():
+    initial = [{"device": 0, "address": 1 << 30, "total_size": 2 << 20, "stream": 0,
+                "blocks": [{"address": 1 << 30, "size": 512, "state": "active_allocated"},
+                           {"address": (1 << 30) + 512, "size": (2 << 20) - 512, "state": "inactive"}]}]
+    t = from_snapshot(_snapshot(), 0, lambda e: _phase_index(e, []), initial, **META)
+    assert len(t) == 9
+    curve = t.curve()
+    assert curve.reserved[-1] == (2 << 20) + (18 << 20)
+    assert curve.allocated[1] == 512 and t.phase[:2] == [-1, -1]
+
+
+def test_times_are_kept_to_a_tenth_of_a_millisecond_and_stored_as_differences(tmp_path):
+    snap = {"device_traces": [[_entry("alloc", 4096 * i, 512, 1_000_000 + 37 * i, "forward") for i in range(50)]]}
+    t = from_snapshot(snap, 0, lambda e: _phase_index(e, []), **META)
+    assert all(x % 100 == 0 for x in t.t_us) and t.t_us[-1] == 49 * 37 // 100 * 100
+    stored = json.loads(gzip.decompress(t.save(tmp_path / "t.json.gz").read_bytes()))
+    assert stored["addr"][1:] == [4096] * 49  # differences, not addresses
+    assert MemoryTimeline.load(tmp_path / "t.json.gz").addr == t.addr

@@ -19,6 +19,7 @@ Reading is bounded (`harness.models.inputs.load_gzip_json`) and validated: a tim
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segmen
 ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, SNAPSHOT = \
     range(len(ACTIONS))
 PHASES = ("load", "engine", "forward", "backward", "optimizer")
+TIME_QUANTUM_US = 100  # times are kept to 0.1 ms: finer adds half the file and nothing a plot or a replay uses
+_DELTA_COLUMNS = ("t_us", "addr")  # stored as differences from the previous entry: they compress 2-5x better
 MAX_FILE_BYTES = 64 * 2**20
 MAX_UNPACKED_BYTES = 512 * 2**20
 # Frames of these libraries name an allocation better than the torch internals under them.
@@ -55,7 +58,7 @@ class MemoryTimeline(BaseModel):
     emulated_card_bytes: int | None = None
     recorded: str  # ISO date and time
     dropped: bool = False  # the recording's ring buffer was full: the oldest actions are missing
-    t_us: list[int] = Field(description="microseconds since the first action")
+    t_us: list[int] = Field(description="microseconds since the first action, in steps of TIME_QUANTUM_US")
     action: list[int]
     addr: list[int]
     size: list[int]
@@ -84,8 +87,13 @@ class MemoryTimeline(BaseModel):
         return len(self.t_us)
 
     def save(self, path: Path) -> Path:
-        data = json.dumps(self.model_dump(), separators=(",", ":")).encode()
-        return write_atomic(Path(path), gzip.compress(data, compresslevel=6, mtime=0))
+        data = self.model_dump()
+        for name in _DELTA_COLUMNS:
+            column = data[name]
+            data[name] = column[:1] + [b - a for a, b in itertools.pairwise(column)]
+        data["delta_columns"] = list(_DELTA_COLUMNS)
+        text = json.dumps(data, separators=(",", ":")).encode()
+        return write_atomic(Path(path), gzip.compress(text, compresslevel=9, mtime=0))
 
     @classmethod
     def load(cls, path: Path) -> MemoryTimeline:
@@ -94,6 +102,11 @@ class MemoryTimeline(BaseModel):
         from harness.models.inputs import InputError
 
         data = load_gzip_json(path, MAX_FILE_BYTES, MAX_UNPACKED_BYTES)
+        if isinstance(data, dict):
+            for name in data.pop("delta_columns", None) or ():
+                if name in _DELTA_COLUMNS and isinstance(data.get(name), list):
+                    data[name] = list(itertools.accumulate(data[name])) if all(
+                        isinstance(v, int) for v in data[name]) else data[name]
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -175,24 +188,38 @@ def site_of(frames: list[dict]) -> str | None:
     return f"{'/'.join(parts[-2:])}:{chosen.get('line', 0)} {chosen.get('name', '?')}"
 
 
-def from_snapshot(snapshot: dict, device_index: int, phase_of, **meta) -> MemoryTimeline:
+def from_snapshot(snapshot: dict, device_index: int, phase_of, initial: list[dict] | None = None,
+                  **meta) -> MemoryTimeline:
     """A `MemoryTimeline` from `torch.cuda.memory._snapshot()`'s trace of one device;
-    `phase_of(entry)` gives each entry's index of PHASES (or -1)."""
+    `phase_of(entry)` gives each entry's index of PHASES (or -1). `initial`: the segments that already
+    existed when recording began (`_snapshot()["segments"]` then), put first as actions at time 0, so
+    the timeline replays from an empty allocator."""
     traces = snapshot.get("device_traces") or []
-    entries = traces[device_index] if device_index < len(traces) else []
+    entries = [e for e in (traces[device_index] if device_index < len(traces) else []) if e.get("action") in ACTIONS]
     sites: dict[str, int] = {}
     cols: dict[str, list[int]] = {k: [] for k in ("t_us", "action", "addr", "size", "stream", "site", "phase")}
+
+    def add(t, act, addr, size, stream, site, phase):
+        cols["t_us"].append(t)
+        cols["action"].append(ACTIONS.index(act))
+        cols["addr"].append(int(addr))
+        cols["size"].append(int(size))
+        cols["stream"].append(int(stream))
+        cols["site"].append(sites.setdefault(site, len(sites)) if site is not None else -1)
+        cols["phase"].append(phase)
+
+    for seg in initial or ():
+        if seg.get("device", device_index) != device_index:
+            continue
+        add(0, "segment_alloc", seg.get("address", 0), seg.get("total_size", 0), seg.get("stream", 0), None, -1)
+        for block in seg.get("blocks") or ():
+            if block.get("state") == "active_allocated":
+                add(0, "alloc", block.get("address", 0), block.get("size", 0), seg.get("stream", 0),
+                    "(allocated before recording)", -1)
     t0 = entries[0].get("time_us", 0) if entries else 0
     for e in entries:
-        act = e.get("action")
-        if act not in ACTIONS:
-            continue
-        site = site_of(e.get("frames") or []) if act == "alloc" else None
-        cols["t_us"].append(int(e.get("time_us", t0)) - t0)
-        cols["action"].append(ACTIONS.index(act))
-        cols["addr"].append(int(e.get("addr", 0)))
-        cols["size"].append(int(e.get("size", 0)))
-        cols["stream"].append(int(e.get("stream", 0)))
-        cols["site"].append(sites.setdefault(site, len(sites)) if site is not None else -1)
-        cols["phase"].append(phase_of(e))
+        act = e["action"]
+        add((int(e.get("time_us", t0)) - t0) // TIME_QUANTUM_US * TIME_QUANTUM_US, act, e.get("addr", 0),
+            e.get("size", 0), e.get("stream", 0), site_of(e.get("frames") or []) if act == "alloc" else None,
+            phase_of(e))
     return MemoryTimeline(**meta, **cols, sites=list(sites))

@@ -37,6 +37,7 @@ class History:
         self.path = Path(out_dir) / FILE
         self.meta = meta
         self.written: Path | None = None
+        self.initial: list[dict] = []  # segments that existed before recording began
         self.marks: list[tuple[int, int]] = []  # (unix microseconds, index of PHASES), for a torch without metadata
         self._torch = None
 
@@ -46,6 +47,7 @@ class History:
         import torch
 
         self._torch = torch
+        self.initial = torch.cuda.memory._snapshot(self.device).get("segments") or []
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="alloc", stacks="python",
                                                  device=self.device)
         self.phase("load")
@@ -72,7 +74,7 @@ class History:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             entries = traces[index] if index < len(traces) else []
             timeline = from_snapshot(
-                snapshot, index, lambda entry: _phase_index(entry, self.marks), **self.meta,
+                snapshot, index, lambda entry: _phase_index(entry, self.marks), self.initial, **self.meta,
                 torch_version=torch.__version__,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                 recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
