@@ -53,7 +53,9 @@ class MemoryTimeline(BaseModel):
     platform: str
     device_name: str
     rank: int = 0
+    world_size: int = 1
     torch_version: str
+    versions: dict[str, str] = {}  # the worker's library, CUDA and driver versions
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF during the run
     emulated_card_bytes: int | None = None
     recorded: str  # ISO date and time
@@ -121,8 +123,8 @@ class MemoryTimeline(BaseModel):
         for act, size in zip(self.action, self.size, strict=True):
             if act == ALLOC:
                 a += size
-            elif act == FREE_COMPLETED:
-                a -= size
+            elif act == FREE_REQUESTED:  # torch's allocated figure drops here; a block used on another
+                a -= size  # stream is reusable only at its free_completed, which the allocator's replay needs
             elif act in (SEGMENT_ALLOC, SEGMENT_MAP):
                 r += size
             elif act in (SEGMENT_FREE, SEGMENT_UNMAP):
@@ -143,7 +145,7 @@ class MemoryTimeline(BaseModel):
         return spans
 
     def live_at(self, index: int) -> list[LiveBlock]:
-        """The allocations live just after action `index`, largest first."""
+        """The allocations live (not yet freed) just after action `index`, largest first."""
         live: dict[int, LiveBlock] = {}
         for i in range(index + 1):
             act = self.action[i]
@@ -151,7 +153,7 @@ class MemoryTimeline(BaseModel):
                 site = self.sites[self.site[i]] if self.site[i] >= 0 else "?"
                 phase = PHASES[self.phase[i]] if self.phase[i] >= 0 else "?"
                 live[self.addr[i]] = LiveBlock(self.addr[i], self.size[i], site, phase)
-            elif act == FREE_COMPLETED:
+            elif act == FREE_REQUESTED:
                 live.pop(self.addr[i], None)
         return sorted(live.values(), key=lambda b: -b.size)
 

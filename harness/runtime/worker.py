@@ -118,7 +118,8 @@ def run(args) -> int:
 
     history = History(wanted(platform != Platform.cpu, rank), device, Path(args.out_dir), dict(
         case_id=case.id, variant=args.variant, fidelity=args.fidelity, platform=platform.value,
-        device_name=device_name, rank=rank, emulated_card_bytes=args.emulate_card_bytes))
+        device_name=device_name, rank=rank, world_size=world, versions=report.versions,
+        emulated_card_bytes=args.emulate_card_bytes))
     report.card_free_at_start = meas.card_free_at_start
     if short_of(meas.card_free_at_start, args.emulate_card_bytes):
         progress(f"the card has {meas.card_free_at_start / 2**30:.2f} GiB free at the start, less than the emulated "
