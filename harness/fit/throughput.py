@@ -52,7 +52,7 @@ HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 class StepWork:
     """What one optimizer step of one process waits for, in the units of TERMS."""
 
-    counts: tuple[float, ...]  # per term (TERMS): FLOPs, passes, passes, passes, passes, bytes, bytes, parameters, steps
+    counts: tuple[float, ...]  # per term (TERMS): FLOPs, 4 x passes, bytes, bytes, parameters, steps
     tokens: int  # tokens of one process's optimizer step
     procs_per_card: int
 
