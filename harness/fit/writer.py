@@ -54,8 +54,9 @@ def _why(field: str, k0: Knobs, k: Knobs) -> str:
                        f"{k0.grad_accum} -> {k.grad_accum}: the same global batch",
         "checkpointing": "recompute activations in backward instead of keeping them" if k.checkpointing
         else "keep activations: no recomputation, faster, and it fits",
-        "reentrant": "non-reentrant checkpointing releases ZeRO-3's gathered frozen weights (guide 000, measured)"
-        if not k.reentrant else "reentrant checkpointing, as the stack does by default",
+        "reentrant": ("non-reentrant checkpointing releases ZeRO-3's gathered frozen weights (guide 000, measured)"
+                      if k.stage == 3 else "non-reentrant checkpointing (torch's recommended mode)")
+        if not k.reentrant else "reentrant checkpointing",
         "stage": f"ZeRO stage {k0.stage} -> {k.stage}",
         "offload_optimizer": "optimizer state in host memory" if k.offload_optimizer
         else "optimizer state on the card: no CPU Adam, no copies",
@@ -141,7 +142,8 @@ def _edit_training(ed: _Editor, fmt: ConfigFormat, k0: Knobs, k: Knobs, fields: 
         key = "lora_rank" if lf else next((s for s in ("lora_r", "lora_rank") if s in data), "lora_r")
         ed.set(key, k.lora_r, _why("lora_r", k0, k), 8)
         alpha = data.get("lora_alpha") or 2 * (k0.lora_r or 8)
-        ed.set("lora_alpha", alpha * k.lora_r / k0.lora_r, _why("lora_r", k0, k), None)
+        scaled = alpha * k.lora_r / k0.lora_r
+        ed.set("lora_alpha", int(scaled) if float(scaled).is_integer() else scaled, _why("lora_r", k0, k), None)
     if "four_bit" in fields:
         why = _why("four_bit", k0, k)
         if lf:
