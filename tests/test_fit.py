@@ -141,3 +141,22 @@ def test_throughput_model_orders_the_guides_as_measured(ids):
     # also with each case's own baselines left out of the fit (benchmarks/bench_throughput.py)
     left_out = [calibrate(frozenset({i})).tokens_per_s(works[i]) for i in ids]
     assert left_out == sorted(left_out, reverse=True)
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_premerge_fit_puts_the_fitted_diff_in_the_failure(pytester):
+    import shutil
+
+    folder = pytester.mkdir("configs")
+    for name in ("000-ds32b-failing.yaml", "ds_z3_offload_config.json"):
+        shutil.copy(EXAMPLES / name, folder)
+    (folder / "premerge.yaml").write_text("defaults: {gpus: 8, gpu_memory: 64GiB}\nconfigs: {}\n")
+    plain = pytester.runpytest_subprocess("--premerge-dir", "configs", "-p", "no:cacheprovider")
+    plain.assert_outcomes(failed=1)
+    assert "oom-harness fit" not in plain.stdout.str()
+    fitted = pytester.runpytest_subprocess("--premerge-dir", "configs", "--premerge-fit", "-p", "no:cacheprovider")
+    fitted.assert_outcomes(failed=1)
+    fitted.stdout.fnmatch_lines(["*oom-harness fit: this fits at * per card predicted*",
+                                 "*gradient_accumulation_steps: 16 -> *"])
