@@ -9,7 +9,7 @@ from pathlib import Path
 import harness
 
 # The order data flows in (DESIGN "Layout"): a subpackage may import those before it, never after.
-LAYERS = ("models", "spec", "measure", "runtime", "baselines", "judge", "predict", "premerge", "report",
+LAYERS = ("models", "spec", "measure", "runtime", "baselines", "judge", "predict", "premerge", "fit", "report",
           "pytest_plugin", "cli")
 ROOT = Path(harness.__file__).parent
 

@@ -71,6 +71,11 @@ def pytest_addoption(parser):
     group.addoption("--premerge-files", action="append", default=None,
                     help="check only configs touched by these files (configs, DeepSpeed JSONs, premerge.yaml; "
                          "repeatable; without a pre-merge folder: the bundled example configs)")
+    group.addoption("--premerge-fit", action="store_true",
+                    help="a config expected to fit that does not: search a fitting one (oom-harness fit) and "
+                         "put its changes in the failure (ini: harness_premerge_fit)")
+    parser.addini("harness_premerge_fit", type="bool", default=False,
+                  help="oom-harness: pre-merge failures list the changes of a fitted config")
     parser.addini(SUITE[1], type="bool", default=False, help="oom-harness: run the bundled example suite's cases")
     parser.addini(CASE_DIR[1], default="", help="oom-harness: folder of case files, relative to this file")
     parser.addini(BASELINES_DIR[1], default="", help="oom-harness: folder of baselines, relative to this file")

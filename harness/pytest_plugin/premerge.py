@@ -21,6 +21,7 @@ a lint of severity error fires that the entry does not list, or when one it list
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -178,8 +179,10 @@ def judge(entry: PremergeEntry, result: CheckResult) -> list[str]:
     return problems
 
 
-def check_entry(entry: PremergeEntry) -> CheckResult:
-    """Run one entry's check; fail the calling test with the check's table when it does not hold."""
+def check_entry(entry: PremergeEntry, fit_dir: Path | None = None) -> CheckResult:
+    """Run one entry's check; fail the calling test with the check's table when it does not hold. With
+    `fit_dir` (`--premerge-fit`), a config expected to fit that does not gets a fitted config written
+    there, and the failure lists its changes (`harness.fit.suggest`)."""
     if entry.problem:
         pytest.fail(entry.problem, pytrace=False)
     try:
@@ -188,7 +191,14 @@ def check_entry(entry: PremergeEntry) -> CheckResult:
         pytest.fail(f"{exc}\n(set what the config does not say in {entry.config.parent / SIDECAR})", pytrace=False)
     problems = judge(entry, result)
     if problems:
-        pytest.fail(f"{entry.config}: " + "; ".join(problems) + "\n\n" + table(result), pytrace=False)
+        fitted = ""
+        if fit_dir is not None and result.fits is False and (entry.settings.expect or "fits") == "fits":
+            from harness.fit.suggest import fit_diff
+            from harness.predict.predictor import predict
+
+            fitted = "\n\n" + fit_diff(result, fit_dir, predict, deepspeed_arg=spec_of(entry).deepspeed,
+                                        platform=entry.settings.platform)
+        pytest.fail(f"{entry.config}: " + "; ".join(problems) + "\n\n" + table(result) + fitted, pytrace=False)
     return result
 
 
@@ -227,7 +237,9 @@ class PremergeItem(pytest.Item):
         self.entry = entry
 
     def runtest(self) -> None:
-        check_entry(self.entry)
+        fit = self.config.getoption("--premerge-fit") or self.config.getini("harness_premerge_fit")
+        fit_dir = Path(tempfile.mkdtemp(prefix="oom-harness-fit-")) if fit else None
+        check_entry(self.entry, fit_dir)
 
     def reportinfo(self):
         return self.path, None, f"premerge {self.entry.test_id}"

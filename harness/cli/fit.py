@@ -1,0 +1,229 @@
+"""`oom-harness fit`: from a config that runs out of memory to the fastest config predicted to fit.
+
+    oom-harness fit train.yaml --gpu-memory 64GiB --gpus 8 --out fitted/
+    oom-harness fit args.json --gpu-memory 16GB --gpus 1 --out fitted/ --allow cutoff,rank --json
+
+Searches the knobs that keep the training the same (and, with --allow, those that change it), keeps
+the candidates `check`'s verdict says fit, ranks them by predicted tokens/s, writes the best one into
+--out in the input's own format and checks the written files again as `check` would. Exit codes: 0 a
+fitting config was written; 1 none fits (the closest is named, with how far it is over); 2 bad input;
+3 an internal error. `--verify` runs the written config at full size on this host's GPU through
+`oom-harness run` (a GPU host only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from harness.cli.check import add_job_arguments, spec_from_args
+from harness.fit.knobs import ALLOWABLE, knobs_of
+from harness.fit.search import Candidate, Search, search
+from harness.fit.writer import ALLOC_ENV, OverwriteError, Written, write_fitted
+from harness.premerge.check import CheckResult, PredictFn, as_json, run_check
+from harness.premerge.importers import ConfigError, ConfigFormat
+from harness.spec.units import GIB, fmt_gib
+
+EXIT_OK, EXIT_NONE_FITS, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("fit", help="find the fastest config predicted to fit the cards, and write it")
+    add_job_arguments(p)
+    p.add_argument("--out", required=True, help="folder for the fitted config (the input files are never changed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--allow", type=_allow, default=frozenset(),
+                   help=f"also change what is trained: a comma-separated list of {', '.join(ALLOWABLE)} "
+                        "(4-bit base weights, a shorter cutoff, a lower LoRA rank)")
+    p.add_argument("--verify", action="store_true",
+                   help="run the fitted config at full size on this host's GPU (oom-harness run --fidelity real)")
+    p.set_defaults(func=run)
+
+
+def _allow(text: str) -> frozenset[str]:
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - set(ALLOWABLE))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"'{unknown[0]}' is not a knob fit may change; use {', '.join(ALLOWABLE)}")
+    return names
+
+
+class NoGpuError(RuntimeError):
+    """--verify on a host without a GPU."""
+
+
+def _require_gpu() -> None:
+    from harness.runtime.platform import accelerator_count
+
+    if accelerator_count() == 0:
+        raise NoGpuError("--verify runs the fitted config on this host's GPU, and this host has none (torch sees no "
+                         "CUDA or ROCm device). Fix: run fit without --verify here, and `oom-harness run --fidelity "
+                         "real --case-dir DIR` on a GPU host with the case fit writes there")
+
+
+def run(args, predict: PredictFn | None = None) -> int:
+    try:
+        if args.verify:
+            _require_gpu()
+        return _fit(args, predict)
+    except (ConfigError, OverwriteError, NoGpuError) as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}))
+        print(f"oom-harness fit: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _predictor(predict: PredictFn | None) -> PredictFn:
+    if predict is not None:
+        return predict
+    from harness.predict.predictor import predict as real
+
+    return real
+
+
+def _fit(args, predict: PredictFn | None) -> int:
+    spec = spec_from_args(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(out, "--out", "is a file, not a folder", "name a folder for the fitted config")
+    base = run_check(args.config, spec, platform=args.platform, predict=predict)
+    imported = base.config
+    if imported.training.format == ConfigFormat.case:
+        raise ConfigError(imported.training.path, None, "is a harness case file; fit writes training configs",
+                          "pass the LLaMA-Factory YAML or TrainingArguments JSON the case was made from")
+    if base.prediction is None:
+        raise ConfigError(imported.training.path, None, f"cannot be predicted: {imported.unpredictable}",
+                          "change the settings the lint names, then run fit again")
+    found = search(base, args.allow, _predictor(predict), platform=args.platform)
+    if found.best is None:
+        _report_none(found, args.json)
+        return EXIT_NONE_FITS
+    written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out,
+                           deepspeed_arg=spec.deepspeed, alloc_env=ALLOC_ENV not in imported.case.launch.env)
+    recheck = run_check(written.config, replace(spec, deepspeed=written.deepspeed if spec.deepspeed else None),
+                        platform=args.platform, predict=predict)
+    if recheck.fits != found.best.fits or recheck.card_peak != found.best.result.card_peak:
+        raise RuntimeError(f"the written config {written.config} checks as {recheck.verdict} with "
+                           f"{fmt_gib(recheck.card_peak)} per card, but the search predicted "
+                           f"{fmt_gib(found.best.result.card_peak)}")
+    verified = _verify(written, spec, out, args) if args.verify else None
+    if args.json:
+        print(json.dumps(_as_json(found, written, recheck), indent=1))
+    else:
+        print(_table(found, written))
+    return EXIT_OK if verified in (None, 0) else verified
+
+
+def _verify(written: Written, spec, out: Path, args) -> int:
+    """The fitted config as a case, run at full size through `oom-harness run` (its card emulated)."""
+    from harness.cli import run as run_command
+    from harness.premerge.case_writer import write_case
+
+    case_dir = out / "case"
+    write_case(written.config, replace(spec, deepspeed=written.deepspeed if spec.deepspeed else None), case_dir,
+               force=True, platform=args.platform)
+    parser = argparse.ArgumentParser(prog="oom-harness")
+    run_command.add_parser(parser.add_subparsers(dest="command"))
+    run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir),
+                                  "--out", str(out / "runs"), "--json", str(out / "verify.json")])
+    return run_command.run(run_args)
+
+
+# --- output -----------------------------------------------------------------------------------------
+
+
+def _gib(n: int | float | None) -> float | None:
+    return None if n is None else round(n / GIB, 3)
+
+
+def _knobs_text(c: Candidate) -> str:
+    k = c.knobs
+    gc = ("GC " + ("reentrant" if k.reentrant else "non-reentrant")) if k.checkpointing else "no GC"
+    ds = "no DeepSpeed" if k.stage is None else f"ZeRO-{k.stage}" + (
+        "+opt offload" if k.offload_optimizer else "") + ("+param offload" if k.offload_param else "")
+    extra = [f"cutoff {k.seq_len}", f"r {k.lora_r}" if k.lora_r else "", "4-bit" if k.four_bit else ""]
+    return f"mb {k.micro_batch} x GA {k.grad_accum}, {gc}, {ds}, " + ", ".join(e for e in extra if e)
+
+
+def _candidate_json(c: Candidate) -> dict:
+    p = c.result.prediction
+    return {"knobs": _knobs_text(c), "tokens_per_s": round(c.tokens_per_s, 1),
+            "card_peak_gib": _gib(c.result.card_peak), "budget_gib": _gib(c.result.budget),
+            "peak_allocated_gib": _gib(p.allocated), "peak_reserved_gib": _gib(p.reserved),
+            "device_peak_gib": _gib(p.device)}
+
+
+def _search_json(found: Search) -> dict:
+    return {"candidates": found.considered, "predicted": found.predicted, "screened_out": found.screened_out,
+            "seconds": round(found.seconds, 2), "stopped_early": found.stopped_early,
+            "throughput_constants": {k: float(f"{v:.4g}") for k, v in found.throughput.values.items()},
+            "throughput_fitted_on": found.throughput.fitted_on}
+
+
+def _as_json(found: Search, written: Written, recheck: CheckResult) -> dict:
+    best = found.best
+    return {
+        "fits": True,
+        "changes": [c.as_list() for c in written.changes],
+        "predicted": _candidate_json(best),
+        "predicted_tokens_per_s": round(best.tokens_per_s, 1),
+        "input": {"fits": found.base.fits, "card_peak_gib": _gib(found.base.card_peak),
+                  "predicted_tokens_per_s": round(found.base_tokens_per_s, 1)},
+        "files": [str(f) for f in written.files],
+        "runners_up": [_candidate_json(c) for c in found.runners_up],
+        "check": as_json(recheck),
+        "search": _search_json(found),
+    }
+
+
+def _runners_table(found: Search) -> list[str]:
+    if not found.runners_up:
+        return []
+    lines = ["", "runners-up:", f"  {'tokens/s':>9}  {'per card':>10}  knobs"]
+    for c in found.runners_up:
+        lines.append(f"  {c.tokens_per_s:>9.0f}  {fmt_gib(c.result.card_peak):>10}  {_knobs_text(c)}")
+    return lines
+
+
+def _table(found: Search, written: Written) -> str:
+    base, best = found.base, found.best
+    lines = [
+        f"{base.config.training.path}: {base.verdict.lower()}, {fmt_gib(base.card_peak)} per card predicted, "
+        f"budget {fmt_gib(base.budget)}, about {found.base_tokens_per_s:.0f} tokens/s per card",
+        f"fitted: {fmt_gib(best.result.card_peak)} per card predicted (budget {fmt_gib(best.result.budget)}), "
+        f"about {best.tokens_per_s:.0f} tokens/s per card",
+        f"  {_knobs_text(best)}",
+        "",
+        "changes:",
+    ]
+    width = max((len(c.key) for c in written.changes), default=0)
+    for c in written.changes:
+        lines.append(f"  {c.key:<{width}}  {c.old!s} -> {c.new!s}")
+        lines.append(f"  {'':<{width}}  why: {c.why}")
+    lines += ["", "written:"] + [f"  {f}" for f in written.files]
+    lines += _runners_table(found)
+    lines += ["", f"searched {found.considered} candidates, predicted {found.predicted}, passed over "
+              f"{found.screened_out} on a bound, in {found.seconds:.1f} s"
+              + (" (stopped at the time limit)" if found.stopped_early else "")]
+    return "\n".join(lines)
+
+
+def _report_none(found: Search, as_json_output: bool) -> None:
+    c = found.closest
+    over = None if c is None else c.result.card_peak - c.result.budget
+    if as_json_output:
+        print(json.dumps({"fits": False, "changes": [], "files": [],
+                          "closest": None if c is None else _candidate_json(c) | {"over_gib": _gib(over)},
+                          "input": {"fits": found.base.fits, "card_peak_gib": _gib(found.base.card_peak)},
+                          "search": _search_json(found)}, indent=1))
+        return
+    lines = [f"{found.base.config.training.path}: no config fits "
+             f"({found.considered} candidates searched, {found.predicted} predicted)"]
+    if c is not None:
+        lines.append(f"closest: {_knobs_text(c)}: {fmt_gib(c.result.card_peak)} per card predicted against a budget of "
+                     f"{fmt_gib(c.result.budget)}, {fmt_gib(over)} over")
+    lines.append("more room: --allow quantization,cutoff,rank (what is trained changes), more GPUs, or bigger cards")
+    print("\n".join(lines))

@@ -1,0 +1,167 @@
+"""The search: every knob setting ranked by predicted throughput, the fastest ones that fit kept.
+
+Each distinct traced step costs seconds (`harness.predict.trace` caches one per TraceSpec); everything
+else of a prediction costs about a millisecond. So:
+
+1. Every candidate of `harness.fit.knobs.space` gets its predicted tokens/s from the closed-form
+   throughput model (`harness.fit.throughput`), no trace. They are walked fastest first, those that
+   keep what is trained before those that change it (4-bit weights, cutoff, rank: only where
+   `--allow` lets them, and only where nothing that keeps the training fits). Of the fitting
+   candidates within `SAME_SPEED` of the fastest, the one with the fewest changes to what is trained,
+   then the fewest changes, is chosen: the model does not resolve smaller differences.
+2. Before a candidate's own step is traced, its memory is bounded from the same candidate at
+   micro-batch 1 (gradient accumulation keeping the global batch): that prediction plus the step's
+   transient peak times the extra micro-batch, in reserved bytes. A candidate estimated above the
+   budget by more than `SCREEN_SLACK` is passed over without a trace. Traces are shared by every
+   candidate that differs only in knobs the traced step does not see (ZeRO stage 0/2, offload,
+   buckets, pinning, workers).
+3. A candidate is judged by the verdict `oom-harness check` gives (`CheckResult.fits`: the card's
+   predicted peak within the budget, and the host's RAM where it is given), so whatever margin that
+   verdict holds applies here unchanged.
+4. A candidate that does not fit rules out its family at that micro-batch and above.
+
+The walk stops at the fastest fitting candidate and `RUNNERS_UP` more with different main knobs, or
+at the deadline (then the result says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.fit.knobs import Knobs, apply, knobs_of, space
+from harness.fit.throughput import ThroughputModel, calibrate, step_work
+from harness.premerge.check import CheckResult
+from harness.spec.schema import Case
+
+SCREEN_SLACK = 1.10  # estimate / budget above which a candidate is passed over without a trace
+RUNNERS_UP = 4
+SAME_SPEED = 0.95  # predicted tokens/s within this share of the fastest count as equal
+DEADLINE_S = 90.0  # the walk's share of fit's 120 s
+
+
+@dataclass
+class Candidate:
+    knobs: Knobs
+    case: Case
+    tokens_per_s: float  # predicted, per card
+    changed: int  # knobs that differ from the input's
+    changes_training: int  # of them, those that change what is trained (4-bit weights, cutoff, rank)
+    result: CheckResult | None = None  # the check's verdict on it, once predicted
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.result is not None and self.result.fits)
+
+    def main(self) -> tuple:
+        k = self.knobs
+        return (k.micro_batch, k.checkpointing, k.checkpointing and k.reentrant, k.stage, k.offload_optimizer,
+                k.offload_param, k.seq_len, k.lora_r, k.four_bit)
+
+
+@dataclass
+class Search:
+    base: CheckResult
+    best: Candidate | None
+    runners_up: list[Candidate]
+    closest: Candidate | None  # when nothing fits: the smallest predicted card peak against the budget
+    throughput: ThroughputModel
+    base_tokens_per_s: float
+    considered: int
+    predicted: int
+    screened_out: int
+    seconds: float
+    stopped_early: bool
+    notes: list[str] = field(default_factory=list)
+
+
+PredictFn = Callable[..., Any]
+
+
+def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, platform: str | None = None,
+           deadline_s: float = DEADLINE_S, runners_up: int = RUNNERS_UP) -> Search:
+    t0 = time.perf_counter()
+    warnings.simplefilter("ignore", FutureWarning)  # library deprecation chatter from the traced model code
+    warnings.simplefilter("ignore", DeprecationWarning)
+    imported = base.config
+    case0, config = imported.case, imported.arch.config
+    model = calibrate()
+    k0 = knobs_of(case0)
+    candidates = []
+    for k in space(k0, allow, case0.method.kind):
+        case = apply(case0, k)
+        changed = sum(getattr(k, f.name) != getattr(k0, f.name) for f in dataclasses.fields(k))
+        training = sum(getattr(k, name) != getattr(k0, name) for name in ("four_bit", "seq_len", "lora_r"))
+        candidates.append(Candidate(k, case, model.tokens_per_s(step_work(case, config)), changed, training))
+    candidates.sort(key=lambda c: (c.changes_training > 0, -c.tokens_per_s, c.changes_training, c.changed))
+
+    predictions: dict[Knobs, CheckResult] = {}
+
+    def judge(k: Knobs, case: Case) -> CheckResult:
+        if k not in predictions:
+            prediction = predict(case, imported.arch, platform=platform)
+            predictions[k] = CheckResult(config=dataclasses.replace(imported, case=case), prediction=prediction,
+                                         lints=())
+        return predictions[k]
+
+    failed_at: dict[tuple, int] = {}  # family -> smallest micro-batch predicted not to fit
+    fitting, screened, stopped = [], 0, False
+    seen_main: set[tuple] = set()
+    for c in candidates:
+        if time.perf_counter() - t0 > deadline_s:
+            stopped = True
+            break
+        k = c.knobs
+        fam = k.family()
+        if fam in failed_at and k.micro_batch >= failed_at[fam]:
+            continue
+        if c.main() in seen_main:
+            continue
+        if len(fitting) > runners_up and (c.changes_training > 0) == (fitting[0].changes_training > 0) \
+                and c.tokens_per_s < SAME_SPEED * fitting[0].tokens_per_s:
+            break
+        if fitting and (c.changes_training > 0) != (fitting[0].changes_training > 0) and len(fitting) > runners_up:
+            break
+        if k.micro_batch > 1:
+            one = dataclasses.replace(k, micro_batch=1, grad_accum=k.micro_batch * k.grad_accum)
+            r1 = judge(one, apply(case0, one))
+            if not r1.fits and r1.card_peak is not None:
+                failed_at[fam] = 1
+            p1 = r1.prediction
+            estimate = (p1.device + (k.micro_batch - 1) * p1.terms.get("step_transient_peak", 0)
+                        * p1.reserved / max(p1.allocated, 1)) * imported.procs_per_gpu
+            if r1.card_peak is None or not r1.fits or estimate > r1.budget * SCREEN_SLACK:
+                screened += 1
+                continue
+        c.result = judge(k, c.case)
+        if not c.fits:
+            failed_at[fam] = min(failed_at.get(fam, k.micro_batch), k.micro_batch)
+            continue
+        seen_main.add(c.main())
+        fitting.append(c)
+    best, others = _choose(fitting)
+    closest = None
+    if best is None and predictions:
+        k, r = min(predictions.items(), key=lambda kv: kv[1].card_peak / kv[1].budget)
+        closest = next(c for c in candidates if c.knobs == k)
+        closest.result = r
+    return Search(base=base, best=best, runners_up=others, closest=closest, throughput=model,
+                  base_tokens_per_s=model.tokens_per_s(step_work(case0, config)), considered=len(candidates),
+                  predicted=len(predictions), screened_out=screened, seconds=time.perf_counter() - t0,
+                  stopped_early=stopped)
+
+
+def _choose(fitting: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:
+    """The best of the fitting candidates (in walk order) and the runners-up: of those within SAME_SPEED
+    of the first (the fastest of its kind), the fewest changes to what is trained, then to anything."""
+    if not fitting:
+        return None, []
+    first = fitting[0]
+    same = [c for c in fitting if (c.changes_training > 0) == (first.changes_training > 0)
+            and c.tokens_per_s >= SAME_SPEED * first.tokens_per_s]
+    best = min(same, key=lambda c: (c.changes_training, c.changed, -c.tokens_per_s))
+    return best, [c for c in fitting if c is not best][:RUNNERS_UP]
