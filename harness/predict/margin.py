@@ -39,7 +39,6 @@ from harness.spec.suite import ROOT
 from harness.spec.units import fmt_gib
 
 ERRORS_FILE = ROOT / "results" / "predictor" / "errors.json"
-DEVICE_DIR = ROOT / "results" / "device"  # probe records (harness.runtime.device_probe)
 PREDICTOR_CODE = Path(__file__).resolve().parent
 # Files of harness/predict/ whose change does not change a prediction (the margin itself, the table's writer).
 _NOT_PREDICTOR = {"margin.py", "errors.py", "__init__.py"}

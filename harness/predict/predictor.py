@@ -21,8 +21,10 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    allocated = max(step 3, states + that term).
 5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
    reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
-   parameter's bytes under ZeRO-3); device = reserved + device_overhead (+ device_overhead_deepspeed
-   for DeepSpeed processes, + triton_cold_overhead for fla on a cold Triton cache).
+   parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
+   (`harness.predict.device`: the parts the device probe measured on the platform where a record
+   exists, else device_overhead, + device_overhead_deepspeed for DeepSpeed processes), +
+   triton_cold_overhead for fla on a cold Triton cache.
 6. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
    dataloader worker, plus offloaded optimizer state and parameters (pinned: each partition
    rounded up to a power of two, as torch's pinned host allocator does). Not fitted.
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 
 from harness.models.registry import Architecture
 from harness.models.source import load_model
+from harness.predict.device import overhead as device_overhead
 from harness.predict.margin import Margin, margin_for
 from harness.spec.schema import Case
 
@@ -152,10 +155,10 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
         reserved += cached
         terms["zero3_cached_gather_blocks"] = cached
-    overhead = int(values["device_overhead"])
-    if case.deepspeed is not None:
-        overhead += int(values["device_overhead_deepspeed"])
-    terms["context_and_workspaces"] = overhead
+    beside = device_overhead(case, arch, platform, values)
+    notes += beside.notes
+    overhead = beside.total
+    terms.update(beside.terms)
     fla = arch.model_type == "gla"
     if fla and case.launch.triton_cache == "cold":
         cold = cal.values.get("triton_cold_overhead")
