@@ -169,9 +169,10 @@ def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozen
             fraction = max(MARGIN_FLOOR, worst.shortfall)
             basis = f"{level}, {len(group)} runs of {len(cases)} cases"
             if level != LEVELS[0][0]:
-                basis += f"; fewer than {MIN_CASES} cases of this kind were measured"
+                basis += f" (this kind has fewer than {MIN_CASES} measured cases)"
             return Margin(fraction=fraction, kind=kind, basis=basis, cases=tuple(cases),
-                          worst=f"{worst.name} {-worst.shortfall:+.1%}" if worst.shortfall > MARGIN_FLOOR else None)
+                          worst=(f"{worst.name} measured {worst.shortfall:.1%} above its prediction"
+                                 if worst.shortfall > MARGIN_FLOOR else None))
     return Margin(fraction=PRIOR_MARGIN, kind=kind, basis="no benchmark error to draw on; a cautious prior",
                   notes=("no predictor error table: the margin is a prior",))
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.judge.host_ram import HOST_RAM_FRACTION
 from harness.predict.margin import FitVerdict, fit_verdict
 from harness.premerge.importers import ConfigError, ImportedConfig, JobSpec, import_config
 from harness.premerge.lints import Lint, lint
@@ -61,7 +60,11 @@ class CheckResult:
     @property
     def host_ram_limit(self) -> int | None:
         """What the node's training processes may hold of the host's RAM (--host-ram), if it is known."""
-        return None if self.config.host_ram is None else int(self.config.host_ram * HOST_RAM_FRACTION)
+        if self.config.host_ram is None:
+            return None
+        from harness.judge.host_ram import HOST_RAM_FRACTION  # the judge's verdict modules: only where it is given
+
+        return int(self.config.host_ram * HOST_RAM_FRACTION)
 
     @property
     def host_fits(self) -> bool | None:

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from harness.judge.host_ram import HOST_RAM_FRACTION
 from harness.predict.margin import Margin, fit_verdict
 from harness.premerge.importers import ConfigFormat, ImportedConfig
 from harness.spec.units import fmt_gib
@@ -190,6 +189,8 @@ def offload_pinned_host_ram(c: ImportedConfig, p) -> list[Lint]:
     ds = c.deepspeed
     if ds is None or not ds.offload_pin_memory or c.host_ram is None or p is None:
         return []
+    from harness.judge.host_ram import HOST_RAM_FRACTION  # the judge's verdict modules: only where a host is given
+
     limit = c.host_ram * HOST_RAM_FRACTION
     need = c.node_host_ram(p.host_ram)
     if need <= limit:
