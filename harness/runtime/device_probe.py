@@ -71,11 +71,12 @@ class _ProcessMemory:
             value = self.reader.read()
             if value is not None and getattr(self.reader, "per_process", False):
                 return int(value)
+            self.reader = None  # NVML does not list this process (a container hides its PID)
         if self.source.startswith("nvidia-smi"):
             value = _smi_process_used(os.getpid())
             if value is not None:
                 return value
-            self.source = "the card's used memory (cudaMemGetInfo), less the card's use before the probe"
+        self.source = "the card's used memory (cudaMemGetInfo), less the card's use before the probe"
         free, total = torch.cuda.mem_get_info(self.index)
         return total - free - (self.card_before or 0)
 
@@ -278,7 +279,7 @@ def _run(targets: list[tuple], timeout: float) -> tuple[list[dict], str | None]:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(*args, queue), daemon=True) for fn, args in targets]
+    procs = [ctx.Process(target=fn, args=(*args, queue)) for fn, args in targets]  # not daemons: libraries fork
     for p in procs:
         p.start()
     results, deadline = [], time.monotonic() + timeout
