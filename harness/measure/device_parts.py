@@ -56,7 +56,9 @@ class Part:
 
     bytes: int | None
     how: str
-    in_allocator: int = 0  # what the same step added to the allocator's reserved memory (kept there, not added)
+    # what the same step added to the allocator's reserved memory, the blocks of the probe's own tensors
+    # cached there included: shown for reference, never added (reserved is predicted on its own)
+    in_allocator: int = 0
     error: str | None = None
 
 
