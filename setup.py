@@ -1,5 +1,8 @@
 """Build step: the wheel carries the bundled suite (cases, baselines, example configs) as package data.
 
+It also carries the predictor's benchmark errors (results/predictor/, the margins) and the device
+probe records (results/device/, where any were measured).
+
 The repository keeps `cases/`, `results/baselines/` and `configs/examples/` at its top level, beside
 the package; a wheel holds only the package. `build_py` copies them into `harness/_bundled/`, where
 `harness.spec.suite` finds them once installed. Everything else is in pyproject.toml.
@@ -13,7 +16,9 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 # what the wheel carries, relative to the checkout; harness.spec.suite reads it back from harness/_bundled/
-SHIPPED = {"cases": "*.yaml", "results/baselines": "*/*.json", "configs/examples": "*"}
+SHIPPED = {"cases": "*.yaml", "results/baselines": "*/*.json", "configs/examples": "*",
+           "results/predictor": "*.json"}
+OPTIONAL = {"results/device": "*.json"}  # device probe records (harness.runtime.device_probe), where measured
 
 
 class BuildPyWithSuite(build_py):
@@ -22,9 +27,9 @@ class BuildPyWithSuite(build_py):
         if self.editable_mode:  # an editable install reads the checkout itself
             return
         target = Path(self.build_lib) / "harness" / "_bundled"
-        for folder, pattern in SHIPPED.items():
+        for folder, pattern in {**SHIPPED, **OPTIONAL}.items():
             files = sorted(p for p in (HERE / folder).glob(pattern) if p.is_file())
-            if not files:
+            if not files and folder in SHIPPED:
                 raise SystemExit(f"setup.py: nothing matches {folder}/{pattern}; the bundled suite is incomplete")
             for src in files:
                 dest = target / src.relative_to(HERE)

@@ -3,9 +3,10 @@
     .venv/bin/pytest benchmarks/                      # both benchmarks, pytest-benchmark's table
     .venv/bin/pytest benchmarks/ -k check --benchmark-json out.json
 
-* `oom-harness check` on guide 000's 32B config, each round a cold process (imports, config import,
-  the predictor's fake-tensor trace, lints, the table), as a pre-merge CI job runs it; once with the
-  predictor's on-disk trace cache off (a fresh CI runner; target 10 s) and once with it warm.
+* `oom-harness check` on guide 000's 32B config, each round a fresh process (imports, config import,
+  the predictor's fake-tensor trace, calibration, lints, the table), as a pre-merge CI job runs it;
+  once with the predictor's on-disk cache off (a fresh CI runner: nothing cached; target 10 s) and
+  once with it warm (the trace and the calibration's baseline figures cached; target 1 s).
 * the whole tiny suite (every case at tiny size, as CI runs it; target 3 minutes). Run it once
   before timing on a fresh machine, so DeepSpeed's JIT ops and the random checkpoints are cached.
 
@@ -25,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "configs" / "examples"
-CHECK_TARGET_S = 10.0
+CHECK_TARGET_S = 10.0  # an empty trace cache, two CPU cores
+CHECK_WARM_TARGET_S = 1.0  # the trace and the calibration cached on disk
 TINY_SUITE_TARGET_S = 180.0
 
 
@@ -54,13 +56,14 @@ def test_check_32b(benchmark, request, trace_cache, tmp_path):
         _run(cmd, env)  # fills the cache
     proc = benchmark.pedantic(_run, args=(cmd, env), rounds=3, iterations=1)
     result = json.loads(proc.stdout)
-    benchmark.extra_info.update(target_s=CHECK_TARGET_S if trace_cache == "off" else None,
-                                device_peak_gib=result["device_peak_gib"], fits=result["fits"], cpus=os.cpu_count())
-    worst = max(benchmark.stats.stats.data)
-    target = (f"; target {CHECK_TARGET_S:.0f} s: {'met' if worst <= CHECK_TARGET_S else 'NOT met'}"
-              if trace_cache == "off" else "")
-    _say(request, f"\noom-harness check 32B, trace cache {trace_cache}: "
-                  f"worst of 3 cold processes {worst:.2f} s{target}")
+    goal = CHECK_TARGET_S if trace_cache == "off" else CHECK_WARM_TARGET_S
+    benchmark.extra_info.update(target_s=goal, device_peak_gib=result["device_peak_gib"], fits=result["fits"],
+                                cpus=os.cpu_count(), affinity=len(os.sched_getaffinity(0)))
+    data = benchmark.stats.stats.data
+    worst = max(data)
+    _say(request, f"\noom-harness check 32B, trace cache {trace_cache}: {len(data)} fresh processes, "
+                  f"median {sorted(data)[len(data) // 2]:.2f} s, worst {worst:.2f} s; "
+                  f"target {goal:g} s: {'met' if worst <= goal else 'NOT met'}")
 
 
 def test_tiny_suite(benchmark, request, tmp_path):

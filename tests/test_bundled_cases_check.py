@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from harness.cli.main import main
+from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.cases import CASES_DIR, case_files, load_case
 from harness.spec.schema import Case
@@ -48,6 +49,7 @@ class _Prediction:
     notes: list = field(default_factory=lambda: ["fake prediction"])
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
+    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
 
 
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli.main import main
+from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.units import GIB
 
@@ -30,6 +31,7 @@ class FakePrediction:
     notes: list = field(default_factory=lambda: ["fake prediction"])
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
+    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
 
 
 @pytest.fixture
@@ -37,10 +39,11 @@ def predicted(monkeypatch):
     """Make the predictor return a given device peak (GiB); records what it was asked."""
     calls = []
 
-    def use(device_gib: float):
+    def use(device_gib: float, margin: float = 0.0):
         def fake(case, arch=None, *, platform=None, exclude=frozenset()):
             calls.append((case, arch, platform))
-            return FakePrediction(int((device_gib - 3) * GIB), int((device_gib - 1) * GIB), int(device_gib * GIB))
+            return FakePrediction(int((device_gib - 3) * GIB), int((device_gib - 1) * GIB), int(device_gib * GIB),
+                                  margin=Margin(margin, "a test margin"))
 
         monkeypatch.setattr(check, "_predictor", lambda: fake)
         return calls
@@ -70,6 +73,32 @@ def test_does_not_fit_exit_1(capsys, predicted):
     predicted(60)  # above 0.9 x 64 = 57.6 GiB
     code, out, _ = run(capsys, GUIDE000, *DCU_ARGS)
     assert code == 1 and "DOES NOT FIT" in out
+
+
+def test_margin_decides_the_verdict(capsys, predicted):
+    predicted(52)  # the point prediction alone fits 0.9 x 64 = 57.6 GiB
+    assert run(capsys, GUIDE000, *DCU_ARGS)[0] == 0
+    predicted(52, margin=0.12)  # 52 + 6.24 = 58.24 GiB does not
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS)
+    assert code == 1
+    assert "verdict: DOES NOT FIT (predicted 52.00 GiB + margin 6.24 GiB (12.0%) = 58.24 GiB > budget 57.60 GiB)" in out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "margin (12.0% of the card peak) 6.24 GiB" in lines and "headroom -0.64 GiB" in lines
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--json")
+    result = json.loads(out)
+    assert (code, result["fits"], result["card_peak_gib"], result["margin_gib"], result["budget_gib"]) == (
+        1, False, 52, 6.24, 57.6)
+    assert result["card_peak_with_margin_gib"] == 58.24 and result["margin_fraction"] == 0.12
+    assert "a test margin" in result["margin_basis"]
+
+
+def test_margin_covers_every_process_on_the_card(capsys, predicted):
+    predicted(18, margin=0.1)  # 3 x 18 = 54 GiB fits 57.6 GiB; with 10% it is 59.4 GiB
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--procs-per-gpu", "3", "--json")
+    result = json.loads(out)
+    assert (code, result["fits"], result["card_peak_gib"], result["margin_gib"]) == (1, False, 54, 5.4)
+    [lint] = [f for f in result["lints"] if f["code"] == "procs-per-card-oversubscribed"]
+    assert "+ margin 5.40 GiB" in lint["message"]
 
 
 def test_headroom_flag(capsys, predicted):
@@ -272,15 +301,27 @@ def test_premerge_judge(tmp_path, predicted):
     fits = check.run_check(a.config, pm.spec_of(a))
     assert pm.judge(a, fits) == []
     oom_expected = pm.PremergeEntry(a.config, a.settings.model_copy(update={"expect": "oom"}))
-    assert pm.judge(oom_expected, fits) == ["expected not to fit (expect: oom), but it fits"]
+    assert pm.judge(oom_expected, fits) == ["expected not to fit (expect: oom), but it fits (predicted 30.00 GiB "
+                                            "+ margin 0.00 GiB (0.0%) = 30.00 GiB <= budget 67.06 GiB)"]
     lint_expected = pm.PremergeEntry(a.config, a.settings.model_copy(update={"lints": ["fp16-and-bf16"]}))
     assert pm.judge(lint_expected, fits) == ["expected lint(s) did not fire: fp16-and-bf16"]
     predicted(80)
     too_big = check.run_check(a.config, pm.spec_of(a))
-    assert pm.judge(a, too_big) == ["expected to fit, but it does not"]
+    assert pm.judge(a, too_big) == ["expected to fit, but it does not (predicted 80.00 GiB + margin 0.00 GiB "
+                                    "(0.0%) = 80.00 GiB > budget 67.06 GiB)"]
     with pytest.raises(pytest.fail.Exception) as failed:
         pm.check_entry(a)
     assert "DOES NOT FIT" in str(failed.value) and "device peak" in str(failed.value)
+
+
+def test_premerge_failure_names_prediction_margin_and_budget(tmp_path, predicted):
+    folder = _folder(tmp_path)
+    a, _ = pm.entries(folder)
+    predicted(60, margin=0.15)  # 60 GiB fits the 67.06 GiB budget; 69 GiB with its margin does not
+    with pytest.raises(pytest.fail.Exception) as failed:
+        pm.check_entry(a)
+    message = str(failed.value)
+    assert "it does not (predicted 60.00 GiB + margin 9.00 GiB (15.0%) = 69.00 GiB > budget 67.06 GiB)" in message
 
 
 def test_host_ram_of_a_node_whose_cards_each_run_their_own_jobs(capsys, predicted):

@@ -363,7 +363,7 @@ def test_an_alias_bomb_and_a_gigabyte_file_are_refused_in_well_under_a_second(tm
 
 
 def test_host_ram_too_small_for_the_prediction_does_not_fit(tmp_path, capsys):
-    job = ["--gpu-memory", "80GiB", "--gpus", "8"]  # the card fits: only the host can refuse it
+    job = ["--gpu-memory", "96GiB", "--gpus", "8"]  # the card fits, margin included: only the host can refuse it
     outcome = invoke(["check", CONFIG, *job, "--host-ram", "1GiB", "--json"], capsys, tmp_path)
     result = json.loads(outcome.out)
     assert outcome.code == 1 and result["fits"] is False and result["host_ram_fits"] is False

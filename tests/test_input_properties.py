@@ -19,6 +19,7 @@ from hostile import CASES, EXAMPLES, invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.units import GIB
 
@@ -40,6 +41,7 @@ class FixedPrediction:
     notes: list = field(default_factory=list)
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
+    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
 
 
 @pytest.fixture(autouse=True)

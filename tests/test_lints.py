@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.predict.margin import Margin
 from harness.premerge.importers import JobSpec, import_config
 from harness.premerge.lints import RULES, lint
 from harness.spec.units import GIB, parse_size
@@ -29,6 +30,7 @@ class FakePrediction:
     notes: list = field(default_factory=list)
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
+    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
 
 
 LF = {

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_validator
 
+from harness.measure.device_parts import platform_key
 from harness.measure.records import CaseRun, Clocks
 from harness.models.inputs import InputError, load_json
 from harness.spec.files import FileName, FileNameOrEmpty, OutsideFolderError, inside, write_atomic
@@ -40,8 +40,7 @@ class PlatformInfo(BaseModel):
 
     @property
     def key(self) -> str:
-        name = re.sub(r"[^a-z0-9]+", "-", self.device_name.lower()).strip("-")
-        return f"{name}-x{self.device_count}"
+        return platform_key(self.device_name, self.device_count)
 
 
 class Figures(BaseModel):

@@ -30,17 +30,25 @@ platform's baselines; where it has none, every platform's, and the notes say so.
 removes case ids (leave-one-out). A baseline measured on a variant (fewer ranks / layers) counts
 as its case id. Fitted on medians, so one outlier does not move the others. The mistakes the harness
 must detect (expect: detected) are left out: their figures are the mistake's.
+
+What fitting reads of the baselines and their cases is cached on disk beside the traces
+(`HARNESS_PREDICT_CACHE`), keyed by the content of the baselines, the case files, the architecture
+registry and this module, so a warm `check` reads no case file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from harness.baselines.store import RESULTS_DIR, load_baselines
-from harness.spec.cases import CASES_DIR
+from harness.spec.files import write_atomic
+from harness.spec.suite import BASELINES_DIR as RESULTS_DIR
+from harness.spec.suite import CASES_DIR
 
 FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
 OPTIONAL = ("triton_cold_overhead",)  # no prior: left out where nothing was measured
@@ -74,13 +82,35 @@ class _Obs:
 
 @lru_cache(maxsize=4)
 def _observations(root: str, case_dir: str) -> tuple[_Obs, ...]:
+    """The baselines' figures with what fitting needs of their cases, from the on-disk cache where
+    the baselines, the case files, the architecture registry and this code are unchanged (reading 60
+    baselines and their cases costs most of a warm `check`), else read and cached."""
+    key = _inputs_key(Path(root), Path(case_dir))
+    cached = _load_cached(key)
+    if cached is None:
+        cached = _read_observations(root, case_dir)
+        _store_cached(key, cached)
+    observations, warnings = cached
+    for line in warnings:
+        print(f"oom-harness: warning: {line}", file=sys.stderr)
+    return observations
+
+
+def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list[str]]:
+    from harness.baselines.store import read_baselines
     from harness.spec.cases import load_case
 
+    baselines, warnings = read_baselines(Path(root))
+    cases = {}
     out = []
-    for b in load_baselines(Path(root)):
-        try:
-            case = load_case(Path(case_dir) / f"{b.case_id}.yaml")
-        except Exception:  # a baseline of a case that no longer exists
+    for b in baselines:
+        if b.case_id not in cases:
+            try:
+                cases[b.case_id] = load_case(Path(case_dir) / f"{b.case_id}.yaml")
+            except Exception:  # a baseline of a case that no longer exists
+                cases[b.case_id] = None
+        case = cases[b.case_id]
+        if case is None:
             continue
         if case.expect.outcome == "detected":
             # a mistake's figures are the mistake's (guide 002's model materialised before DeepSpeed
@@ -95,7 +125,50 @@ def _observations(root: str, case_dir: str) -> tuple[_Obs, ...]:
                             allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
                             deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather,
                             cold_triton=r.triton_cache == "cold"))
-    return tuple(out)
+    return tuple(out), warnings
+
+
+def _inputs_key(root: Path, case_dir: Path) -> str:
+    from harness.models.registry import ARCH_DIR
+
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    files = sorted(root.glob("*/*.json")) + sorted(case_dir.glob("*.yaml"))
+    files += sorted((p for p in ARCH_DIR.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+    for p in files:
+        try:
+            h.update(str(p).encode() + b"\0" + p.read_bytes() + b"\0")
+        except OSError:
+            h.update(str(p).encode() + b"\0unreadable\0")
+    return h.hexdigest()[:32]
+
+
+def _cache_file(key: str) -> Path | None:
+    from harness.predict.trace import _cache_dir  # the predictor's cache folder (HARNESS_PREDICT_CACHE)
+
+    folder = _cache_dir()
+    return None if folder is None else folder / f"calibration-{key}.json"
+
+
+def _load_cached(key: str) -> tuple[tuple[_Obs, ...], list[str]] | None:
+    path = _cache_file(key)
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return tuple(_Obs(**o) for o in data["observations"]), list(data["warnings"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _store_cached(key: str, cached: tuple[tuple[_Obs, ...], list[str]]) -> None:
+    path = _cache_file(key)
+    if path is None:
+        return
+    observations, warnings = cached
+    try:
+        write_atomic(path, json.dumps({"observations": [asdict(o) for o in observations], "warnings": warnings}))
+    except OSError:  # a read-only home: read every call instead
+        pass
 
 
 def largest_gather_bytes(case) -> int:

@@ -21,11 +21,16 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    allocated = max(step 3, states + that term).
 5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
    reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
-   parameter's bytes under ZeRO-3); device = reserved + device_overhead (+ device_overhead_deepspeed
-   for DeepSpeed processes, + triton_cold_overhead for fla on a cold Triton cache).
+   parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
+   (`harness.predict.device`: the parts the device probe measured on the platform where a record
+   exists, else device_overhead, + device_overhead_deepspeed for DeepSpeed processes), +
+   triton_cold_overhead for fla on a cold Triton cache.
 6. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each
    dataloader worker, plus offloaded optimizer state and parameters (pinned: each partition
    rounded up to a power of two, as torch's pinned host allocator does). Not fitted.
+7. margin (`harness.predict.margin`): the device figure's uncertainty, the worst leave-one-out
+   shortfall on the benchmark's runs of the same kind of config; `harness.predict.margin.fit_verdict`
+   adds it before comparing with the card.
 
 For `launch.procs_per_card > 1` every figure is per process; the caller multiplies.
 """
@@ -38,6 +43,8 @@ from dataclasses import dataclass, field
 
 from harness.models.registry import Architecture
 from harness.models.source import load_model
+from harness.predict.device import overhead as device_overhead
+from harness.predict.margin import Margin, margin_for
 from harness.spec.schema import Case
 
 GiB = 2**30
@@ -63,6 +70,7 @@ class Prediction:
     seconds: float = 0.0
     params_total: int = 0  # logical parameter count at the predicted depth (unquantized, unpartitioned)
     largest_layer_params: int = 0  # largest single module (the head or a layer's biggest linear)
+    margin: Margin | None = None  # the uncertainty of `device` (harness.predict.margin); predict() always sets it
 
     def gib(self) -> str:
         return (f"allocated {self.allocated / GiB:.2f} GiB, reserved {self.reserved / GiB:.2f} GiB, "
@@ -147,10 +155,10 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
         reserved += cached
         terms["zero3_cached_gather_blocks"] = cached
-    overhead = int(values["device_overhead"])
-    if case.deepspeed is not None:
-        overhead += int(values["device_overhead_deepspeed"])
-    terms["context_and_workspaces"] = overhead
+    beside = device_overhead(case, arch, platform, values)
+    notes += beside.notes
+    overhead = beside.total
+    terms.update(beside.terms)
     fla = arch.model_type == "gla"
     if fla and case.launch.triton_cache == "cold":
         cold = cal.values.get("triton_cold_overhead")
@@ -177,8 +185,12 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append("parameter offload: each rank holds its fp16/bf16 partition in host memory")
     notes.append("host_ram: per-process base and per-worker figures are assumptions (not fitted)")
 
+    margin = margin_for(case, exclude=frozenset(exclude))
+    notes.append(margin.describe())
+    notes += margin.notes
+
     return Prediction(
-        allocated=int(allocated), reserved=reserved, device=device, host_ram=int(host), terms=terms,
+        margin=margin, allocated=int(allocated), reserved=reserved, device=device, host_ram=int(host), terms=terms,
         notes=notes, calibrated_on=cal.calibrated_on, fitted=[k for k in cal.values],
         platform=cal.platform, seconds=time.perf_counter() - t0,
         params_total=inv.total, largest_layer_params=max(inv.head, inv.largest_layer_module),

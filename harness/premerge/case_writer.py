@@ -5,7 +5,7 @@
 The config is imported and predicted as `oom-harness check` does (`harness.premerge.check.run_check`).
 The case file keeps the job as the config describes it (model, method, batch, sequence length,
 checkpointing, DeepSpeed block, launcher, cards), the card it must fit with its headroom, the outcome
-the prediction expects (fits, or oom where the predicted per-card peak exceeds the budget; detected
+the prediction expects (fits, or oom where the predicted per-card peak plus its margin exceeds the budget; detected
 where the config builds the model before ZeRO-3 is configured), and the prediction itself under
 `predicted`, to compare measurements with; `predicted` is never asserted. Paths in the case (the model
 folder, the source config) are written relative to the case file, so a repository that holds both
@@ -69,6 +69,7 @@ def _predicted(result: CheckResult, today: str) -> dict[str, Any]:
         "allocated": fmt_gib(p.allocated),
         "host_ram": fmt_gib(result.node_host_ram),
         "budget": fmt_gib(result.budget),
+        "margin": fmt_gib(result.fit.margin),
         "calibration": p.platform,
         "predictor_version": predictor_version(),
         "date": today,
@@ -83,10 +84,11 @@ def _notes(result: CheckResult) -> str:
     """The importer's notes and the lints, as `oom-harness check` prints them. The note on where the model's
     config.json was read is left out: the case names that folder itself."""
     lines = [n for n in result.config.notes if not n.startswith(LOCAL_MODEL_NOTE)]
-    margin = (result.budget - result.card_peak) / result.budget
-    if abs(margin) < CLOSE_CALL:
-        lines.append(f"close call: the predicted peak is {abs(margin):.1%} {'below' if margin >= 0 else 'above'} the "
-                     "budget: expect.outcome is the prediction's, a full-size run decides")
+    left = result.fit.headroom / result.budget
+    if abs(left) < CLOSE_CALL:
+        lines.append(f"close call: the predicted peak with its margin is {abs(left):.1%} "
+                     f"{'below' if left >= 0 else 'above'} the budget: expect.outcome is the prediction's, "
+                     "a full-size run decides")
     lines += [f.one_line() for f in result.lints]
     return "\n".join(lines)
 

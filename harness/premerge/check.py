@@ -4,7 +4,8 @@
 
 Import the config (`harness.premerge.importers`), predict its per-GPU peaks at full size (`harness.predict.predictor`),
 lint it (`harness.premerge.lints`), and judge: it fits when the predicted device peak of every process on a
-card, summed, stays within the card's memory times the headroom, and (with --host-ram) the node's
+card, summed, plus the prediction's margin (`harness.predict.margin.fit_verdict`, the one verdict every
+caller uses), stays within the card's memory times the headroom, and (with --host-ram) the node's
 predicted host RAM within its usable share of the host. Exit codes: 0 fits and no lint of
 severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback);
 3 the predictor failed on a config it should size (harness.cli.main logs the traceback).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.judge.host_ram import HOST_RAM_FRACTION
+from harness.predict.margin import FitVerdict, fit_verdict
 from harness.premerge.importers import ConfigError, ImportedConfig, JobSpec, import_config
 from harness.premerge.lints import Lint, lint
 from harness.spec.units import GIB, fmt_gib
@@ -40,7 +41,16 @@ class CheckResult:
     @property
     def card_peak(self) -> int | None:
         """The predicted device peak of one card: every process sharing it, summed."""
-        return None if self.prediction is None else self.prediction.device * self.config.procs_per_gpu
+        return None if self.fit is None else self.fit.predicted
+
+    @property
+    def fit(self) -> FitVerdict | None:
+        """The card's predicted peak and its margin against the budget (None: nothing predicted)."""
+        p, c = self.prediction, self.config
+        if p is None:
+            return None
+        return fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
+                           procs_per_gpu=c.procs_per_gpu)
 
     @property
     def node_host_ram(self) -> int | None:
@@ -50,7 +60,11 @@ class CheckResult:
     @property
     def host_ram_limit(self) -> int | None:
         """What the node's training processes may hold of the host's RAM (--host-ram), if it is known."""
-        return None if self.config.host_ram is None else int(self.config.host_ram * HOST_RAM_FRACTION)
+        if self.config.host_ram is None:
+            return None
+        from harness.judge.host_ram import HOST_RAM_FRACTION  # the judge's verdict modules: only where it is given
+
+        return int(self.config.host_ram * HOST_RAM_FRACTION)
 
     @property
     def host_fits(self) -> bool | None:
@@ -61,8 +75,9 @@ class CheckResult:
 
     @property
     def fits(self) -> bool | None:
-        """The card peak within the budget, and the host RAM within the host's share where it is given."""
-        return None if self.card_peak is None else self.card_peak <= self.budget and self.host_fits is not False
+        """The card peak plus its margin within the budget, and the host RAM within the host's share where
+        it is given."""
+        return None if self.fit is None else self.fit.fits and self.host_fits is not False
 
     @property
     def errors(self) -> list[Lint]:
@@ -80,7 +95,7 @@ class CheckResult:
     def verdict(self) -> str:
         if self.fits is None:
             return "NOT PREDICTED: " + (self.config.unpredictable or "no prediction")
-        head = "FITS" if self.fits else "DOES NOT FIT"
+        head = ("FITS" if self.fits else "DOES NOT FIT") + f" ({self.fit.summary()})"
         if self.host_fits is False:
             head += (f" (host RAM: {fmt_gib(self.node_host_ram)} predicted on the node, "
                      f"{fmt_gib(self.host_ram_limit)} usable of {fmt_gib(self.config.host_ram)})")
@@ -132,6 +147,10 @@ def as_json(result: CheckResult) -> dict[str, Any]:
         "peak_reserved_gib": _gib(p.reserved if p else None),
         "device_peak_gib": _gib(p.device if p else None),
         "card_peak_gib": _gib(result.card_peak),
+        "margin_gib": _gib(result.fit.margin if result.fit else None),
+        "margin_fraction": round(p.margin.fraction, 4) if p else None,
+        "margin_basis": p.margin.describe() if p else None,
+        "card_peak_with_margin_gib": _gib(result.fit.needed if result.fit else None),
         "host_ram_gib": _gib(p.host_ram if p else None),
         "host_ram_node_gib": _gib(result.node_host_ram),
         "node_processes": result.config.node_processes,
@@ -139,7 +158,7 @@ def as_json(result: CheckResult) -> dict[str, Any]:
         "host_ram_fits": result.host_fits,
         "gpu_memory_gib": _gib(c.gpu_memory),
         "budget_gib": _gib(result.budget),
-        "headroom_gib": _gib(None if result.card_peak is None else result.budget - result.card_peak),
+        "headroom_gib": _gib(result.fit.headroom if result.fit else None),
         "headroom_fraction": c.headroom,
         "gpus": c.gpus,
         "procs_per_gpu": c.procs_per_gpu,
@@ -175,9 +194,12 @@ def table(result: CheckResult) -> str:
         ]
         if c.procs_per_gpu > 1:
             rows.append((f"  card peak ({c.procs_per_gpu} processes)", fmt_gib(result.card_peak)))
+        fit = result.fit
         rows += [
+            (f"  margin ({fit.margin_of.fraction:.1%} of the card peak)", fmt_gib(fit.margin)),
+            ("  card peak with margin", fmt_gib(fit.needed)),
             (f"  budget ({c.headroom:g} of the card)", fmt_gib(result.budget)),
-            ("  headroom", fmt_gib(result.budget - result.card_peak)),
+            ("  headroom", fmt_gib(fit.headroom)),
         ]
         of_host = f" of {fmt_gib(c.host_ram)}" if c.host_ram else ""
         if c.node_processes > c.job_processes:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from harness.judge.host_ram import HOST_RAM_FRACTION
+from harness.predict.margin import Margin, fit_verdict
 from harness.premerge.importers import ConfigFormat, ImportedConfig
 from harness.spec.units import fmt_gib
 
@@ -24,6 +24,7 @@ from harness.spec.units import fmt_gib
 class PredictionLike(Protocol):
     device: int
     host_ram: int
+    margin: Margin
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,8 @@ def offload_pinned_host_ram(c: ImportedConfig, p) -> list[Lint]:
     ds = c.deepspeed
     if ds is None or not ds.offload_pin_memory or c.host_ram is None or p is None:
         return []
+    from harness.judge.host_ram import HOST_RAM_FRACTION  # the judge's verdict modules: only where a host is given
+
     limit = c.host_ram * HOST_RAM_FRACTION
     need = c.node_host_ram(p.host_ram)
     if need <= limit:
@@ -228,14 +231,13 @@ def qlora_zero3(c: ImportedConfig, p) -> list[Lint]:
 def procs_per_card_oversubscribed(c: ImportedConfig, p) -> list[Lint]:
     if c.procs_per_gpu < 2 or p is None:
         return []
-    total = p.device * c.procs_per_gpu
-    budget = c.gpu_memory * c.headroom
-    if total <= budget:
+    fit = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom, procs_per_gpu=c.procs_per_gpu)
+    if fit.fits:
         return []
     return [Lint(
         "procs-per-card-oversubscribed", "error",
-        f"{c.procs_per_gpu} processes per card x {fmt_gib(p.device)} predicted device peak = {fmt_gib(total)}, "
-        f"above the card's {fmt_gib(c.gpu_memory)} x {c.headroom:g} = {fmt_gib(budget)}",
+        f"{c.procs_per_gpu} processes per card x {fmt_gib(p.device)} predicted device peak: {fit.summary()} "
+        f"(the card's {fmt_gib(c.gpu_memory)} x {c.headroom:g})",
         "processes sharing a card each keep their own CUDA/HIP context, caching allocator and peak; the card must "
         "hold the sum of their peaks, and whichever asks last runs out of memory (guide 004: two processes per "
         "23.52 GiB card).",

@@ -166,10 +166,12 @@ def judge(entry: PremergeEntry, result: CheckResult) -> list[str]:
     expected_lints = set(entry.settings.lints or [])
     errors = {f.code for f in result.errors}
     problems = []
+    fit = f" ({result.fit.summary()})" if result.fit is not None else ""
     if expect == "fits" and not result.fits:
-        problems.append("expected to fit, but " + ("it does not" if result.fits is False else result.verdict))
+        problems.append("expected to fit, but " + (f"it does not{fit}" if result.fits is False else result.verdict))
     if expect == "oom" and result.fits is not False:
-        problems.append("expected not to fit (expect: oom), but " + ("it fits" if result.fits else result.verdict))
+        problems.append("expected not to fit (expect: oom), but "
+                        + (f"it fits{fit}" if result.fits else result.verdict))
     unexpected = sorted(errors - expected_lints)
     if unexpected:
         problems.append(f"lint error(s): {', '.join(unexpected)}")

@@ -314,12 +314,15 @@ class Predicted(Strict):
     allocated: int | None = Field(default=None, description="the allocator's peak of that process, with a unit")
     host_ram: int | None = Field(default=None, description="host memory of the job on one node, with a unit")
     budget: int | None = Field(default=None, description="target.card.memory times target.headroom, with a unit")
+    margin: int | None = Field(default=None, description="the prediction's margin (its benchmark error for this "
+                                                          "kind of config), with a unit: expect.outcome is fits "
+                                                          "where per_card_peak plus it is within the budget")
     calibration: str = Field(min_length=1, description="the baselines' platform the constants were fitted on, "
                                                        "or 'pooled'")
     predictor_version: str = Field(min_length=1, description="the oom-harness version that predicted")
     date: str = Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$", description="the day of the prediction, YYYY-MM-DD")
 
-    @field_validator("per_card_peak", "allocated", "host_ram", "budget", mode="before")
+    @field_validator("per_card_peak", "allocated", "host_ram", "budget", "margin", mode="before")
     @classmethod
     def _size(cls, value):
         return None if value is None else parse_size(value)

@@ -1,0 +1,261 @@
+"""A prediction's uncertainty, and the one fits verdict every caller uses (check, pre-merge, fit).
+
+A prediction is a point estimate; a gate that compares it with the card as it stands lets every
+under-prediction through as a false "fits". The margin is how far the predictor has fallen short,
+out of sample, on the benchmark's runs of the same kind of config:
+
+* The errors: every blessed baseline predicted leave-one-out (its own case left out of the
+  calibration), its device figure against the measured one, kept in `results/predictor/errors.json`
+  by `python -m harness.predict.errors` (`ErrorTable`). A run that ran out of memory gives only a
+  lower bound; it counts where the prediction is below that bound.
+* The kind of a config (`ConfigKind`): the method (LoRA, QLoRA, full), the ZeRO stage (0: no
+  DeepSpeed), what is offloaded, and the checkpointing (off, reentrant, non-reentrant).
+* The margin of a kind: its runs' worst under-prediction (measured / predicted - 1), at least the
+  run-to-run noise of a peak (`MARGIN_FLOOR`), as a share of the prediction. A kind whose runs come
+  from fewer than `MIN_CASES` cases borrows from the next coarser group that has enough: the same
+  method, stage and offload; then method and stage; then the method; then every run (`LEVELS`).
+  With no table at all (a folder without one), `PRIOR_MARGIN` stands in and the notes say so.
+* The table records the digest of what it was computed from (the baselines, the cases, the
+  predictor's code, the device records); a table computed from something else is stale, and the
+  margin's notes say so (tests/test_margin.py fails on it).
+
+`fit_verdict` is the verdict: the predicted card peak (one process's device figure times the
+processes sharing the card) plus the margin, against the budget (the card times the headroom).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from harness.spec.schema import Case, Offload
+from harness.spec.suite import ROOT
+from harness.spec.units import fmt_gib
+
+ERRORS_FILE = ROOT / "results" / "predictor" / "errors.json"
+PREDICTOR_CODE = Path(__file__).resolve().parent
+# Files of harness/predict/ whose change does not change a prediction (the margin itself, the table's writer).
+_NOT_PREDICTOR = {"margin.py", "errors.py", "__init__.py"}
+
+MARGIN_FLOOR = 0.02  # run-to-run noise of a peak (harness.baselines.store.MEMORY_FLOOR)
+MIN_CASES = 2  # a group's margin needs the errors of at least this many cases
+PRIOR_MARGIN = 0.25  # no error table to read: a cautious margin, larger than any error the benchmark has shown
+
+
+@dataclass(frozen=True)
+class ConfigKind:
+    """What of a config the predictor's error depends on most: the groups of the margin."""
+
+    method: str  # lora, qlora, full
+    zero: int  # ZeRO stage, 0 without DeepSpeed
+    offload: str  # none, optimizer, optimizer+param
+    checkpointing: str  # off, reentrant, non-reentrant
+
+    @classmethod
+    def of(cls, case: Case) -> ConfigKind:
+        from harness.predict.step import reentrant_checkpointing
+
+        ds = case.deepspeed
+        offload = "none"
+        if ds is not None and ds.offload_optimizer != Offload.none:
+            offload = "optimizer+param" if ds.offload_param != Offload.none else "optimizer"
+        elif ds is not None and ds.offload_param != Offload.none:
+            offload = "param"
+        gc = "off"
+        if case.train.gradient_checkpointing:
+            gc = "reentrant" if reentrant_checkpointing(case) else "non-reentrant"
+        return cls(method=case.method.kind, zero=0 if ds is None else ds.stage, offload=offload, checkpointing=gc)
+
+    def label(self) -> str:
+        method = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune"}.get(self.method, self.method)
+        zero = "no DeepSpeed" if self.zero == 0 else f"ZeRO-{self.zero}"
+        offload = "" if self.offload == "none" else f", {self.offload} offload"
+        gc = "no checkpointing" if self.checkpointing == "off" else f"{self.checkpointing} checkpointing"
+        return f"{method}, {zero}{offload}, {gc}"
+
+
+# From the narrowest group to every run: (its name, what of a kind it matches on).
+LEVELS: tuple[tuple[str, Callable[[ConfigKind], tuple]], ...] = (
+    ("this kind", lambda k: (k.method, k.zero, k.offload, k.checkpointing)),
+    ("same method, ZeRO stage and offload", lambda k: (k.method, k.zero, k.offload)),
+    ("same method and ZeRO stage", lambda k: (k.method, k.zero)),
+    ("same method", lambda k: (k.method,)),
+    ("every config", lambda k: ()),
+)
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """One baseline predicted leave-one-out: the device figure per card, predicted and measured."""
+
+    case_id: str
+    variant: str
+    platform: str
+    kind: ConfigKind
+    outcome: Literal["ok", "oom"]  # oom: `measured` is where the run failed, a lower bound
+    predicted: int
+    measured: int
+
+    @property
+    def shortfall(self) -> float:
+        """How far the prediction fell short of the measured figure, as a share of the prediction
+        (negative: it was above). For an OOM run, only a shortfall is known (0 where it is above)."""
+        short = self.measured / self.predicted - 1
+        return max(short, 0.0) if self.outcome == "oom" else short
+
+    @property
+    def name(self) -> str:
+        return f"{self.case_id}{'@' + self.variant if self.variant else ''} on {self.platform}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ErrorRecord:
+        return cls(**{**d, "kind": ConfigKind(**d["kind"])})
+
+
+@dataclass(frozen=True)
+class ErrorTable:
+    """The benchmark's leave-one-out errors, and the digest of what they were computed from."""
+
+    digest: str
+    records: tuple[ErrorRecord, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"digest": self.digest, "written_by": "python -m harness.predict.errors",
+                           "records": [r.as_dict() for r in self.records]}, indent=1) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> ErrorTable:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls(digest=data["digest"], records=tuple(ErrorRecord.from_dict(r) for r in data["records"]))
+
+
+@dataclass(frozen=True)
+class Margin:
+    """The share of a prediction added before it is compared with the card, and where it comes from."""
+
+    fraction: float
+    basis: str  # which runs set it, in words
+    kind: ConfigKind | None = None
+    cases: tuple[str, ...] = ()  # the cases whose errors set it
+    worst: str | None = None  # the run with the largest shortfall
+    notes: tuple[str, ...] = ()
+
+    def bytes_of(self, predicted: int) -> int:
+        return math.ceil(predicted * self.fraction)
+
+    def describe(self) -> str:
+        worst = f"; worst {self.worst}" if self.worst else ""
+        kind = f"{self.kind.label()}: " if self.kind else ""
+        return f"margin {self.fraction:.1%} ({kind}{self.basis}{worst})"
+
+
+def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozenset()) -> Margin:
+    """The margin of `kind` from `records`, the cases in `exclude` left out (a leave-one-out margin)."""
+    pool = [r for r in records if r.case_id not in exclude]
+    for level, key in LEVELS:
+        group = [r for r in pool if key(r.kind) == key(kind)]
+        cases = sorted({r.case_id for r in group if r.outcome == "ok"})
+        if len(cases) >= MIN_CASES or (level == LEVELS[-1][0] and group):
+            worst = max(group, key=lambda r: r.shortfall)
+            fraction = max(MARGIN_FLOOR, worst.shortfall)
+            basis = f"{level}, {len(group)} runs of {len(cases)} cases"
+            if level != LEVELS[0][0]:
+                basis += f" (this kind has fewer than {MIN_CASES} measured cases)"
+            return Margin(fraction=fraction, kind=kind, basis=basis, cases=tuple(cases),
+                          worst=(f"{worst.name} measured {worst.shortfall:.1%} above its prediction"
+                                 if worst.shortfall > MARGIN_FLOOR else None))
+    return Margin(fraction=PRIOR_MARGIN, kind=kind, basis="no benchmark error to draw on; a cautious prior",
+                  notes=("no predictor error table: the margin is a prior",))
+
+
+# --- the stored table and its freshness -----------------------------------------------------------
+
+
+def source_files(root: Path = ROOT) -> list[Path]:
+    """What the error table depends on: the baselines, the cases, the device records, the predictor's code."""
+    files = sorted((root / "results" / "baselines").glob("*/*.json"))
+    files += sorted((root / "cases").glob("*.yaml"))
+    files += sorted((root / "results" / "device").glob("*.json"))
+    files += sorted(p for p in PREDICTOR_CODE.glob("*.py") if p.name not in _NOT_PREDICTOR)
+    return files
+
+
+def inputs_digest(root: Path = ROOT) -> str:
+    h = hashlib.sha256()
+    for p in source_files(root):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=4)
+def _table(path: str) -> tuple[ErrorTable | None, str | None]:
+    """(the table, a note when it is missing, unreadable or stale)."""
+    try:
+        table = ErrorTable.read(Path(path))
+    except FileNotFoundError:
+        return None, f"{path}: no predictor error table; the margin is a prior ({PRIOR_MARGIN:.0%})"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, (f"{path}: unreadable predictor error table ({exc}); the margin is a prior ({PRIOR_MARGIN:.0%}). "
+                      "Rewrite it with `python -m harness.predict.errors`")
+    if table.digest != inputs_digest():
+        return table, (f"{path} was computed before the baselines, cases or predictor last changed; rewrite it "
+                       "with `python -m harness.predict.errors`")
+    return table, None
+
+
+def margin_for(case: Case, *, exclude=frozenset(), path: Path = ERRORS_FILE) -> Margin:
+    """The margin of a case's kind of config, from the stored error table."""
+    table, note = _table(str(path))
+    kind = ConfigKind.of(case)
+    if table is None:
+        return Margin(fraction=PRIOR_MARGIN, kind=kind, basis="no benchmark error to draw on; a cautious prior",
+                      notes=(note,) if note else ())
+    m = margin_from(table.records, kind, exclude)
+    return Margin(**{**asdict(m), "kind": kind, "notes": m.notes + ((note,) if note else ())})
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """A card's predicted peak with its margin against the budget."""
+
+    predicted: int  # the card's peak: one process's device figure times the processes sharing the card
+    margin: int
+    budget: int  # card memory times the headroom
+    margin_of: Margin = field(compare=False)
+
+    @property
+    def needed(self) -> int:
+        return self.predicted + self.margin
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.budget
+
+    @property
+    def headroom(self) -> int:
+        """What the budget leaves once the prediction and its margin are in (negative: short by that much)."""
+        return self.budget - self.needed
+
+    def summary(self) -> str:
+        return (f"predicted {fmt_gib(self.predicted)} + margin {fmt_gib(self.margin)} ({self.margin_of.fraction:.1%}) "
+                f"= {fmt_gib(self.needed)} {'<=' if self.fits else '>'} budget {fmt_gib(self.budget)}")
+
+
+def fit_verdict(device: int, margin: Margin, *, gpu_memory: int, headroom: float, procs_per_gpu: int = 1) -> FitVerdict:
+    """Does the predicted card peak (`device`, one process's predicted device figure, times the processes
+    sharing the card), with its margin, stay within the card times the headroom?"""
+    predicted = device * procs_per_gpu
+    return FitVerdict(predicted=predicted, margin=margin.bytes_of(predicted), budget=int(gpu_memory * headroom),
+                      margin_of=margin)

@@ -1,0 +1,145 @@
+"""The prediction's margin and the fits verdict (harness.predict.margin, harness.predict.errors): the
+margin is drawn from the benchmark's errors by kind of config, falls back to coarser groups where a
+kind has too few cases, and lets no blessed run through as a false fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.predict.errors import false_fits, measure_errors
+from harness.predict.margin import (
+    ERRORS_FILE,
+    MARGIN_FLOOR,
+    PRIOR_MARGIN,
+    ConfigKind,
+    ErrorRecord,
+    ErrorTable,
+    Margin,
+    fit_verdict,
+    inputs_digest,
+    margin_for,
+    margin_from,
+)
+from harness.predict.predictor import predict
+from harness.spec.cases import CASES_DIR, load_case
+
+GiB = 2**30
+LORA_Z3 = ConfigKind("lora", 3, "optimizer+param", "reentrant")
+
+
+def record(case_id, kind=LORA_Z3, predicted=10 * GiB, measured=10 * GiB, outcome="ok", variant=""):
+    return ErrorRecord(case_id=case_id, variant=variant, platform="p", kind=kind, outcome=outcome,
+                       predicted=predicted, measured=measured)
+
+
+def test_the_margin_is_the_worst_shortfall_of_the_kind():
+    records = [record("a", measured=int(10.5 * GiB)), record("b", measured=int(11.2 * GiB)),
+               record("c", kind=ConfigKind("qlora", 0, "none", "reentrant"), measured=13 * GiB),
+               record("d", kind=ConfigKind("qlora", 0, "none", "reentrant"), measured=10 * GiB)]
+    m = margin_from(records, LORA_Z3)
+    assert m.fraction == pytest.approx(0.12)
+    assert m.basis == "this kind, 2 runs of 2 cases" and m.worst == "b on p measured 12.0% above its prediction"
+    assert margin_from(records, ConfigKind("qlora", 0, "none", "reentrant")).fraction == pytest.approx(0.3)
+
+
+def test_over_predictions_leave_the_floor():
+    records = [record("a", measured=9 * GiB), record("b", measured=8 * GiB)]
+    assert margin_from(records, LORA_Z3).fraction == MARGIN_FLOOR
+
+
+def test_a_kind_with_too_few_cases_borrows_from_the_next_coarser_group():
+    nonreentrant = ConfigKind("lora", 3, "optimizer+param", "non-reentrant")
+    records = [record("a", measured=int(10.3 * GiB)), record("b", measured=int(10.4 * GiB)),
+               record("n", kind=nonreentrant, measured=int(10.1 * GiB)),
+               record("z2", kind=ConfigKind("lora", 2, "none", "off"), measured=15 * GiB)]
+    m = margin_from(records, nonreentrant)
+    assert m.basis == ("same method, ZeRO stage and offload, 3 runs of 3 cases "
+                       "(this kind has fewer than 2 measured cases)")
+    assert m.fraction == pytest.approx(0.04)  # the group's worst, not the ZeRO-2 run's 50%
+    unseen = margin_from(records, ConfigKind("full", 0, "none", "off"))
+    assert unseen.basis.startswith("every config") and unseen.fraction == pytest.approx(0.5)
+
+
+def test_an_oom_run_counts_only_where_the_prediction_is_under_its_bound():
+    records = [record("a"), record("b"),
+               record("oom-above", predicted=20 * GiB, measured=12 * GiB, outcome="oom"),
+               record("oom-under", predicted=10 * GiB, measured=int(10.8 * GiB), outcome="oom")]
+    assert margin_from(records, LORA_Z3).fraction == pytest.approx(0.08)
+    assert margin_from(records[:3], LORA_Z3).fraction == MARGIN_FLOOR
+
+
+def test_leave_case_out_drops_the_case_from_the_margin():
+    records = [record("a", measured=11 * GiB), record("b", measured=int(10.2 * GiB)),
+               record("c", measured=int(10.3 * GiB))]
+    assert margin_from(records, LORA_Z3).fraction == pytest.approx(0.1)
+    assert margin_from(records, LORA_Z3, exclude={"a"}).fraction == pytest.approx(0.03)
+
+
+def test_no_table_gives_the_prior_and_says_so(tmp_path):
+    case = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
+    m = margin_for(case, path=tmp_path / "errors.json")
+    assert m.fraction == PRIOR_MARGIN and "no predictor error table" in m.notes[0]
+
+
+def test_a_stale_table_is_used_and_named_stale(tmp_path):
+    stored = ErrorTable.read(ERRORS_FILE)
+    old = tmp_path / "errors.json"
+    old.write_text(ErrorTable(digest="0" * 32, records=stored.records).to_json())
+    case = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
+    m = margin_for(case, path=old)
+    assert m.fraction == margin_for(case).fraction
+    assert any("rewrite it with `python -m harness.predict.errors`" in n for n in m.notes)
+
+
+def test_kind_of_the_bundled_cases():
+    kind = ConfigKind.of(load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"))
+    assert kind == ConfigKind("lora", 3, "optimizer+param", "non-reentrant")
+    assert ConfigKind.of(load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")) == ConfigKind(
+        "qlora", 0, "none", "reentrant")
+    assert ConfigKind.of(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml")).offload == "optimizer"
+
+
+def test_verdict_adds_the_margin_of_every_process_before_the_budget():
+    m = Margin(0.1, "test")
+    one = fit_verdict(50 * GiB, m, gpu_memory=64 * GiB, headroom=0.9)
+    assert (one.predicted, one.margin, one.budget) == (50 * GiB, 5 * GiB, int(57.6 * GiB))
+    assert one.fits and one.headroom == int(57.6 * GiB) - 55 * GiB
+    two = fit_verdict(25 * GiB, m, gpu_memory=64 * GiB, headroom=0.8, procs_per_gpu=2)
+    assert two.needed == 55 * GiB and not two.fits
+    assert two.summary() == "predicted 50.00 GiB + margin 5.00 GiB (10.0%) = 55.00 GiB > budget 51.20 GiB"
+    edge = fit_verdict(10 * GiB, Margin(0.0, "test"), gpu_memory=10 * GiB, headroom=1.0)
+    assert edge.fits  # at the budget exactly: fits
+
+
+def test_every_prediction_carries_its_margin():
+    case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    p = predict(case, platform="nvidia-h100-80gb-hbm3-x1")
+    assert p.margin == margin_for(case)
+    assert p.margin.kind == ConfigKind("qlora", 0, "none", "reentrant")
+    said = f"margin {p.margin.fraction:.1%} (QLoRA, no DeepSpeed, reentrant checkpointing"
+    assert any(n.startswith(said) for n in p.notes)
+
+
+def test_the_error_table_is_current():
+    stored = ErrorTable.read(ERRORS_FILE)
+    assert stored.digest == inputs_digest(), (
+        f"{ERRORS_FILE} was computed from other baselines, cases or predictor code: "
+        "rewrite it with `python -m harness.predict.errors` and commit it")
+
+
+def test_no_false_fit_on_the_benchmark():
+    """Every blessed run, predicted leave-one-out by the code as it is now: its prediction plus the stored
+    margin of its kind is at or above what it measured (or, for a run that ran out of memory, the
+    verdict on its case's card says it does not fit)."""
+    measured = measure_errors()
+    assert len(measured) >= 40  # the bundled benchmark's finished and OOM runs, mistakes left out
+    assert [s.line() for s in false_fits(measured, ErrorTable.read(ERRORS_FILE))] == []
+
+
+def test_false_fits_finds_a_margin_too_small():
+    measured = measure_errors()
+    shrunk = ErrorTable(digest="x", records=tuple(
+        ErrorRecord(**{**m.record.as_dict(), "kind": m.record.kind, "measured": m.record.predicted})
+        for m in measured))  # a table that says the predictor was never short: the floor everywhere
+    short = [m.record for m in measured if m.record.outcome == "ok" and m.record.shortfall > MARGIN_FLOOR]
+    assert short and len(false_fits(measured, shrunk)) >= len(short)
