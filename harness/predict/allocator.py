@@ -26,7 +26,7 @@ of the requests. This module follows that allocator's rules, written from its so
   small pool, 20 MiB in the large pool) at the lowest address that fits; reserved is the mapped
   pages.
 
-Addresses are the model's own (new segments at increasing addresses); only the order, size and stream
+Addresses are the model's own (each new segment below the last); only the order, size and stream
 of the requests are inputs. CUDA graphs' private pools and the `cudaMallocAsync` backend are not
 modelled. ROCm runs the same code under HIP (`PYTORCH_HIP_ALLOC_CONF` is read as well); see
 docs/predictor.md for where it differs.
@@ -189,8 +189,20 @@ def segment_size(size: int) -> int:
 class Block:
     """A range of a segment, allocated or free (torch's Block)."""
 
-    __slots__ = ("stream", "size", "addr", "pool", "allocated", "mapped", "prev", "next", "segment", "pending",
-                 "gc_base", "requested")
+    __slots__ = (
+        "addr",
+        "allocated",
+        "gc_base",
+        "mapped",
+        "next",
+        "pending",
+        "pool",
+        "prev",
+        "requested",
+        "segment",
+        "size",
+        "stream",
+    )
 
     def __init__(self, stream: int, size: int, addr: int, pool: _Pool, segment: _Expandable | None = None):
         self.stream, self.size, self.addr, self.pool, self.segment = stream, size, addr, pool, segment
@@ -209,7 +221,7 @@ class Block:
 class _Pool:
     """Free blocks of one pool, per stream, sorted by (size, address); unmapped expandable ranges by address."""
 
-    __slots__ = ("small", "free", "unmapped", "gc_calls")
+    __slots__ = ("free", "gc_calls", "small", "unmapped")
 
     def __init__(self, small: bool):
         self.small = small
@@ -239,7 +251,7 @@ class _Pool:
 class _Expandable:
     """One expandable segment: a reserved address range mapped in pages as needed."""
 
-    __slots__ = ("base", "page", "pages", "mapped")
+    __slots__ = ("base", "mapped", "page", "pages")
 
     def __init__(self, base: int, page: int, pages: int):
         self.base, self.page, self.pages = base, page, pages
@@ -302,10 +314,10 @@ class CachingAllocator:
         self.pending: list[Block] = []  # freed blocks waiting for their use on another stream to complete
         self.live: set[Block] = set()
         self.expandable: list[_Expandable] = []
-        self._next_addr = 1 << 32
-        self._expandable_pages = 0
+        self._next_addr = 1 << 56
+        self._address_space = 0
         if device_bytes is not None:
-            self._expandable_pages = device_bytes + device_bytes // 8
+            self._address_space = device_bytes + device_bytes // 8
         self._gc_on = limit is not None and self.conf.garbage_collection_threshold > 0.0
 
     # --- the public operations ---
@@ -454,9 +466,10 @@ class CachingAllocator:
         return block
 
     def _take_addresses(self, size: int) -> int:
-        addr = self._next_addr
-        self._next_addr += -(-size // ROUND_LARGE) * ROUND_LARGE + ROUND_LARGE  # a gap: segments never touch
-        return addr
+        # Each new segment below the last, as the driver placed cudaMalloc's segments on the recorded
+        # runs; it decides between free blocks of one size (the lowest address is taken first).
+        self._next_addr -= -(-size // ROUND_LARGE) * ROUND_LARGE + ROUND_LARGE  # a gap: segments never touch
+        return self._next_addr
 
     def _reserve(self, size: int) -> None:
         stats = self.stats
@@ -582,7 +595,7 @@ class CachingAllocator:
             if room >= size:
                 return c
         page = SMALL_BUFFER if pool.small else LARGE_BUFFER
-        space = self._expandable_pages or (1 << 40)  # the address space: 9/8 of the device's memory
+        space = self._address_space or (1 << 40)  # the address space: 9/8 of the device's memory
         segment = _Expandable(0, page, -(-space // page))
         segment.base = self._take_addresses(segment.size())
         self.expandable.append(segment)
