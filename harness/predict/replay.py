@@ -98,8 +98,11 @@ def recorded_limit(timeline: MemoryTimeline, runs_dir: Path) -> int | None:
             continue
         for entry in data if isinstance(data, list) else [data]:
             run = entry.get("run") if isinstance(entry, dict) else None
-            for rank in (run or {}).get("ranks") or ():
-                if (rank.get("case_id") == timeline.case_id and (rank.get("variant") or "") == timeline.variant
+            if not isinstance(run, dict):
+                continue
+            for rank in run.get("ranks") or ():
+                variant = rank.get("variant") or run.get("variant") or entry.get("variant") or ""
+                if (rank.get("case_id") == timeline.case_id and variant == timeline.variant
                         and rank.get("rank", 0) == timeline.rank and rank.get("emulated_card_bytes") == card
                         and rank.get("context_bytes")):
                     return card - int(rank["context_bytes"])
