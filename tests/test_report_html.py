@@ -101,3 +101,25 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     assert main(["report", "--html", str(out), str(not_runs)]) == 2
     assert "runs.json" in capsys.readouterr().err
     assert not (out / "index.html").exists()
+
+
+def test_the_runs_just_made_are_reported_from_their_run_folder(tmp_path):
+    """What `run --html` and `pytest --harness-html` write: every run.json below the run folder."""
+    import json
+
+    from harness.report.html.build import report_runs
+
+    base = _small_suite(tmp_path)
+    entry = json.loads((BASELINES_DIR.parent / "runs" / "2026-11-26-h100-004-plan-c.json").read_text())[0]
+    run_root = tmp_path / "runs"
+    (run_root / "real" / entry["case"]).mkdir(parents=True)
+    (run_root / "real" / entry["case"] / "run.json").write_text(json.dumps(entry["run"]))
+    ok, line = report_runs(tmp_path / "site", run_root, base, CASES_DIR)
+    assert ok and line.endswith("index.html")
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert f"{entry['case']} [run given]" in page
+    # a run folder that is not a run: said in the line, nothing raised
+    (run_root / "real" / "x").mkdir()
+    (run_root / "real" / "x" / "run.json").write_text("{")
+    ok, line = report_runs(tmp_path / "site2", run_root, base, CASES_DIR)
+    assert not ok and "not written" in line and "run.json" in line

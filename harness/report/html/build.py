@@ -35,3 +35,18 @@ def build_report(folder: Path, baselines_dir: Path, case_dir: Path, runs: list[P
     sources += [f"memory timelines in {d}" for d in timeline_dirs]
     sources += [f"runs in {p}" for p in runs]
     return write_page(Path(folder), render(sections, sources, generated))
+
+
+def report_runs(folder: Path, run_root: Path, baselines_dir: Path, case_dir: Path) -> tuple[bool, str]:
+    """The report of the runs just made (every run.json below `run_root`) beside the baselines, for
+    `run --html` and `pytest --harness-html`: (written, the line to print). A report that cannot be
+    written is a line saying why, never an exception: the runs' verdicts stand on their own."""
+    from harness.models.inputs import InputError
+    from harness.spec.files import WriteError
+
+    runs = [Path(run_root)] if any(Path(run_root).rglob("run.json")) else []
+    try:
+        page = build_report(folder, baselines_dir, case_dir, runs)
+    except (InputError, WriteError, OSError) as exc:
+        return False, f"oom-harness: the HTML report was not written ({' | '.join(str(exc).splitlines())})"
+    return True, f"HTML report of these runs: {page}"
