@@ -37,10 +37,19 @@ def test_a_long_series_is_thinned_and_keeps_every_extreme():
 
 
 def test_every_text_on_the_page_is_escaped():
-    section = Section("s", HOSTILE, HOSTILE, [Figure("k", "<svg></svg>", HOSTILE), Table(("h",), [(HOSTILE,)])])
+    from harness.report.html.svg import new_figure, to_svg
+
+    fig = new_figure(6, 4)
+    ax = fig.add_subplot()
+    ax.plot([1, 2], label=HOSTILE)
+    ax.set_title(HOSTILE)  # a case id or a message drawn in a plot
+    ax.legend()
+    svg = to_svg(fig, "k")
+    assert svg.startswith("<svg") and 'class="plot"' in svg
+    section = Section("s", HOSTILE, HOSTILE, [Figure("k", svg, HOSTILE), Table(("h",), [(HOSTILE,)])])
     page = render([section], [HOSTILE], generated="today")
     assert "<script" not in page and "<img" not in page
-    assert page.count("&lt;script&gt;") >= 5
+    assert page.count("&lt;script&gt;") >= 7
 
 
 def _small_suite(tmp_path):
