@@ -1,8 +1,8 @@
-"""`oom-harness report`: the baselines, or a night's runs, as a markdown table."""
+"""`oom-harness report`: the baselines, or a night's runs, as a markdown table; with `--html DIR`, as a
+static page of plots (harness.report.html) written into DIR."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness.spec.suite import BASELINES_DIR, CASES_DIR
@@ -16,6 +16,11 @@ def add_parser(subparsers) -> None:
                      help="folder of the baselines' case files (default: the bundled suite)")
     rep.add_argument("--baselines-dir", default=str(BASELINES_DIR),
                      help="folder of baselines (default: the bundled suite's)")
+    rep.add_argument("--html", metavar="DIR",
+                     help="write the report as DIR/index.html (plots as inline SVG; opens from disk): the baselines, "
+                          "the memory timelines and the runs given, instead of printing the table")
+    rep.add_argument("--timelines-dir", default=None,
+                     help="folder of memory timelines for --html (default: 'timelines' beside the baselines folder)")
     rep.set_defaults(func=run)
 
 
@@ -26,6 +31,8 @@ def run(args) -> int:
     from harness.baselines.store import baselines_of, load_baselines, sourced_runs
     from harness.report.markdown import report_markdown
 
+    if args.html:
+        return write_html(args)
     if not args.runs:
         print(report_markdown(load_baselines(Path(args.baselines_dir)), Path(args.case_dir)))
         return 0
@@ -42,20 +49,27 @@ def run(args) -> int:
     return 0
 
 
+def write_html(args) -> int:
+    """`--html DIR`: the page, written whole into DIR (created where missing). A DIR that is a file, or
+    a run file that cannot be read, is bad input (exit 2)."""
+    from harness.models.inputs import InputError
+    from harness.report.html.build import build_report
+
+    folder = Path(args.html)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(None, "--html", f"{folder} is a file", "name a folder for the report")
+    for path in map(Path, args.runs):
+        if not path.exists():
+            raise InputError(path, None, "no such file or folder", "name a `run --json` file or a run folder")
+    timelines = [Path(args.timelines_dir)] if args.timelines_dir else None
+    page = build_report(folder, Path(args.baselines_dir), Path(args.case_dir), [Path(r) for r in args.runs],
+                        timelines)
+    print(f"wrote {page}")
+    return 0
+
+
 def _failed_verdicts(paths: list[Path]) -> list[str]:
     """The refuted verdicts kept in `run --json` files (run folders and run.json files hold none)."""
-    from harness.baselines.store import BlessError
-    from harness.judge.verdicts import Verdict
+    from harness.report.html.inputs import verdicts_of
 
-    lines = []
-    for path in paths:
-        data = json.loads(path.read_text()) if path.is_file() else []
-        for i, e in enumerate(data if isinstance(data, list) else []):
-            try:
-                name = e["case"] + (f"@{e['variant']}" if e.get("variant") else "")
-                lines += [f"- {name}: {Verdict(**v).line()}" for v in e.get("verdicts", [])
-                          if v["status"] == "refuted"]
-            except (KeyError, TypeError, AttributeError) as exc:
-                raise BlessError(f"{path}: entry {i} has a verdict record `oom-harness run --json` does not write "
-                                 f"({type(exc).__name__}: {exc}); restore the file as the run wrote it") from None
-    return lines
+    return [f"- {name}: {v.line()}" for name, v in verdicts_of(paths) if v.status == "refuted"]

@@ -60,6 +60,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--memory-history", action="store_true",
                    help="GPU runs record rank 0's allocator history into the run's folder (rank0-memory.json.gz), "
                         "for the report's memory timeline; slows the step, so compare no throughput from it")
+    p.add_argument("--html", metavar="DIR",
+                   help="also write the HTML report of the runs just made, beside the baselines, as DIR/index.html")
     p.set_defaults(func=run)
 
 
@@ -140,13 +142,14 @@ def _measure_line(run) -> str:
 
 
 def run(args) -> int:
-    from harness.baselines.store import RESULTS_DIR
+    from harness.baselines.store import RESULTS_DIR, load_baselines
 
     if args.memory_history:
         from harness.runtime.memory_history import ENV
 
         os.environ[ENV] = "1"  # the workers inherit it (harness.runtime.memory_history)
     from harness.judge.session import Session, skip_reason
+    from harness.report.progress import Progress, expected_time
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
     _check_outputs(args)
@@ -182,13 +185,18 @@ def run(args) -> int:
     if args.selected_only:
         session.selected_only = {(cid, args.fidelity) for cid in selected}
     session.prefetch([(cid, args.fidelity) for cid in selected], args.jobs)
+    progress = Progress()
+    baselines = load_baselines(session.baseline_root) if args.fidelity == "real" else []  # for the expected times
     for i, cid in enumerate(selected, 1):
         case, _ = session.cases[cid]
         reason = skip_reason(case, args.fidelity, session.platform, session.accelerators)
         if reason:
             skipped.append((cid, reason))
             continue
-        j = session.judge(cid, args.fidelity)
+        folder = run_root / args.fidelity
+        with progress.case(f"[{i}/{len(selected)}] {cid} {args.fidelity}", folder, cid,
+                           expected_time(cid, args.fidelity, folder, baselines)):
+            j = session.judge(cid, args.fidelity)
         status = "FAILED" if j.failed else "ok"
         print(f"[{i}/{len(selected)}] {cid} {args.fidelity}: {status} ({j.run.wall_s:.1f} s)", flush=True)
         for rep in range(1, args.repeat):  # repetitions: the spread the tolerances come from
@@ -216,6 +224,8 @@ def run(args) -> int:
     if args.fidelity == "tiny" and judged:
         _print_full_size([j.case for j in judged], session.baseline_root)
     print(f"\n{len(judged)} cases in {time.monotonic() - started:.0f} s; reports in {run_root}")
+    if args.html:
+        json_written &= _write_html(args, session)
     if any(j.failed for j in judged):
         return 1
     # the valid cases ran; the invalid files, or the --json that could not be written, were named on stderr
@@ -228,10 +238,22 @@ def _check_outputs(args) -> None:
     for flag, value in (("--json", args.json), ("--benchmark-json", args.benchmark_json)):
         if value is not None:
             check_writable(Path(value), flag)  # a WriteError is bad input (exit 2)
+    if args.html is not None and Path(args.html).exists() and not Path(args.html).is_dir():
+        raise InputError(None, "--html", f"{args.html} is a file", "name a folder for the report")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise InputError(None, "--out", f"{args.out} is a file", "name a folder for the reports")
     if not Path(args.case_dir).is_dir():
         raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
+
+
+def _write_html(args, session) -> bool:
+    """`--html DIR`: the report of the runs just made (harness.report.html). A report that cannot be
+    written is said on stderr; the runs and their verdicts stand."""
+    from harness.report.html.build import report_runs
+
+    ok, line = report_runs(Path(args.html), session.run_root, session.baseline_root, session.case_dir)
+    print(line, file=sys.stdout if ok else sys.stderr, flush=True)
+    return ok
 
 
 def _print_full_size(cases, baselines_dir: Path) -> None:

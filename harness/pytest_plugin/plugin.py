@@ -65,6 +65,8 @@ def pytest_addoption(parser):
     group.addoption("--memory-history", action="store_true",
                     help="GPU runs record rank 0's allocator history into its run folder (rank0-memory.json.gz; "
                          "slows the step: not for throughput)")
+    group.addoption("--harness-html", default=None, metavar="DIR",
+                    help="write the HTML report of the full-size runs made, beside the baselines, as DIR/index.html")
     group.addoption(PREMERGE_DIRS[0], action="append", default=None,
                     help=f"folder of training configs with a premerge.yaml: one test per config (repeatable; "
                          f"ini: {PREMERGE_DIRS[1]})")
@@ -128,8 +130,36 @@ def pytest_collection_modifyitems(session, config, items):
         remember_selected(config, items)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A full-size case's progress (harness.report.progress) while it runs: they take minutes each."""
+    from harness.pytest_plugin.cases import CaseItem
+
+    if not isinstance(item, CaseItem) or item.param.fidelity != "real" or item.param.error is not None:
+        return (yield)
+    import sys
+
+    from harness.baselines.store import read_baselines
+    from harness.pytest_plugin.cases import _session
+    from harness.report.progress import Progress, expected_time
+
+    session = _session(item.config)
+    folder = session.run_root / "real"
+    expected = expected_time(item.param.case_id, "real", folder, read_baselines(session.baseline_root)[0])
+    # past pytest's capture: the line is for the person watching, not the test's output
+    with Progress(sys.__stderr__).case(f"{item.param.case_id} real", folder, item.param.case_id, expected):
+        return (yield)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if settings(config).case_dir is not None:
-        from harness.pytest_plugin.cases import terminal_summary
+        from harness.pytest_plugin.cases import _SESSION, terminal_summary
 
         terminal_summary(terminalreporter, config)
+        if config.getoption("--harness-html") and _SESSION in config.stash:
+            from harness.report.html.build import report_runs
+
+            session = config.stash[_SESSION]
+            _, line = report_runs(Path(config.getoption("--harness-html")), session.run_root, session.baseline_root,
+                                  session.case_dir)
+            terminalreporter.write_line(line)

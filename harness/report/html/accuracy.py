@@ -1,0 +1,63 @@
+"""The predictor's accuracy at a glance: its device figure against the measured per-card peak for
+every blessed run (and the runs given), out of sample (each case left out of its own calibration)."""
+
+from __future__ import annotations
+
+from harness.report.html.captions import PREDICTED, measured_where
+from harness.report.html.inputs import ReportInputs
+from harness.report.html.page import Section, Table
+from harness.report.html.svg import Figure, gib, new_figure, to_svg
+from harness.spec.units import fmt_gib
+
+
+def section(inputs: ReportInputs) -> Section:
+    entries = [e for e in inputs.entries if e.predicted is not None and e.median("per_card_peak")]
+    s = Section("accuracy", "Prediction against measurement", "Every blessed run's measured per-card device peak "
+                "beside what the predictor says for the same config, leaving the case out of its calibration. A "
+                "run that ran out of memory gives only a lower bound: the figure at the failure.",
+                empty="nothing was both measured and predicted")
+    if not entries:
+        return s
+    fig = new_figure(7, 6)
+    ax = fig.add_subplot()
+    platforms = sorted({e.baseline.platform.key for e in entries})
+    top = 0.0
+    rows = []
+    for e in entries:
+        measured, predicted = e.median("per_card_peak"), e.predicted_per_card
+        top = max(top, gib(measured), gib(predicted))
+        mistake = e.case.expect.outcome == "detected"
+        marker = "^" if e.outcome != "ok" else ("x" if mistake else ("*" if e.is_run else "o"))
+        ax.plot([gib(measured)], [gib(predicted)], marker=marker, ls="none", alpha=0.8,
+                color=f"C{platforms.index(e.baseline.platform.key)}", label=e.baseline.platform.key)
+        if e.outcome != "ok":
+            verdict = "at or above the failure" if predicted >= measured else "below the failure: misses the OOM"
+        else:
+            verdict = f"{predicted / measured - 1:+.1%}" + (" (a mistake to detect: shown, not counted)"
+                                                             if mistake else "")
+        rows.append((e.name, e.baseline.platform.key, e.source, e.outcome, fmt_gib(measured), fmt_gib(predicted),
+                     verdict))
+    ax.plot([0, top * 1.05], [0, top * 1.05], color="black", lw=1, label="prediction = measurement")
+    ax.fill_between([0, top * 1.05], [0, top * 0.95], [0, top * 1.155], color="grey", alpha=0.15, lw=0,
+                    label="within 10%")
+    ax.set_xlim(0, top * 1.05)
+    ax.set_ylim(0, top * 1.05)
+    ax.set_xlabel("measured per-card peak, GiB")
+    ax.set_ylabel("predicted per-card peak, GiB")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
+    errors = sorted(abs(e.predicted_per_card / e.median("per_card_peak") - 1) for e in entries
+                    if e.outcome == "ok" and e.case.expect.outcome != "detected")
+    summary = (f" Over the {len(errors)} finished runs the median error is {errors[len(errors) // 2]:.1%} and the "
+               f"worst {errors[-1]:.1%}." if errors else "")
+    where = measured_where([e.baseline for e in entries])
+    caption = (f"Measured: the per-card device peak, median over repetitions, {where}. "
+               f"{PREDICTED[0].upper() + PREDICTED[1:]}. Triangles: runs that ran out of memory (measured at the "
+               "failure, a lower bound); crosses: configs that are mistakes to detect; stars: the runs given."
+               + summary)
+    s.items = [Figure("accuracy", to_svg(fig, "accuracy"), caption),
+               Table(("config", "platform", "source", "outcome", "measured", "predicted", "error"), rows,
+                     "Every prediction", collapsed=True)]
+    return s

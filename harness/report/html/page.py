@@ -1,0 +1,88 @@
+"""The page itself: sections of figures and tables as one self-contained HTML file, every piece of text
+escaped, written whole or not at all into the report's folder."""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.report.html.svg import Figure
+from harness.spec.files import inside, write_atomic
+
+INDEX = "index.html"
+
+
+@dataclass(frozen=True)
+class Table:
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    title: str = ""
+    collapsed: bool = False  # long tables open on a click (<details>: no script)
+
+
+@dataclass
+class Section:
+    key: str  # the anchor
+    title: str
+    intro: str
+    items: list[Figure | Table] = field(default_factory=list)  # in the order shown
+    empty: str = ""  # said where the inputs hold nothing for this section
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1200px;padding:1em 2em;
+color:#222;line-height:1.4}
+h1{font-size:1.6em}h2{margin-top:2em;border-bottom:1px solid #ccc}
+figure{margin:1.2em 0;border:1px solid #e4e4e4;padding:.5em;background:#fff}
+figcaption{font-size:.85em;color:#444;margin-top:.3em}
+svg.plot{width:100%;height:auto;display:block}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+th{background:#f4f4f4}nav li{margin:.1em 0}.note{color:#555;font-size:.9em}
+"""
+
+
+def _table(t: Table) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in t.header)
+    body = "\n".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in t.rows)
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>"
+    if t.collapsed:
+        return f"<details><summary>{e(t.title or 'table')} ({len(t.rows)} rows)</summary>{table}</details>"
+    return (f"<h3>{e(t.title)}</h3>" if t.title else "") + table
+
+
+def _figure(f: Figure) -> str:
+    # the SVG is matplotlib's own markup, its text escaped by matplotlib; everything else is escaped here
+    return (f'<figure id="fig-{html.escape(f.key)}" class="report-figure">{f.svg}'
+            f"<figcaption>{html.escape(f.caption)}</figcaption></figure>")
+
+
+def render(sections: list[Section], sources: list[str], generated: str | None = None) -> str:
+    e = html.escape
+    generated = generated or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    nav = "".join(f'<li><a href="#{e(s.key)}">{e(s.title)}</a></li>' for s in sections)
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             '<meta name="viewport" content="width=device-width, initial-scale=1">',
+             "<title>oom-harness report</title>", f"<style>{CSS}</style></head><body>",
+             "<h1>oom-harness report: memory and speed of the fine-tuning cases</h1>",
+             f'<p class="note">Generated {e(generated)} from: {e("; ".join(sources))}. Sizes in GiB (2<sup>30</sup> '
+             "bytes). Every figure says where it was measured; predicted and extrapolated figures are labelled.</p>",
+             f"<nav><ol>{nav}</ol></nav>"]
+    for s in sections:
+        parts.append(f'<section id="{e(s.key)}"><h2>{e(s.title)}</h2><p>{e(s.intro)}</p>')
+        if not s.items:
+            parts.append(f'<p class="note">{e(s.empty or "nothing to show")}</p>')
+        parts += [_figure(i) if isinstance(i, Figure) else _table(i) for i in s.items]
+        parts.append("</section>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_page(folder: Path, text: str) -> Path:
+    """`folder`/index.html, written atomically; nothing else is written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_atomic(inside(folder, INDEX), text, root=folder)

@@ -1,0 +1,143 @@
+"""The HTML report in a real browser: Chromium (the distribution's package, headless) opens the page
+built from the committed baselines and timelines from disk; every figure must be drawn (an SVG of
+non-zero size with drawn paths) and the page must load nothing at all (no request, no broken
+reference, no console error).
+
+Where no Chromium is installed (a laptop) the test is skipped with the reason; under CI (`CI=true`)
+a missing Chromium is a failure, since CI installs it (.ci/run). With HARNESS_REPORT_SCREENSHOTS=DIR
+the screenshots of the figures are also kept in DIR (docs/ holds them as docs/report-*.png).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.spec.suite import BASELINES_DIR, CASES_DIR
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+# the kinds of figure the report draws: each must appear at least once on the committed baselines
+KINDS = ("peaks-", "accuracy", "timeline-", "trend-", "depth", "claims")
+SCREENSHOT_WIDTH = 900  # pixels: small enough for docs/
+
+
+def _missing(reason: str):
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason}; CI must install it (.ci/run: apt-get install -y chromium chromium-driver)")
+    pytest.skip(f"{reason} (apt-get install chromium chromium-driver to run this test)")
+
+
+def _browser_paths() -> tuple[str, str]:
+    chromium = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        _missing(f"no Chromium browser{'' if chromium else ' (chromium)'}"
+                 f"{'' if driver else ' or driver (chromedriver)'} on PATH")
+    return chromium, driver
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> Path:
+    from harness.report.html.build import build_report
+
+    out = tmp_path_factory.mktemp("report")
+    return build_report(out, BASELINES_DIR, CASES_DIR)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    chromium, driver_path = _browser_paths()
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _missing("selenium is not installed (the test extra: pip install -e '.[test]')")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    options.add_argument(f"--window-size={SCREENSHOT_WIDTH},1000")
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def _requests(driver, page_url: str) -> list[str]:
+    """The URLs asked for since the log was last read, from Chromium's network log: those of the page's
+    document (the page itself included) and their failures, and any request to a network (http, https,
+    ws) from whatever document, the browser's own start tab included."""
+    import json
+
+    ours, urls = set(), []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        params = message.get("params", {})
+        if message["method"] == "Network.requestWillBeSent":
+            url = params["request"]["url"]
+            if params.get("documentURL") == page_url:
+                ours.add(params["requestId"])
+                urls.append(url)
+            elif url.startswith(("http:", "https:", "ws:", "wss:")):
+                urls.append(url)
+        elif message["method"] == "Network.loadingFailed" and params.get("requestId") in ours:
+            urls.append(f"FAILED {params.get('errorText')}")
+    return urls
+
+
+def test_every_figure_is_drawn_and_nothing_is_fetched(page, browser):
+    from selenium.webdriver.common.by import By
+
+    url = page.resolve().as_uri()
+    _requests(browser, url)  # what the browser loaded before the page (its start tab) is not the page's
+    browser.get(url)
+    figures = browser.find_elements(By.CSS_SELECTOR, "figure.report-figure")
+    keys = [f.get_attribute("id").removeprefix("fig-") for f in figures]
+    assert len(figures) == page.read_text().count('class="report-figure"')
+    assert all(any(k.startswith(kind) for k in keys) for kind in KINDS), keys
+    for figure, key in zip(figures, keys, strict=True):
+        svg = figure.find_element(By.CSS_SELECTOR, "svg")
+        assert svg.size["width"] > 100 and svg.size["height"] > 50, f"{key}: SVG drawn {svg.size}"
+        drawn = browser.execute_script(
+            "const s = arguments[0]; const b = s.getBBox();"
+            "const paths = [...s.querySelectorAll('path')].filter(p => (p.getAttribute('d') || '').length > 8);"
+            "return {w: b.width, h: b.height, paths: paths.length, text: s.querySelectorAll('text').length};", svg)
+        assert drawn["w"] > 0 and drawn["h"] > 0 and drawn["paths"] >= 10 and drawn["text"] > 0, f"{key}: {drawn}"
+        caption = figure.find_element(By.CSS_SELECTOR, "figcaption").text
+        assert "measured" in caption.lower(), f"{key}: the caption says nothing of what was measured"
+    # nothing to load and nothing loaded: no element that fetches, one request (the page), no failure
+    fetching = browser.execute_script(
+        "return document.querySelectorAll('img, script, link, iframe, object, embed, video, audio, source').length")
+    assert fetching == 0
+    assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
+    requests = _requests(browser, url)
+    assert requests == [url], requests
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def test_screenshots_of_each_kind_of_figure(page, browser, tmp_path):
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    browser.get(page.resolve().as_uri())
+    keep = os.environ.get("HARNESS_REPORT_SCREENSHOTS")
+    for kind in KINDS:
+        figure = browser.find_element(By.CSS_SELECTOR, f"figure[id^='fig-{kind}']")
+        browser.execute_script("arguments[0].scrollIntoView()", figure)
+        image = Image.open(io.BytesIO(figure.screenshot_as_png))
+        assert image.width > 200 and image.height > 100
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 16)
+        assert colours is None or len(colours) > 8, f"{kind}: the screenshot is blank"
+        name = f"report-{re.sub(r'[^a-z]', '', kind)}.png"
+        small = image.convert("RGB").quantize(colors=64)
+        small.save(tmp_path / name, optimize=True)
+        if keep:
+            small.save(Path(keep) / name, optimize=True)
