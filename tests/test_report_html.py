@@ -132,3 +132,15 @@ def test_the_runs_just_made_are_reported_from_their_run_folder(tmp_path):
     (run_root / "real" / "x" / "run.json").write_text("{")
     ok, line = report_runs(tmp_path / "site2", run_root, base, CASES_DIR)
     assert not ok and "not written" in line and "run.json" in line
+
+
+def test_without_matplotlib_the_html_report_is_refused_with_the_install_line(tmp_path, monkeypatch):
+    """A host without the report extra gets exit 2 and the pip line, not a traceback."""
+    import importlib.util
+
+    from harness.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["report", "--html", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()

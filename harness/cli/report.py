@@ -52,9 +52,14 @@ def run(args) -> int:
 def write_html(args) -> int:
     """`--html DIR`: the page, written whole into DIR (created where missing). A DIR that is a file, or
     a run file that cannot be read, is bad input (exit 2)."""
+    import importlib.util
+
     from harness.models.inputs import InputError
     from harness.report.html.build import build_report
 
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError(None, "--html", "the HTML report draws its plots with matplotlib, which is not installed",
+                         "pip install 'oom-harness[report]' (or matplotlib) into this environment")
     folder = Path(args.html)
     if folder.exists() and not folder.is_dir():
         raise InputError(None, "--html", f"{folder} is a file", "name a folder for the report")
