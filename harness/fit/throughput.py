@@ -61,13 +61,16 @@ _RATES = {"achieved_flops_per_s", "pcie_bytes_per_s", "pageable_bytes_per_s", "h
           "network_bytes_per_s", "cpu_adam_params_per_s_per_thread"}
 COMPUTE = ("achieved_flops_per_s",)
 DISPATCH = ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass", "fla_s_per_layer_pass")
-# What one platform's fit scales together: the card's compute; its host's dispatch (kernel launches,
-# Python-side hooks, the fixed cost of an offloaded step); PCIe; host memory; the link; CPU Adam.
-GROUPS = (COMPUTE, (*DISPATCH, "zero3_s_per_param_pass", "deepspeed_s_per_micro_step", "offload_s_per_step"),
+# What one platform's fit scales together: the card's compute; its host's dispatch of eager PyTorch
+# kernels and Python-side hooks (linear modules, bitsandbytes, ZeRO-3's hooks, DeepSpeed's engine, the
+# fixed cost of an offloaded step); flash-linear-attention's Triton launches; PCIe; host memory; the
+# link; CPU Adam.
+GROUPS = (COMPUTE, ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass", "zero3_s_per_param_pass",
+                    "deepspeed_s_per_micro_step", "offload_s_per_step"), ("fla_s_per_layer_pass",),
           ("pcie_bytes_per_s", "pageable_bytes_per_s"), ("host_memory_bytes_per_s",), ("network_bytes_per_s",),
           ("cpu_adam_params_per_s_per_thread",))
 PRIOR_WEIGHT = 0.3  # weight of a prior pseudo-observation against one baseline's relative error (pooled fit)
-PLATFORM_PRIOR_WEIGHT = 1.0  # the same for a platform's fit, whose priors are the pooled values
+PLATFORM_PRIOR_WEIGHT = 0.3  # the same for a platform's fit, whose priors are the pooled values
 CPU_ADAM_BYTES = float(CONSTANTS["cpu_adam_bytes_per_param"]["prior"])
 HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
