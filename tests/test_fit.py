@@ -70,6 +70,12 @@ def test_guide_003_needs_a_shorter_cutoff_and_allow_is_respected(tmp_path, capsy
     assert written["per_device_train_batch_size"] * written["gradient_accumulation_steps"] == 16
     fitted = next(Path(f) for f in out["files"] if f.endswith(".json"))
     assert run_check(fitted, JobSpec(gpus=1, gpu_memory=int(15.77 * GIB), stack="peft")).fits
+    assert out["search"]["throughput_source"] == "pooled"  # no --platform: every platform's constants
+
+    code, out = _fit(capsys, config, *job, "--out", tmp_path / "h200", "--allow", "cutoff", "--platform",
+                     "nvidia-h200-x8")  # a platform without baselines: ranked with its card family's constants
+    assert code == 0 and out["search"]["throughput_source"] == "borrowed from nvidia-h200-x2"
+    assert "same card family" in out["search"]["throughput_notes"][-1]
 
 
 def test_a_model_outside_the_registry(tmp_path, capsys):

@@ -102,3 +102,16 @@ def test_leave_one_case_out_error_of_the_platform_constants():
     pooled = [abs(calibrate(frozenset({o.case_id})).tokens_per_s(o.work) / o.tokens_per_s - 1) for o in obs]
     assert statistics.median(own) < 0.20
     assert statistics.median(own) < statistics.median(pooled)
+
+
+def test_a_launch_bound_step_does_not_pay_for_its_flops():
+    """Guide 003's two fixes on one H100: the same tokens per step (1 x 1024 x 16 and 1 x 512 x 32), and
+    the one with twice the micro steps takes twice as long (14.7 s against 6.9): bound by its kernel
+    launches, the card computing meanwhile. Adding compute to dispatch would predict 1.6 times."""
+    model = calibrate(platform=H100)
+    obs = {o.case_id: o for o in observations() if o.platform == H100
+           and o.case_id in ("003-qlora-fix-r32-seq1024-gc", "003-qlora-fix-r16-seq512-gc")}
+    long, short = obs["003-qlora-fix-r16-seq512-gc"], obs["003-qlora-fix-r32-seq1024-gc"]
+    predicted = sum(model.seconds(long.work).values()) / sum(model.seconds(short.work).values())
+    assert predicted == pytest.approx(long.seconds / short.seconds, rel=0.1)
+    assert model.seconds(short.work)["achieved_flops_per_s"] == 0.0  # hidden behind the launches
