@@ -70,6 +70,12 @@ def test_guide_003_needs_a_shorter_cutoff_and_allow_is_respected(tmp_path, capsy
     assert written["per_device_train_batch_size"] * written["gradient_accumulation_steps"] == 16
     fitted = next(Path(f) for f in out["files"] if f.endswith(".json"))
     assert run_check(fitted, JobSpec(gpus=1, gpu_memory=int(15.77 * GIB), stack="peft")).fits
+    assert out["search"]["throughput_source"] == "pooled"  # no --platform: every platform's constants
+
+    code, out = _fit(capsys, config, *job, "--out", tmp_path / "h200", "--allow", "cutoff", "--platform",
+                     "nvidia-h200-x8")  # a platform without baselines: ranked with its card family's constants
+    assert code == 0 and out["search"]["throughput_source"] == "borrowed from nvidia-h200-x2"
+    assert "same card family" in out["search"]["throughput_notes"][-1]
 
 
 def test_a_model_outside_the_registry(tmp_path, capsys):
@@ -122,25 +128,31 @@ def test_out_must_be_a_folder(tmp_path, capsys):
     assert out.read_text() == "x"
 
 
+H100 = "nvidia-h100-80gb-hbm3-x1"
+
+
 def _measured(case_id: str) -> float:
     return max(o.tokens_per_s for o in observations() if o.case_id == case_id and o.variant in ("", "u")
-               and o.platform.startswith("nvidia-h100"))
+               and o.platform == H100)
 
 
 @pytest.mark.parametrize("ids", [
     ["001-ladder-rung1-zero2", "001-ladder-rung2-zero2-offload", "001-ladder-rung3-zero3",
      "001-ladder-rung4-zero3-offload"],
     ["003-qlora-fix-r32-seq1024-gc", "003-qlora-fix-r16-seq512-gc"],
+    ["004-gla-plan-a-minimal", "004-gla-plan-b-bs2", "004-gla-plan-c-1proc"],
 ])
 def test_throughput_model_orders_the_guides_as_measured(ids):
-    works = {o.case_id: o.work for o in observations() if o.case_id in ids and o.variant in ("", "u")}
+    works = {o.case_id: o.work for o in observations()
+             if o.case_id in ids and o.variant in ("", "u") and o.platform == H100}
     assert [_measured(i) for i in ids] == sorted((_measured(i) for i in ids), reverse=True)
-    model = calibrate()
-    predicted = [model.tokens_per_s(works[i]) for i in ids]
-    assert predicted == sorted(predicted, reverse=True)
-    # also with each case's own baselines left out of the fit (benchmarks/bench_throughput.py)
-    left_out = [calibrate(frozenset({i})).tokens_per_s(works[i]) for i in ids]
-    assert left_out == sorted(left_out, reverse=True)
+    for platform in (H100, None):  # the platform's constants and the pooled ones
+        model = calibrate(platform=platform)
+        predicted = [model.tokens_per_s(works[i]) for i in ids]
+        assert predicted == sorted(predicted, reverse=True), platform
+        # also with each case's own baselines left out of the fit (benchmarks/bench_throughput.py)
+        left_out = [calibrate(frozenset({i}), platform).tokens_per_s(works[i]) for i in ids]
+        assert left_out == sorted(left_out, reverse=True), platform
 
 
 pytest_plugins = ["pytester"]

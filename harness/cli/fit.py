@@ -160,7 +160,9 @@ def _search_json(found: Search) -> dict:
     return {"candidates": found.considered, "predicted": found.predicted, "screened_out": found.screened_out,
             "seconds": round(found.seconds, 2), "stopped_early": found.stopped_early,
             "throughput_constants": {k: float(f"{v:.4g}") for k, v in found.throughput.values.items()},
-            "throughput_fitted_on": found.throughput.fitted_on}
+            "throughput_fitted_on": found.throughput.fitted_on,
+            "throughput_platform": found.throughput.platform, "throughput_source": found.throughput.source,
+            "throughput_notes": found.throughput.notes}
 
 
 def _as_json(found: Search, written: Written, recheck: CheckResult) -> dict:
@@ -207,7 +209,8 @@ def _table(found: Search, written: Written) -> str:
     lines += _runners_table(found)
     lines += ["", f"searched {found.considered} candidates, predicted {found.predicted}, passed over "
               f"{found.screened_out} on a bound, in {found.seconds:.1f} s"
-              + (" (stopped at the time limit)" if found.stopped_early else "")]
+              + (" (stopped at the time limit)" if found.stopped_early else ""),
+              f"tokens/s: {found.throughput.notes[-1]}"]
     return "\n".join(lines)
 
 

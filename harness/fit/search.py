@@ -4,7 +4,9 @@ Each distinct traced step costs seconds (`harness.predict.trace` caches one per 
 else of a prediction costs about a millisecond. So:
 
 1. Every candidate of `harness.fit.knobs.space` gets its predicted tokens/s from the closed-form
-   throughput model (`harness.fit.throughput`), no trace. They are walked fastest first, those that
+   throughput model (`harness.fit.throughput`), no trace, with the constants of the platform named
+   (`--platform`; the nearest of its card family where it has no baselines, pooled where none is
+   named). They are walked fastest first, those that
    keep what is trained before those that change it (4-bit weights, cutoff, rank: only where
    `--allow` lets them, and only where nothing that keeps the training fits). Of the fitting
    candidates within `SAME_SPEED` of the fastest, the one with the fewest changes to what is trained,
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.fit.knobs import Knobs, apply, knobs_of, space
-from harness.fit.throughput import ThroughputModel, calibrate, step_work
+from harness.fit.throughput import ThroughputModel, calibrate
 from harness.premerge.check import CheckResult
 from harness.spec.schema import Case
 
@@ -89,14 +91,14 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
     warnings.simplefilter("ignore", DeprecationWarning)
     imported = base.config
     case0, config = imported.case, imported.arch.config
-    model = calibrate()
+    model = calibrate(platform=platform)
     k0 = knobs_of(case0)
     candidates = []
     for k in space(k0, allow, case0.method.kind):
         case = apply(case0, k)
         changed = sum(getattr(k, f.name) != getattr(k0, f.name) for f in dataclasses.fields(k))
         training = sum(getattr(k, name) != getattr(k0, name) for name in ("four_bit", "seq_len", "lora_r"))
-        candidates.append(Candidate(k, case, model.tokens_per_s(step_work(case, config)), changed, training))
+        candidates.append(Candidate(k, case, model.predict(case, config), changed, training))
     candidates.sort(key=lambda c: (c.changes_training > 0, -c.tokens_per_s, c.changes_training, c.changed))
 
     predictions: dict[Knobs, CheckResult] = {}
@@ -150,7 +152,7 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
         closest = next(c for c in candidates if c.knobs == k)
         closest.result = r
     return Search(base=base, best=best, runners_up=others, closest=closest, throughput=model,
-                  base_tokens_per_s=model.tokens_per_s(step_work(case0, config)), considered=len(candidates),
+                  base_tokens_per_s=model.predict(case0, config), considered=len(candidates),
                   predicted=len(predictions), screened_out=screened, seconds=time.perf_counter() - t0,
                   stopped_early=stopped)
 

@@ -3,37 +3,51 @@
 One optimizer step of one process is the sum of the work it waits for, each a count from the case and
 its model (`harness.fit.shape`) times a constant:
 
-    t = FLOPs / achieved_flops_per_s                       model FLOPs, recomputation included
-      + linear passes x launch_s_per_linear_pass           launch-bound small batches
-      + 4-bit linear passes x launch_s_per_4bit_linear_pass
-      + GLA layer passes x fla_s_per_layer_pass            flash-linear-attention's Triton kernel chains
-      + ZeRO-3 parameter passes x zero3_s_per_param_pass   DeepSpeed's per-parameter fetch and release
-      + host-device bytes / pcie_bytes_per_s               offloaded parameters and optimizer state
+    t = max(FLOPs / achieved_flops_per_s,                  model FLOPs, recomputation included
+            linear passes x launch_s_per_linear_pass       launch-bound small batches: the card computes
+          + 4-bit linear passes x launch_s_per_4bit_linear_pass    while the host dispatches, so the
+          + GLA layer passes x fla_s_per_layer_pass)               longer of the two counts
+      + ZeRO-3 parameter passes x zero3_s_per_param_pass   DeepSpeed's per-parameter fetch and release hooks
+      + micro steps x deepspeed_s_per_micro_step           DeepSpeed's engine beside the model
+      + pinned host-device bytes / pcie_bytes_per_s        offloaded parameters gathered, gradients down,
+      + pageable host-device bytes / pageable_bytes_per_s  updated parameters up
+      + CPU Adam's bytes / host_memory_bytes_per_s         host memory bandwidth
+      + offloaded parameters / (threads x cpu_adam_params_per_s_per_thread)   CPU Adam's arithmetic
       + collective bytes / network_bytes_per_s             ZeRO's all-gathers and reductions
-      + offloaded trainable parameters / cpu_adam_params_per_s
-      + offload_s_per_step (an optimizer step with offloaded optimizer state)
+      + offload_s_per_step                                 an optimizer step with offloaded state
 
 Processes sharing a card share its FLOPs (the compute term is multiplied by their number) and launch
-their kernels independently. tokens/s per card = processes x tokens per step / t.
+their kernels independently. tokens/s per card = processes x tokens per step / t. ZeRO-3 gathers every
+parameter in the forward, the backward and a recomputed forward, except where reentrant checkpointing
+of a frozen base keeps the forward's (`_gathers`). CPU Adam's threads are the process's OpenMP threads:
+recorded with each baseline run, and for a prediction the case's OMP_NUM_THREADS or the launcher's
+share of the host's cores (`harness.fit.platforms`).
 
-The constants are named data with their priors and provenance (`throughput.json`); `calibrate` fits
-them at call time on the tokens/s of results/baselines: non-negative least squares on the step time's
-relative error, each prior a weak pseudo-observation so a constant no baseline exercises keeps it.
-`benchmarks/bench_throughput.py` reports the error leave-one-out.
+The constants are named data with their priors and provenance (`throughput.json`). `calibrate` fits
+them at call time on the tokens/s of results/baselines, in two levels: pooled over every platform
+(non-negative least squares on the step time's relative error, each prior a weak pseudo-observation so
+a constant no baseline exercises keeps it), then per platform on that platform's own baselines with
+the pooled values as the priors. A platform without baselines borrows the nearest platform's
+constants (the same card family; `harness.fit.platforms.nearest`), its compute rate scaled by the
+cards' peak FLOPs, and the model's notes say so. `benchmarks/bench_throughput.py` reports the error
+leave-one-case-out, per platform.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from harness.baselines.store import RESULTS_DIR, load_baselines
+from harness.fit.platforms import THREADS_WHEN_UNRECORDED, Host, host, nearest
 from harness.fit.shape import ModelShape
-from harness.measure.flops import flops_per_token
+from harness.measure.flops import flops_per_token, peak_flops
+from harness.predict.step import reentrant_checkpointing
 from harness.spec.cases import CASES_DIR
 from harness.spec.schema import Case, Offload
 
@@ -41,10 +55,23 @@ _DATA = json.loads(resources.files(__package__).joinpath("throughput.json").read
 CONSTANTS: dict[str, dict] = _DATA["constants"]
 # The terms, in the order of the fitted constants (each term's count is divided or multiplied by it).
 TERMS = ("achieved_flops_per_s", "launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass", "fla_s_per_layer_pass",
-         "zero3_s_per_param_pass", "pcie_bytes_per_s", "network_bytes_per_s", "cpu_adam_params_per_s",
-         "offload_s_per_step")
-_RATES = {"achieved_flops_per_s", "pcie_bytes_per_s", "network_bytes_per_s", "cpu_adam_params_per_s"}
-PRIOR_WEIGHT = 0.3  # weight of a prior pseudo-observation against one baseline's relative error
+         "zero3_s_per_param_pass", "deepspeed_s_per_micro_step", "pcie_bytes_per_s", "pageable_bytes_per_s",
+         "host_memory_bytes_per_s", "network_bytes_per_s", "cpu_adam_params_per_s_per_thread", "offload_s_per_step")
+_RATES = {"achieved_flops_per_s", "pcie_bytes_per_s", "pageable_bytes_per_s", "host_memory_bytes_per_s",
+          "network_bytes_per_s", "cpu_adam_params_per_s_per_thread"}
+COMPUTE = ("achieved_flops_per_s",)
+DISPATCH = ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass", "fla_s_per_layer_pass")
+# What one platform's fit scales together: the card's compute; its host's dispatch of eager PyTorch
+# kernels and Python-side hooks (linear modules, bitsandbytes, ZeRO-3's hooks, DeepSpeed's engine, the
+# fixed cost of an offloaded step); flash-linear-attention's Triton launches; PCIe; host memory; the
+# link; CPU Adam.
+GROUPS = (COMPUTE, ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass", "zero3_s_per_param_pass",
+                    "deepspeed_s_per_micro_step", "offload_s_per_step"), ("fla_s_per_layer_pass",),
+          ("pcie_bytes_per_s", "pageable_bytes_per_s"), ("host_memory_bytes_per_s",), ("network_bytes_per_s",),
+          ("cpu_adam_params_per_s_per_thread",))
+PRIOR_WEIGHT = 0.3  # weight of a prior pseudo-observation against one baseline's relative error (pooled fit)
+PLATFORM_PRIOR_WEIGHT = 0.3  # the same for a platform's fit, whose priors are the pooled values
+CPU_ADAM_BYTES = float(CONSTANTS["cpu_adam_bytes_per_param"]["prior"])
 HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -52,13 +79,15 @@ HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 class StepWork:
     """What one optimizer step of one process waits for, in the units of TERMS."""
 
-    counts: tuple[float, ...]  # per term (TERMS): FLOPs, 4 x passes, bytes, bytes, parameters, steps
+    counts: tuple[float, ...]  # per term (TERMS): FLOPs, passes, bytes, bytes, bytes, parameters / thread, steps
     tokens: int  # tokens of one process's optimizer step
     procs_per_card: int
+    threads: int = 1  # the process's CPU threads (CPU Adam)
 
 
-def step_work(case: Case, config: dict, shape: ModelShape | None = None) -> StepWork:
-    """The counts of one optimizer step of `case` (one process, the worst rank of a sharded job)."""
+def step_work(case: Case, config: dict, shape: ModelShape | None = None, threads: int = 1) -> StepWork:
+    """The counts of one optimizer step of `case` (one process, the worst rank of a sharded job) whose
+    process runs CPU Adam on `threads` threads."""
     shape = (shape or ModelShape.of(config)).at_depth(case.layers or int(config.get("num_hidden_layers")
                                                                          or ModelShape.of(config).layers))
     t, ds = case.train, case.deepspeed
@@ -80,24 +109,41 @@ def step_work(case: Case, config: dict, shape: ModelShape | None = None) -> Step
     world = case.launch.ranks
     trainable = _trainable(case, shape)
     fla = shape.layers * passes if config.get("model_type") == "gla" else 0
-    hooks = pcie = net = adam = offload_steps = 0.0
+    hooks = engine = host_device = host_memory = net = adam = offload_steps = 0.0
     if ds is not None:
+        engine = ga
         shard = world if ds.stage >= 1 else 1
-        pageable = 1.0 if ds.pin_memory else 1 / CONSTANTS["pageable_copy_factor"]["prior"]
-        gathers = (3 if gc else 2) * ga  # ZeRO-3: forward, backward and the recomputed forward gather
+        gathers = _gathers(case) * ga
         if ds.stage == 3:
-            hooks = shape.layers * shape.layer_tensors * gathers
+            # DeepSpeed's fetch and release hooks run on every pass; the weights move once per gather
+            hooks = shape.layers * shape.layer_tensors * (3 if gc else 2) * ga
             net += shape.params * half * (world - 1) / world * gathers
             if ds.offload_param == Offload.cpu:
-                pcie += shape.params * half / world * gathers * pageable
+                host_device += shape.params * half / world * gathers
         if world > 1:  # gradients: reduced every micro step (ZeRO-2/3), once per step otherwise
             net += trainable * half * 2 * (world - 1) / world * (ga if ds.stage >= 2 else 1)
         if ds.offload_optimizer == Offload.cpu:
-            adam = trainable / shard
+            params = trainable / shard
+            adam = params / max(1, threads)
+            host_memory += params * CPU_ADAM_BYTES
             offload_steps = 1.0
-            pcie += trainable / shard * (half + 4) * pageable  # gradients down, updated parameters up
-    return StepWork(counts=(flops, linear_passes, four_bit, fla, hooks, pcie, net, adam, offload_steps), tokens=tokens,
-                    procs_per_card=procs)
+            host_device += params * half * 2  # gradients down, updated parameters up
+    pinned = ds is None or ds.pin_memory
+    pcie, pageable = (host_device, 0.0) if pinned else (0.0, host_device)
+    return StepWork(counts=(flops, linear_passes, four_bit, fla, hooks, engine, pcie, pageable, host_memory, net, adam,
+                            offload_steps), tokens=tokens, procs_per_card=procs, threads=threads)
+
+
+def _gathers(case: Case) -> int:
+    """ZeRO-3's gathers of every parameter per micro step: forward and backward, and the recomputed
+    forward with checkpointing; with reentrant checkpointing of a frozen base (LoRA, QLoRA) the
+    forward's gathered weights stay on the card through the recompute and the backward (measured on
+    guide 000: the step peak grows by a whole layer's weights per layer, docs/findings.md), so one."""
+    if not case.train.gradient_checkpointing:
+        return 2
+    if case.method.kind != "full" and reentrant_checkpointing(case):
+        return 1
+    return 3
 
 
 def _trainable(case: Case, shape: ModelShape) -> int:
@@ -112,6 +158,9 @@ def _trainable(case: Case, shape: ModelShape) -> int:
 @dataclass
 class ThroughputModel:
     values: dict[str, float]  # the constants (TERMS and the unfitted ones)
+    platform: str | None = None  # the platform the constants are for; None: pooled over every platform
+    source: str = "priors"  # 'own' (fitted on its baselines), 'borrowed from <platform>', 'pooled' or 'priors'
+    host: Host = field(default_factory=lambda: host(None))  # whose cores give CPU Adam its threads
     fitted_on: list[str] = field(default_factory=list)  # case ids of the baselines
     notes: list[str] = field(default_factory=list)
 
@@ -119,15 +168,33 @@ class ThroughputModel:
         return [1 / self.values[k] if k in _RATES else self.values[k] for k in TERMS]
 
     def seconds(self, work: StepWork) -> dict[str, float]:
-        """Seconds per optimizer step, by term."""
+        """Seconds per optimizer step, by term. The card computes while the host dispatches the next
+        kernels, so of the two only the longer counts (the other is 0 here): small batches are bound
+        by their kernel launches, large ones by FLOPs."""
+        terms = self.seconds_unhidden(work)
+        for k in hidden(terms):
+            terms[k] = 0.0
+        return terms
+
+    def seconds_unhidden(self, work: StepWork) -> dict[str, float]:
         return {k: c * x for k, c, x in zip(TERMS, self.coefficients(), work.counts, strict=True)}
 
     def tokens_per_s(self, work: StepWork) -> float:
         """Tokens per second per card (every process sharing it)."""
         return work.procs_per_card * work.tokens / max(sum(self.seconds(work).values()), 1e-9)
 
+    def work(self, case: Case, config: dict) -> StepWork:
+        """The step's counts, CPU Adam on the threads this model's host gives each of `case`'s processes."""
+        return step_work(case, config, threads=self.host.threads(case))
+
     def predict(self, case: Case, config: dict) -> float:
-        return self.tokens_per_s(step_work(case, config))
+        return self.tokens_per_s(self.work(case, config))
+
+
+def hidden(terms: dict[str, float]) -> tuple[str, ...]:
+    """The terms hidden behind the others: the shorter of compute and dispatch."""
+    compute, dispatch = sum(terms[k] for k in COMPUTE), sum(terms[k] for k in DISPATCH)
+    return COMPUTE if compute < dispatch else DISPATCH
 
 
 def prior_model() -> ThroughputModel:
@@ -153,18 +220,27 @@ class Observation:
         return self.work.procs_per_card * self.work.tokens / self.tokens_per_s
 
 
+def _threads(runs) -> int:
+    """The CPU threads per process of a baseline's runs: the most common recorded count, or the count of
+    a run that predates the launcher's thread rule (`platforms.json`, thread_rule)."""
+    recorded = Counter(r.cpu_threads for r in runs if r.cpu_threads)
+    return recorded.most_common(1)[0][0] if recorded else THREADS_WHEN_UNRECORDED
+
+
 @lru_cache(maxsize=4)
 def observations(root: str = str(RESULTS_DIR), case_dir: str = str(CASES_DIR)) -> tuple[Observation, ...]:
     """Every finished baseline with a tokens/s, the case as measured (its variant applied); mistakes
-    (`expect: detected`) left out, as the predictor's calibration leaves them out."""
+    (`expect: detected`) left out, as the predictor's calibration leaves them out, and runs on a cold
+    Triton cache (their timed steps still compile and autotune kernels: guide 004's plan A ran 34%
+    under its warm runs, docs/findings.md)."""
     from harness.models.source import load_model
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     out = []
     for b in load_baselines(Path(root)):
-        rates = [r.tokens_per_s_per_gpu for r in b.runs if r.outcome == "ok" and r.tokens_per_s_per_gpu]
-        if not rates:
+        runs = [r for r in b.runs if r.outcome == "ok" and r.tokens_per_s_per_gpu and r.triton_cache != "cold"]
+        if not runs:  # none finished, or every one compiled and autotuned its Triton kernels in its timed steps
             continue
         try:
             case = parse_variant(b.variant).apply(load_case(Path(case_dir) / f"{b.case_id}.yaml"))
@@ -172,8 +248,9 @@ def observations(root: str = str(RESULTS_DIR), case_dir: str = str(CASES_DIR)) -
             continue
         if case.expect.outcome == "detected":
             continue
-        work = step_work(case, load_model(case.model).config)
-        out.append(Observation(b.case_id, b.variant, b.platform.key, work, statistics.median(rates)))
+        work = step_work(case, load_model(case.model).config, threads=_threads(runs))
+        out.append(Observation(b.case_id, b.variant, b.platform.key, work,
+                               statistics.median(r.tokens_per_s_per_gpu for r in runs)))
     return tuple(out)
 
 
@@ -203,31 +280,78 @@ def _nnls(a: list[list[float]], b: list[float], iterations: int = 200) -> list[f
     return [float(v) for v in x]
 
 
-def fit(obs: list[Observation]) -> ThroughputModel:
-    """The constants fitted on `obs` (see the module's docstring)."""
-    base = prior_model()
+def fit(obs: list[Observation], prior: ThroughputModel | None = None, weight: float = PRIOR_WEIGHT,
+        columns: tuple[tuple[str, ...], ...] = tuple((k,) for k in TERMS)) -> ThroughputModel:
+    """The constants fitted on `obs`, each column of `columns` (terms scaled together) a pseudo-observation
+    of `weight` at `prior`'s values (throughput.json's priors by default; see the module's docstring).
+    Which of compute and dispatch each baseline waits for depends on the constants, so the fit repeats
+    until no baseline changes sides."""
+    base = prior or prior_model()
     if not obs:
         return base
-    priors = base.coefficients()
-    # unknowns scaled by their priors (theta_j = prior_j * s_j), so every column is of order one
-    rows, target = [], []
-    for o in obs:
-        rows.append([p * x / o.seconds for p, x in zip(priors, o.work.counts, strict=True)])
-        target.append(1.0)
-    for j in range(len(TERMS)):
-        rows.append([PRIOR_WEIGHT if i == j else 0.0 for i in range(len(TERMS))])
-        target.append(PRIOR_WEIGHT)
-    scales = _nnls(rows, target)
-    values = dict(base.values)
-    for k, p, s in zip(TERMS, priors, scales, strict=True):
-        coefficient = max(p * s, p * 1e-3)  # never free: a term fitted to zero keeps a thousandth of its prior
-        values[k] = 1 / coefficient if k in _RATES else coefficient
-    return ThroughputModel(values=values, fitted_on=sorted({o.case_id for o in obs}),
-                           notes=[f"throughput constants fitted on the tokens/s of {len(obs)} baselines"])
+    priors = dict(zip(TERMS, base.coefficients(), strict=True))
+    model, sides = base, None
+    for _ in range(8):
+        now = [hidden(model.seconds_unhidden(o.work)) for o in obs]
+        if now == sides:
+            break
+        sides = now
+        # unknowns: each column's scale of its priors (theta_j = prior_j * s_col), every column of order one
+        rows, target = [], []
+        for o, off in zip(obs, sides, strict=True):
+            per_term = {k: 0.0 if k in off else priors[k] * x / o.seconds
+                        for k, x in zip(TERMS, o.work.counts, strict=True)}
+            rows.append([sum(per_term[k] for k in col) for col in columns])
+            target.append(1.0)
+        for j in range(len(columns)):
+            rows.append([weight if i == j else 0.0 for i in range(len(columns))])
+            target.append(weight)
+        values = dict(base.values)
+        for col, scale in zip(columns, _nnls(rows, target), strict=True):
+            for k in col:
+                coefficient = max(priors[k] * scale, priors[k] * 1e-3)  # a term fitted to zero keeps a thousandth
+                values[k] = 1 / coefficient if k in _RATES else coefficient
+        model = replace(base, values=values)
+    return replace(model, fitted_on=sorted({o.case_id for o in obs}),
+                   notes=[f"throughput constants fitted on the tokens/s of {len(obs)} baselines"])
 
 
-@lru_cache(maxsize=8)
-def calibrate(exclude: frozenset[str] = frozenset(), root: str = str(RESULTS_DIR),
+@lru_cache(maxsize=64)
+def _pooled(exclude: frozenset[str], root: str, case_dir: str) -> ThroughputModel:
+    obs = [o for o in observations(root, case_dir) if o.case_id not in exclude]
+    model = fit(obs)
+    return replace(model, source="pooled" if obs else "priors",
+                   notes=[f"throughput constants pooled over every platform: fitted on the tokens/s of {len(obs)} "
+                          "baselines"] if obs else model.notes)
+
+
+@lru_cache(maxsize=64)
+def calibrate(exclude: frozenset[str] = frozenset(), platform: str | None = None, root: str = str(RESULTS_DIR),
               case_dir: str = str(CASES_DIR)) -> ThroughputModel:
-    """The model fitted on every platform's baselines but those of the case ids in `exclude`."""
-    return fit([o for o in observations(root, case_dir) if o.case_id not in exclude])
+    """The model for `platform`, fitted on the baselines but those of the case ids in `exclude`: its own
+    constants where it has baselines, the nearest platform's of its card family where it has none
+    (said in the notes), the pooled constants where no platform of its family has any or none is named."""
+    pooled = _pooled(exclude, root, case_dir)
+    if platform is None:
+        return replace(pooled, notes=[*pooled.notes, "no platform named: the pooled constants"])
+    obs = [o for o in observations(root, case_dir) if o.case_id not in exclude]
+    measured = {o.platform for o in obs}
+    near = nearest(platform, measured)
+    if near is None:
+        return replace(pooled, platform=platform, host=host(platform),
+                       notes=[*pooled.notes, f"no baseline of {platform} or of its card family: the pooled constants"])
+    own = [o for o in obs if o.platform == near]
+    model = replace(fit(own, prior=pooled, weight=PLATFORM_PRIOR_WEIGHT, columns=GROUPS), platform=near, source="own",
+                    host=host(near))
+    model.notes = [f"throughput constants of {near}: fitted on the tokens/s of its {len(own)} baselines, the pooled "
+                   f"constants ({len(obs)} baselines) as priors"]
+    if near == platform:
+        return model
+    values = dict(model.values)
+    theirs, ours = peak_flops(near.replace("-", " ")), peak_flops(platform.replace("-", " "))
+    note = f"{platform} has no baseline: borrowed from {near} (the same card family)"
+    if theirs and ours and theirs != ours:
+        values["achieved_flops_per_s"] *= ours / theirs
+        note += f", the compute rate scaled by the cards' peak FLOPs ({ours / 1e12:.0f} against {theirs / 1e12:.0f} T)"
+    return replace(model, values=values, platform=platform, source=f"borrowed from {near}", host=host(platform),
+                   notes=[*model.notes, note])
