@@ -1,0 +1,75 @@
+"""DeepSpeed's coordinator, replayed over a step, holds what ZeRO-3 holds (harness.predict.zero3)."""
+
+import json
+
+import pytest
+
+from harness.predict.zero3 import DS_DEFAULTS, Zero3Spec, replay
+from harness.predict.zero3_order import ModelLayout, ModuleSpec, ParamSpec
+
+pytest.importorskip("deepspeed")
+
+M = 1_000_000
+
+
+def _layout(trainable_adapters: bool = True) -> ModelLayout:
+    """An embedding, a head and layers of two frozen 10M linears, each with a small trainable adapter."""
+    layer = []
+    key = 10
+    for name in ("attn", "mlp"):
+        layer.append(ModuleSpec(f"model.layers.0.{name}.base", (ParamSpec(key, 10 * M, False),)))
+        key += 1
+        if trainable_adapters:
+            layer.append(ModuleSpec(f"model.layers.0.{name}.lora", (ParamSpec(key, 1000, True),)))
+            key += 1
+    return ModelLayout(before=(ModuleSpec("model.embed", (ParamSpec(0, 30 * M, False),)),),
+                       layer=tuple(layer), after=(ModuleSpec("lm_head", (ParamSpec(1, 30 * M, False),)),))
+
+
+def _spec(layers=4, ranks=1, offload=True, reuse=DS_DEFAULTS["max_reuse"], checkpointing="none", **kw) -> Zero3Spec:
+    values = dict(layout_json=json.dumps(_layout().to_dict(), sort_keys=True), layers=layers, ranks=ranks,
+                  half_bytes=2, prefetch_bucket=0, max_live=DS_DEFAULTS["max_live"], max_reuse=reuse,
+                  persistence_threshold=10_000, model_persistence_threshold=DS_DEFAULTS["model_persistence"],
+                  offload_param=offload, checkpointing=checkpointing,
+                  input_requires_grad=checkpointing == "reentrant")
+    values.update(kw)
+    return Zero3Spec(**values)
+
+
+def test_reuse_distance_keeps_forward_weights_for_backward():
+    kept = replay(_spec(reuse=10**9))
+    released = replay(_spec(reuse=0))
+    # with a long reuse distance every layer's weights stay gathered from forward into backward
+    assert kept.backward_start_bytes >= 4 * 2 * 10 * M * 2
+    # with none, even the head, used again right away, is released after its forward
+    assert released.backward_start_bytes == 0
+    assert kept.peak_bytes > released.peak_bytes
+
+
+def test_max_live_parameters_does_not_cap_what_reuse_keeps():
+    # stage3_max_live_parameters limits prefetching only, not what a release leaves gathered
+    assert replay(_spec(max_live=1)).backward_start_bytes == replay(_spec()).backward_start_bytes
+
+
+def test_one_rank_without_offload_gathers_nothing_beyond_the_partition():
+    assert replay(_spec(offload=False)).peak_bytes == 0
+
+
+def test_reentrant_checkpointing_ties_recomputed_frozen_weights_to_the_root():
+    """DeepSpeed 0.19 attributes frozen weights fetched in a recompute to the newest module in
+    backward; under reentrant checkpointing that is the root, released only at the end: the peak grows
+    by one layer's frozen weights per layer. Non-reentrant, they go with the layer's first backward
+    module, and the peak does not grow with depth."""
+    kw = dict(reuse=0)
+    r4, r8 = replay(_spec(4, checkpointing="reentrant", **kw)), replay(_spec(8, checkpointing="reentrant", **kw))
+    n4, n8 = (replay(_spec(4, checkpointing="nonreentrant", **kw)),
+              replay(_spec(8, checkpointing="nonreentrant", **kw)))
+    assert r8.peak_bytes - r4.peak_bytes == 4 * 2 * 10 * M * 2
+    assert n8.peak_bytes == n4.peak_bytes
+
+
+def test_prefetch_and_offload_staging_on_two_ranks():
+    # two ranks, offloaded: a one-parameter gather holds the host partition's copy while in flight
+    no_prefetch = replay(_spec(ranks=2, reuse=0))
+    prefetch = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M))
+    assert prefetch.peak_bytes > no_prefetch.peak_bytes
