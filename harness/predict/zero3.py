@@ -437,7 +437,11 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         model_persistence_threshold=DS_DEFAULTS["model_persistence"],
         offload_param=ds.offload_param == Offload.cpu,
         checkpointing=("reentrant" if reentrant else "nonreentrant") if gc else "none",
-        input_requires_grad=reentrant or case.method.kind == "full",
+        # the embedding's output needs a gradient where checkpointing is on: harness.runtime.build enables
+        # input gradients for reentrant checkpointing, and peft's get_peft_model does for any checkpointed
+        # model (PeftModel._prepare_model_for_gradient_checkpointing); DeepSpeed's hooks then fetch the
+        # embedding again in backward
+        input_requires_grad=gc or case.method.kind == "full",
     )
 
 

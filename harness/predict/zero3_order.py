@@ -23,7 +23,8 @@ on autograd and on checkpointing; `step_events` writes them down for a decoder-o
 
 Whether an input needs a gradient is decided per decoder layer, not per tensor: a layer's input
 needs one when an earlier layer or the embedding holds a trainable parameter, or when the stack
-enables input gradients (reentrant checkpointing, `enable_input_require_grads`). Inside the first
+enables input gradients (`enable_input_require_grads`: the harness's reentrant checkpointing, and
+peft's `get_peft_model` on a checkpointed model). Inside the first
 layer of a LoRA model this counts frozen modules that read the layer's input as gradient-free even
 where an adapter before them made it need one (the output projection and the MLP of layer 0): what
 is gathered at the end of backward is then under-counted by at most those modules of one layer.
