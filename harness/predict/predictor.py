@@ -14,11 +14,14 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    prediction imports neither torch nor transformers.
 2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3
    partitions and persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state,
-   ZeRO buckets and the gathered ZeRO-3 live set, offload to host, cuBLAS workspaces.
-3. allocated = states + max(trace peak, optimizer-step transient).
-4. ZeRO-3 + reentrant checkpointing + frozen (LoRA) weights: every layer's gathered frozen weights
-   are held at once (`harness.predict.states.zero3_reentrant_retention`, evidence there);
-   allocated = max(step 3, states + that term).
+   ZeRO buckets and the gathered ZeRO-3 parameters (for LoRA/QLoRA: DeepSpeed's coordinator replayed
+   over the step, `harness.predict.zero3`), offload to host, cuBLAS workspaces.
+3. allocated = states (with what ZeRO-3 has gathered when backward starts) + max(trace peak,
+   optimizer-step transient).
+4. ZeRO-3: allocated = max(step 3, states + the most parameters gathered at once + the activations a
+   forward keeps) (DeepSpeed keeping weights for reuse, or tying recomputed frozen weights to the root
+   under reentrant checkpointing); the closed form's reentrant retention where nothing was replayed
+   (`harness.predict.states.zero3_reentrant_retention`).
 5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
    reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
    parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
@@ -99,9 +102,11 @@ def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str
     if case.deepspeed is None or case.deepspeed.stage != 3:
         return None
     if case.method.kind == "full":
-        # guide 002 (Gemma-3 27B, full fine-tune): the replay finds 2.6 GiB gathered where backward starts
-        # against 6.0 GiB recorded at the head's backward (results/timelines), and is less accurate there
-        # than the closed form; the closed form stays for full fine-tuning until that is explained
+        # guide 002 (Gemma-3 27B, full fine-tune): the replay's gathered peak is the recorded one (6.25 GiB
+        # at 4 layers, results/timelines), but beside it the run holds the tied embedding's gradient
+        # (2.84 GiB) and activations the trace's figures do not place; added up, allocated came out
+        # +10% at 2048 tokens and 0% at 4096 against +2% and +8% with the closed form: no better, so the
+        # closed form stays for full fine-tuning
         notes.append("ZeRO-3 gathered set of a full fine-tune: the closed form, not DeepSpeed's coordinator")
         return None
     from harness.predict import zero3

@@ -14,9 +14,12 @@ model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and 
   / W, on the device or, with optimizer offload, in host memory (with the fp32 gradient partition);
   half gradient partitions; the reduce buckets (contiguous gradients: one bucket, two with
   overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
-  persistence threshold kept whole on every rank, and the gathered live set (the largest of the
-  output head and one layer's largest module plus the prefetch bucket, capped by
-  stage3_max_live_parameters).
+  persistence threshold kept whole on every rank, and the gathered parameters: for LoRA and QLoRA
+  what DeepSpeed's own coordinator, replayed over the step (`harness.predict.zero3`), holds when
+  backward starts and at most (prefetch, reuse distance, live-parameter limit, recomputation under
+  checkpointing, offload staging); for full fine-tuning, or without DeepSpeed installed, the
+  closed form (the largest of the output head and one layer's largest module plus the prefetch
+  bucket, capped by stage3_max_live_parameters, and `zero3_reentrant_retention`).
 * cuBLAS workspaces allocated through the caching allocator (torch's default size on Hopper for
   the forward and the autograd threads): an assumption, not fitted.
 
@@ -203,7 +206,11 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
 
 def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
     """Bytes of gathered frozen weights ZeRO-3 keeps on the device through the forward when the
-    layers are checkpointed reentrantly; 0 where it does not apply.
+    layers are checkpointed reentrantly; 0 where it does not apply. Used only by the closed form
+    (DeepSpeed not installed): the replay of DeepSpeed's coordinator (`harness.predict.zero3`) finds
+    the same retention from DeepSpeed's own rule, which ties the frozen weights fetched by a
+    recomputed forward to the newest module in backward, under reentrant checkpointing the root,
+    released only when backward ends.
 
     Applies only when all of these hold: ZeRO-3; gradient checkpointing on; reentrant
     (`train.checkpointing_reentrant`, else the stack's default: LLaMA-Factory's use_reentrant_gc:

@@ -248,7 +248,9 @@ def _in_graph_task(fn) -> None:
     Backward.apply(x).sum().backward()
 
 
-def replay(spec: Zero3Spec) -> Gathered:
+def replay(spec: Zero3Spec, record: list | None = None) -> Gathered:
+    """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
+    of the steady-state step."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -284,6 +286,8 @@ def replay(spec: Zero3Spec) -> Gathered:
     def note(round_: int, event: int, m: _StandInModule, backward: bool) -> None:
         if round_ != ROUNDS - 1:
             return
+        if record is not None:
+            record.append((EVENT_NAMES[event], m.name, ledger.live))
         if backward:
             backward_best[0] = max(backward_best[0], ledger.live)
         if ledger.live > best["bytes"]:
