@@ -73,3 +73,27 @@ def test_prefetch_and_offload_staging_on_two_ranks():
     no_prefetch = replay(_spec(ranks=2, reuse=0))
     prefetch = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M))
     assert prefetch.peak_bytes > no_prefetch.peak_bytes
+
+
+def test_the_allocation_stream_adds_up_to_the_gathered_figures():
+    """The steady-state step's allocations and frees, in order, are what the peak is made of, and a
+    caching-allocator model can replay them."""
+    from harness.predict.allocator import CachingAllocator
+    from harness.predict.zero3 import StreamEvent
+
+    events: list = []
+    result = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M, checkpointing="nonreentrant"), record=events,
+                    stream=events)
+    stream = [e for e in events if isinstance(e, StreamEvent)]
+    assert {e.kind for e in stream} == {"alloc", "free"}
+    live = peak = 0
+    allocator, blocks = CachingAllocator(), {}
+    for e in stream:
+        live += e.nbytes if e.kind == "alloc" else -e.nbytes
+        peak = max(peak, live)
+        if e.kind == "alloc":
+            blocks[e.id] = allocator.malloc(e.nbytes)
+        else:
+            allocator.free(blocks.pop(e.id))
+    assert peak == result.peak_bytes
+    assert allocator.stats.peak_reserved >= peak

@@ -80,6 +80,16 @@ class Zero3Spec:
     input_requires_grad: bool
 
 
+@dataclass(frozen=True)
+class StreamEvent:
+    """One device allocation or free of ZeRO-3's gathers, in order (`replay(..., stream=[])`)."""
+
+    kind: str  # alloc | free
+    id: int
+    nbytes: int
+    what: str  # for an allocation: which buffer of DeepSpeed's gather paths
+
+
 @dataclass
 class Gathered:
     peak_bytes: int  # most bytes of non-persistent parameters gathered at once (buffers + device staging)
@@ -98,14 +108,35 @@ class Gathered:
 # --- stand-ins for DeepSpeed's parameters ------------------------------------------------------------
 
 class _Ledger:
-    """Device bytes of gathered parameters, as DeepSpeed's all-gather paths would allocate them."""
+    """Device bytes of gathered parameters, as DeepSpeed's all-gather paths would allocate them; with
+    `stream` set, each allocation and free in order (what a caching-allocator model replays)."""
 
     def __init__(self, half: int, ranks: int, offload: bool):
         self.half, self.ranks, self.offload = half, ranks, offload
         self.live = 0
+        self.sizes: dict[int, int] = {}
+        self.stream: list | None = None
 
     def part(self, numel: int) -> int:
         return -(-numel // self.ranks)
+
+    def alloc(self, nbytes: int, what: str) -> int:
+        """A device allocation of `nbytes`; returns its id (0: nothing allocated)."""
+        if nbytes <= 0:
+            return 0
+        token = len(self.sizes) + 1
+        self.sizes[token] = nbytes
+        self.live += nbytes
+        if self.stream is not None:
+            self.stream.append(StreamEvent("alloc", token, nbytes, what))
+        return token
+
+    def free(self, token: int) -> None:
+        if token:
+            nbytes = self.sizes[token]
+            self.live -= nbytes
+            if self.stream is not None:
+                self.stream.append(StreamEvent("free", token, nbytes, ""))
 
 
 class _Partition:
@@ -123,22 +154,22 @@ class _Handle:
 
     def __init__(self, params, ledger: _Ledger, status, flat: int = 0, staging: int = 0):
         self.params, self.ledger, self.status = params, ledger, status
-        self.flat, self.staging, self.pending = flat, staging, len(params)
+        self.flat = ledger.alloc(flat, "coalesced all-gather buffer")
+        self.staging = ledger.alloc(staging, "host partition copied to the device")
+        self.pending = len(params)
         self.done = False
-        ledger.live += flat + staging
 
     def wait(self, **_kwargs) -> None:
         self.pending -= 1
         if not self.done:
             self.done = True
-            self.ledger.live -= self.staging
+            self.ledger.free(self.staging)
             for p in self.params:
                 if self.flat:
-                    p.own = p.ds_numel * self.ledger.half
-                    self.ledger.live += p.own
+                    p.own = self.ledger.alloc(p.ds_numel * self.ledger.half, "parameter copied out of the buffer")
                 p.ds_status = self.status.AVAILABLE
         if self.pending == 0:
-            self.ledger.live -= self.flat
+            self.ledger.free(self.flat)
             self.flat = 0
 
 
@@ -155,7 +186,7 @@ def _param_class(status, ledger: _Ledger):
             self.ds_secondary_tensor = None
             self.is_external_param = False
             self.nvme_swapper = None
-            self.own = 0  # device bytes of this parameter's gathered tensor
+            self.own = 0  # the ledger's id of this parameter's gathered tensor (0: none)
 
         def partition_numel(self) -> int:
             return self.ds_tensor.ds_numel
@@ -171,13 +202,12 @@ def _param_class(status, ledger: _Ledger):
                 return _Handle(params, ledger, status)
             if ledger.ranks == 1:  # NoGatherCoalescedHandle: `param.ds_tensor.to(device)`, a copy of a
                 for p in params:  # host partition; a partition already on the device is used as it is
-                    p.own = p.ds_numel * ledger.half if ledger.offload and not p.ds_persist else 0
-                    ledger.live += p.own
+                    if ledger.offload and not p.ds_persist:
+                        p.own = ledger.alloc(p.ds_numel * ledger.half, "host partition copied to the device")
                 return _Handle(params, ledger, status)
             if len(params) == 1:  # _all_gather_sequential: the parameter is a view of its own buffer
                 p = params[0]
-                p.own = ledger.part(p.ds_numel) * ledger.ranks * ledger.half
-                ledger.live += p.own
+                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * ledger.half, "all-gather buffer")
                 # param_ds_tensor.to(device): a host partition's copy lives until the gather is waited on
                 staging = ledger.part(p.ds_numel) * ledger.half if ledger.offload else 0
                 return _Handle(params, ledger, status, staging=staging)
@@ -185,7 +215,7 @@ def _param_class(status, ledger: _Ledger):
             return _Handle(params, ledger, status, flat=flat)
 
         def partition(self, free_data: bool = True, **_kwargs) -> None:
-            ledger.live -= self.own
+            ledger.free(self.own)
             self.own = 0
             self.ds_status = status.NOT_AVAILABLE
 
@@ -248,9 +278,10 @@ def _in_graph_task(fn) -> None:
     Backward.apply(x).sum().backward()
 
 
-def replay(spec: Zero3Spec, record: list | None = None) -> Gathered:
+def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = None) -> Gathered:
     """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
-    of the steady-state step."""
+    of the steady-state step. `stream`: a list to append the steady-state step's allocations and frees
+    to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -312,6 +343,8 @@ def replay(spec: Zero3Spec, record: list | None = None) -> Gathered:
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     with _single_process(ppc):
         for round_ in range(ROUNDS):
+            if round_ == ROUNDS - 1 and stream is not None:
+                ledger.stream = stream
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:
