@@ -433,7 +433,9 @@ def layout(trace_spec) -> ModelLayout:
         model, _ = _build(trace_spec, 1)
         return layout_of(model)
 
-    payload = json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
+    from harness.predict.trace import _code_key as model_code_key  # the builder's code and library versions
+
+    payload = model_code_key() + json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
     return _cached("layout", payload, compute, ModelLayout.to_dict, ModelLayout.from_dict)
 
 
