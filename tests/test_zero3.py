@@ -97,3 +97,16 @@ def test_the_allocation_stream_adds_up_to_the_gathered_figures():
             allocator.free(blocks.pop(e.id))
     assert peak == result.peak_bytes
     assert allocator.stats.peak_reserved >= peak
+
+
+def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
+    """DeepSpeed logs to stdout at import; `check --json` on a cold cache must still print only JSON."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from harness.predict.zero3 import _deepspeed; _deepspeed()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == ""

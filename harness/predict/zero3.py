@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,13 +279,21 @@ def _in_graph_task(fn) -> None:
     Backward.apply(x).sum().backward()
 
 
+def _deepspeed():
+    """DeepSpeed's coordinator module and parameter states. DeepSpeed's logger writes to the stdout it
+    finds at import (its accelerator warning among the first lines); imported here it writes to stderr,
+    so that `check --json` keeps stdout to its JSON."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return ppc, ZeroParamStatus
+
+
 def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = None) -> Gathered:
     """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
     of the steady-state step. `stream`: a list to append the steady-state step's allocations and frees
     to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events."""
-    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
+    ppc, ZeroParamStatus = _deepspeed()
     layout = ModelLayout.from_dict(json.loads(spec.layout_json))
     step = build_step(layout, spec.layers)
     ledger = _Ledger(spec.half_bytes, spec.ranks, spec.offload_param)
