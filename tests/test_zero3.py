@@ -110,3 +110,45 @@ def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == ""
+
+
+def test_layout_of_reads_a_decoder_and_refuses_a_model_without_layers():
+    import torch
+
+    from harness.predict.zero3 import layout_of
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    decoder = torch.nn.Module()
+    decoder.embed = torch.nn.Embedding(10, 4)
+    decoder.layers = torch.nn.ModuleList([Layer()])
+    decoder.head = torch.nn.Linear(4, 10, bias=False)
+    outer = torch.nn.Module()
+    outer.model = decoder
+    layout = layout_of(outer)
+    assert [m.name for m in layout.before] == ["model.embed"]
+    assert [m.name for m in layout.layer] == ["model.layers.0.proj"]
+    assert [m.name for m in layout.after] == ["model.head"]
+    assert [p.numel for p in layout.layer[0].params] == [16, 4]
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="layers"):
+        layout_of(flat)
+
+
+def test_a_replay_that_fails_falls_back_to_the_closed_form(monkeypatch):
+    from pathlib import Path
+
+    from harness.predict import zero3
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
+
+    def fails(spec):
+        raise RuntimeError("tracing error at step 3")
+
+    monkeypatch.setattr(zero3, "gathered", fails)
+    p = predict(load_case(Path(CASES_DIR) / "001-ladder-rung4-zero3-offload.yaml"))
+    assert any("could not be replayed (tracing error at step 3)" in n for n in p.notes)
+    assert p.terms["zero3_offload_staging"] > 0  # the closed form's term

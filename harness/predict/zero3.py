@@ -388,6 +388,8 @@ def layout_of(model) -> ModelLayout:
             after.append(spec)
         else:
             before.append(spec)
+    if not layer:
+        raise ValueError("no module named '.layers.0.' in the model: the decoder layers were not found")
     return ModelLayout(tuple(before), tuple(layer), tuple(after))
 
 
