@@ -14,11 +14,14 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    prediction imports neither torch nor transformers.
 2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3
    partitions and persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state,
-   ZeRO buckets and the gathered ZeRO-3 live set, offload to host, cuBLAS workspaces.
-3. allocated = states + max(trace peak, optimizer-step transient).
-4. ZeRO-3 + reentrant checkpointing + frozen (LoRA) weights: every layer's gathered frozen weights
-   are held at once (`harness.predict.states.zero3_reentrant_retention`, evidence there);
-   allocated = max(step 3, states + that term).
+   ZeRO buckets and the gathered ZeRO-3 parameters (for LoRA/QLoRA: DeepSpeed's coordinator replayed
+   over the step, `harness.predict.zero3`), offload to host, cuBLAS workspaces.
+3. allocated = states (with what ZeRO-3 has gathered when backward starts) + max(trace peak,
+   optimizer-step transient).
+4. ZeRO-3: allocated = max(step 3, states + the most parameters gathered at once + the activations a
+   forward keeps) (DeepSpeed keeping weights for reuse, or tying recomputed frozen weights to the root
+   under reentrant checkpointing); the closed form's reentrant retention where nothing was replayed
+   (`harness.predict.states.zero3_reentrant_retention`).
 5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
    reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
    parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
@@ -93,6 +96,30 @@ def _inventory(r1, r2, layers: int):
                      layer_sizes=list(per_layer.elements()), layers=layers)
 
 
+def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str]):
+    """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3); None where the case
+    is not ZeRO-3 or DeepSpeed is not installed (states.py then uses its closed form)."""
+    if case.deepspeed is None or case.deepspeed.stage != 3:
+        return None
+    if case.method.kind == "full":
+        # guide 002 (Gemma-3 27B, full fine-tune): the replay's gathered peak is the recorded one (6.25 GiB
+        # at 4 layers, results/timelines), but beside it the run holds the tied embedding's gradient
+        # (2.84 GiB) and activations the trace's figures do not place; added up, allocated came out
+        # +10% at 2048 tokens and 0% at 4096 against +2% and +8% with the closed form: no better, so the
+        # closed form stays for full fine-tuning
+        notes.append("ZeRO-3 gathered set of a full fine-tune: the closed form, not DeepSpeed's coordinator")
+        return None
+    from harness.predict import zero3
+
+    try:
+        return zero3.gathered(zero3.spec_for(case, arch, layers))
+    except ImportError as exc:
+        notes.append(f"ZeRO-3 gathered set: the closed form; DeepSpeed's coordinator could not be imported ({exc})")
+    except (ValueError, RuntimeError, AssertionError) as exc:  # a model or hook order the replay cannot follow
+        notes.append(f"ZeRO-3 gathered set: the closed form; DeepSpeed's coordinator could not be replayed ({exc})")
+    return None
+
+
 def predict(case: Case, arch: Architecture | None = None, *, platform: str | None = None,
             exclude=frozenset(), variant=None) -> Prediction:
     """`variant` (a harness.spec.variants.Variant or its text, e.g. '2r4L2ga'): predict the case as
@@ -119,7 +146,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     peak = int(extrapolate(r1.peak, r2.peak, layers))
     held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
     inv = _inventory(r1, r2, layers)
-    states = model_states(case, inv, hidden)
+    states = model_states(case, inv, hidden, _zero3_gathered(case, arch, layers, notes))
     notes += states.notes
 
     dev = dict(states.device)
@@ -132,7 +159,12 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     # (harness.predict.states.zero3_reentrant_retention), at the moment the next parameter is gathered
     retained = states.step_only.get("zero3_reentrant_retained_weights", 0)
     retention_peak = resident + retained if retained else 0
-    allocated = max(backward_peak, optimizer_peak, retention_peak)
+    # ZeRO-3: the most parameters gathered at once (harness.predict.zero3), beside the activations a
+    # forward keeps (checkpoints, logits); above the backward's start where DeepSpeed keeps gathered
+    # weights for reuse or (reentrant checkpointing) ties recomputed frozen weights to the root module
+    above = states.step_only.get("zero3_gathered_above_backward_start", 0)
+    gather_peak = resident + above + held if above else 0
+    allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})
@@ -141,7 +173,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     terms["step_transient_peak"] = peak
     terms["optimizer_step_transient"] = states.optimizer_step_extra
     where = {backward_peak: "the forward/backward (loss and logits)", optimizer_peak: "the optimizer step",
-             retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)"}
+             retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)",
+             gather_peak: "the most ZeRO-3 parameters gathered at once"}
     notes.append("peak during " + where[allocated])
 
     cal = calibrate(platform, frozenset(exclude))

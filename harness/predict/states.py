@@ -14,9 +14,12 @@ model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and 
   / W, on the device or, with optimizer offload, in host memory (with the fp32 gradient partition);
   half gradient partitions; the reduce buckets (contiguous gradients: one bucket, two with
   overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
-  persistence threshold kept whole on every rank, and the gathered live set (the largest of the
-  output head and one layer's largest module plus the prefetch bucket, capped by
-  stage3_max_live_parameters).
+  persistence threshold kept whole on every rank, and the gathered parameters: for LoRA and QLoRA
+  what DeepSpeed's own coordinator, replayed over the step (`harness.predict.zero3`), holds when
+  backward starts and at most (prefetch, reuse distance, live-parameter limit, recomputation under
+  checkpointing, offload staging); for full fine-tuning, or without DeepSpeed installed, the
+  closed form (the largest of the output head and one layer's largest module plus the prefetch
+  bucket, capped by stage3_max_live_parameters, and `zero3_reentrant_retention`).
 * cuBLAS workspaces allocated through the caching allocator (torch's default size on Hopper for
   the forward and the autograd threads): an assumption, not fitted.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.predict.step import reentrant_checkpointing, zero_init
+from harness.predict.zero3 import Gathered
 from harness.spec.dsconfig import auto_sizes
 from harness.spec.schema import Case, Offload, Precision, Stack
 
@@ -95,7 +99,7 @@ def ds_value(case: Case, name: str, hidden: int, default: int | None) -> int | N
     return auto_sizes(hidden).get(name, default)
 
 
-def model_states(case: Case, inv: Inventory, hidden: int) -> States:
+def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | None = None) -> States:
     half = HALF[case.precision]
     kind = case.method.kind
     ds = case.deepspeed
@@ -166,29 +170,26 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
         n_buckets = 2 if (ds.overlap_comm and ds.stage in (1, 2)) else 1
         if ds.contiguous_gradients or ds.stage == 3:
             dev["reduce_buckets"] = n_buckets * min(bucket, max(T, 1)) * tbytes
-        if ds.stage == 3:
+        if ds.stage == 3 and gathered is not None:
+            # DeepSpeed's coordinator replayed over the step (harness.predict.zero3): what is gathered
+            # when backward starts is resident through the step's transient peak; the most gathered at
+            # once, anywhere in the step, is a second candidate for the peak (the predictor takes the larger)
+            dev["zero3_gathered_params"] = gathered.backward_start_bytes
+            step_only["zero3_gathered_above_backward_start"] = max(0, gathered.peak_bytes
+                                                                    - gathered.backward_start_bytes)
+            notes.append(gathered.describe())
+        elif ds.stage == 3:
             prefetch = ds_value(case, "stage3_prefetch_bucket_size", hidden, DS_DEFAULT_PREFETCH)
             max_live = ds.stage3_max_live_parameters or DS_DEFAULT_MAX_LIVE
-            # a module's parameters are gathered whole whatever the limits (the head included);
-            # stage3_max_live_parameters caps only what prefetching adds on top
+            # without DeepSpeed to replay: a module's parameters are gathered whole whatever the limits
+            # (the head included); stage3_max_live_parameters caps only what prefetching adds on top
             live = max(inv.head, min(max_live, inv.largest_layer_module + prefetch))
             dev["zero3_gathered_params"] = live * half
             if ds.offload_param == Offload.cpu:  # the partition is copied to the device before the all-gather
                 dev["zero3_offload_staging"] = max(inv.head, inv.largest_layer_module) * half // W
-                # Not modelled: what DeepSpeed keeps gathered for reuse. A module's parameters stay on
-                # the device after its forward when the trace reuses them within
-                # stage3_max_reuse_distance elements. On guide 001's rung 4 (one H100, 2026-11-26,
-                # results/runs/2026-11-26-h100-001-rung4-reuse-distance-experiment.json), the
-                # default 1e9 held 1.89 GiB more through the forward than 0 did, and peaked
-                # 1.91 GiB higher on the device; this model predicts one figure for both, between them.
-                reuse = ds.stage3_max_reuse_distance
-                if reuse is None or reuse > 0:
-                    notes.append(f"not modelled: stage3_max_reuse_distance "
-                                 f"({DS_DEFAULT_MAX_REUSE if reuse is None else reuse:.0e} elements): under parameter "
-                                 "offload the gathered parameters reused within it stay on the device; on a 1.8B "
-                                 "model the default kept 1.9 GiB more than 0 (guide 001's rung 4, one H100)")
-            notes.append("ZeRO-3 gathered live set: max(output head, a layer's largest module + prefetch bucket "
-                         "capped by stage3_max_live_parameters)")
+            notes.append("ZeRO-3 gathered live set (closed form): max(output head, a layer's largest module + "
+                         "prefetch bucket capped by stage3_max_live_parameters), without what DeepSpeed keeps "
+                         "for reuse")
             retained = zero3_reentrant_retention(case, inv, hidden)
             if retained:
                 step_only["zero3_reentrant_retained_weights"] = retained
@@ -205,7 +206,11 @@ def model_states(case: Case, inv: Inventory, hidden: int) -> States:
 
 def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
     """Bytes of gathered frozen weights ZeRO-3 keeps on the device through the forward when the
-    layers are checkpointed reentrantly; 0 where it does not apply.
+    layers are checkpointed reentrantly; 0 where it does not apply. Used only by the closed form
+    (DeepSpeed not installed): the replay of DeepSpeed's coordinator (`harness.predict.zero3`) finds
+    the same retention from DeepSpeed's own rule, which ties the frozen weights fetched by a
+    recomputed forward to the newest module in backward, under reentrant checkpointing the root,
+    released only when backward ends.
 
     Applies only when all of these hold: ZeRO-3; gradient checkpointing on; reentrant
     (`train.checkpointing_reentrant`, else the stack's default: LLaMA-Factory's use_reentrant_gc:

@@ -1,0 +1,500 @@
+"""ZeRO-3's gathered parameters over a training step, as DeepSpeed's own coordinator decides them.
+
+What ZeRO-3 holds gathered on the device is decided at run time by DeepSpeed's
+`PartitionedParameterCoordinator` (`runtime/zero/partitioned_param_coordinator.py`): it records the
+module order of the first step, then in every later one fetches each module's parameters, prefetches
+the next ones up to `stage3_prefetch_bucket_size` while fewer than `stage3_max_live_parameters` are
+gathered, and after a module releases only the parameters not used again within
+`stage3_max_reuse_distance` elements of the recorded order; parameters of at most
+`stage3_param_persistence_threshold` elements stay gathered. Under checkpointing it also ties the
+frozen parameters fetched by a recomputed forward to the module whose backward is running, and
+releases them with it. None of this is re-derived here: `gathered` runs that class itself, from the
+installed DeepSpeed, over the hook events of the case's step (`harness.predict.zero3_order`) with
+stand-in parameters that carry DeepSpeed's attributes (ds_id, ds_numel, ds_status, ds_persist, ...)
+and whose all-gather only records what it would allocate on the device:
+
+* one rank (nothing to gather): each parameter's partition copied to the device
+  (`NoGatherHandle`, `param.ds_tensor.to(device)`), freed at its release; nothing where the
+  partition is on the device already (no parameter offload: it is counted as the partition);
+* a gather of one parameter (`_all_gather_sequential`): a buffer of the parameter rounded up to a
+  multiple of the ranks, plus, where the partition lives on the host (parameter offload), its copy
+  on the device until the gather is waited on;
+* a gather of several (`_all_gather_coalesced`): one flat buffer of their partitions times the
+  ranks, freed when the last of them is released (each parameter is a view of it).
+
+Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
+from the second, which is the steady state every later micro-step repeats. The result is the
+largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
+backward starts (where the loss and logits live). Persistent parameters are left out: they are
+resident, counted with the model states (`harness.predict.states`).
+
+The replay needs DeepSpeed installed (it is imported only here, and only when the result is not in
+the on-disk cache beside the traces, keyed by the model's module layout, the settings, this code and
+DeepSpeed's version). It is single-process: the coordinator's cross-rank consistency checks and
+rank-0 logging are switched off while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.predict.zero3_order import (
+    BACKWARD_START,
+    BWD_POST,
+    BWD_PRE,
+    EVENT_NAMES,
+    FWD_POST,
+    FWD_PRE,
+    RECOMPUTE,
+    ModelLayout,
+    Module,
+    build_step,
+    step_events,
+)
+from harness.spec.files import write_atomic
+
+ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
+
+
+@dataclass(frozen=True)
+class Zero3Spec:
+    """Everything the gathered set depends on (hashable; the cache key with the code and DeepSpeed's version)."""
+
+    layout_json: str  # ModelLayout.to_dict(), sorted JSON
+    layers: int
+    ranks: int
+    half_bytes: int
+    prefetch_bucket: int
+    max_live: int
+    max_reuse: int
+    persistence_threshold: int
+    model_persistence_threshold: int
+    offload_param: bool
+    checkpointing: str  # none | reentrant | nonreentrant
+    input_requires_grad: bool
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One device allocation or free of ZeRO-3's gathers, in order (`replay(..., stream=[])`)."""
+
+    kind: str  # alloc | free
+    id: int
+    nbytes: int
+    what: str  # for an allocation: which buffer of DeepSpeed's gather paths
+
+
+@dataclass
+class Gathered:
+    peak_bytes: int  # most bytes of non-persistent parameters gathered at once (buffers + device staging)
+    peak_where: str  # the hook event and module at that moment
+    backward_start_bytes: int  # gathered when backward starts
+    backward_peak_bytes: int  # most gathered at once during backward
+    peak_elements: int  # DeepSpeed's own count of available elements at the peak (its n_available_params)
+    events: int  # hook events replayed per step
+
+    def describe(self, gib: int = 2**30) -> str:
+        return (f"ZeRO-3 gathered parameters (DeepSpeed's coordinator replayed over the step): peak "
+                f"{self.peak_bytes / gib:.2f} GiB at {self.peak_where}; {self.backward_start_bytes / gib:.2f} GiB "
+                "when backward starts")
+
+
+# --- stand-ins for DeepSpeed's parameters ------------------------------------------------------------
+
+class _Ledger:
+    """Device bytes of gathered parameters, as DeepSpeed's all-gather paths would allocate them; with
+    `stream` set, each allocation and free in order (what a caching-allocator model replays)."""
+
+    def __init__(self, half: int, ranks: int, offload: bool):
+        self.half, self.ranks, self.offload = half, ranks, offload
+        self.live = 0
+        self.sizes: dict[int, int] = {}
+        self.stream: list | None = None
+
+    def part(self, numel: int) -> int:
+        return -(-numel // self.ranks)
+
+    def alloc(self, nbytes: int, what: str) -> int:
+        """A device allocation of `nbytes`; returns its id (0: nothing allocated)."""
+        if nbytes <= 0:
+            return 0
+        token = len(self.sizes) + 1
+        self.sizes[token] = nbytes
+        self.live += nbytes
+        if self.stream is not None:
+            self.stream.append(StreamEvent("alloc", token, nbytes, what))
+        return token
+
+    def free(self, token: int) -> None:
+        if token:
+            nbytes = self.sizes[token]
+            self.live -= nbytes
+            if self.stream is not None:
+                self.stream.append(StreamEvent("free", token, nbytes, ""))
+
+
+class _Partition:
+    def __init__(self, numel: int):
+        self.ds_numel = numel
+        self.final_location = None  # not on NVMe
+
+
+class _Handle:
+    """A gather in flight. `wait` makes every parameter of it available; the device bytes move as in
+    DeepSpeed: the host partition's staging copy of a one-parameter gather is freed, a coalesced
+    gather's flat buffer is split into one tensor per parameter (`torch.cat` in
+    `AllGatherCoalescedHandle.wait`) and freed once the coordinator has popped the handle for every
+    parameter of it (each registry entry holds the handle, the handle holds the buffer)."""
+
+    def __init__(self, params, ledger: _Ledger, status, flat: int = 0, staging: int = 0):
+        self.params, self.ledger, self.status = params, ledger, status
+        self.flat = ledger.alloc(flat, "coalesced all-gather buffer")
+        self.staging = ledger.alloc(staging, "host partition copied to the device")
+        self.pending = len(params)
+        self.done = False
+
+    def wait(self, **_kwargs) -> None:
+        self.pending -= 1
+        if not self.done:
+            self.done = True
+            self.ledger.free(self.staging)
+            for p in self.params:
+                if self.flat:
+                    p.own = self.ledger.alloc(p.ds_numel * self.ledger.half, "parameter copied out of the buffer")
+                p.ds_status = self.status.AVAILABLE
+        if self.pending == 0:
+            self.ledger.free(self.flat)
+            self.flat = 0
+
+
+def _param_class(status, ledger: _Ledger):
+    class StandIn:
+        """A parameter as DeepSpeed's coordinator sees it; its gathers only book bytes in the ledger."""
+
+        def __init__(self, ds_id: int, numel: int, trainable: bool, persist: bool):
+            self.ds_id, self.ds_numel, self.requires_grad, self.ds_persist = ds_id, numel, trainable, persist
+            self.ds_shape = (numel,)
+            self.ds_status = status.NOT_AVAILABLE
+            self.ds_active_sub_modules: set[int] = set()
+            self.ds_tensor = _Partition(ledger.part(numel))
+            self.ds_secondary_tensor = None
+            self.is_external_param = False
+            self.nvme_swapper = None
+            self.own = 0  # the ledger's id of this parameter's gathered tensor (0: none)
+
+        def partition_numel(self) -> int:
+            return self.ds_tensor.ds_numel
+
+        def ds_summary(self, use_debug_name: bool = False) -> str:
+            return f"param {self.ds_id} ({self.ds_numel} elements, {self.ds_status})"
+
+        def all_gather_coalesced(self, params, quantize: bool = False, **_kwargs) -> _Handle:
+            params = list(params)
+            for p in params:
+                p.ds_status = status.INFLIGHT
+            if all(p.ds_persist for p in params):  # kept on the device whole: counted with the model states
+                return _Handle(params, ledger, status)
+            if ledger.ranks == 1:  # NoGatherCoalescedHandle: `param.ds_tensor.to(device)`, a copy of a
+                for p in params:  # host partition; a partition already on the device is used as it is
+                    if ledger.offload and not p.ds_persist:
+                        p.own = ledger.alloc(p.ds_numel * ledger.half, "host partition copied to the device")
+                return _Handle(params, ledger, status)
+            if len(params) == 1:  # _all_gather_sequential: the parameter is a view of its own buffer
+                p = params[0]
+                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * ledger.half, "all-gather buffer")
+                # param_ds_tensor.to(device): a host partition's copy lives until the gather is waited on
+                staging = ledger.part(p.ds_numel) * ledger.half if ledger.offload else 0
+                return _Handle(params, ledger, status, staging=staging)
+            flat = sum(ledger.part(p.ds_numel) for p in params) * ledger.ranks * ledger.half
+            return _Handle(params, ledger, status, flat=flat)
+
+        def partition(self, free_data: bool = True, **_kwargs) -> None:
+            ledger.free(self.own)
+            self.own = 0
+            self.ds_status = status.NOT_AVAILABLE
+
+        def __hash__(self) -> int:
+            return self.ds_id
+
+        def __eq__(self, other) -> bool:
+            return self is other
+
+    return StandIn
+
+
+class _StandInModule:
+    """A module as DeepSpeed's hooks and coordinator see it: ds_id, its own parameters, nothing external."""
+
+    def __init__(self, ds_id: int, name: str, params: list):
+        self.ds_id, self.name, self._params = ds_id, name, params
+        self.ds_recompute_parameters: set = set()
+        self.training = True
+
+    def named_parameters(self, recurse: bool = False):
+        return [(str(p.ds_id), p) for p in self._params]
+
+    def ds_external_parameters(self):
+        return []
+
+
+# --- the replay -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _single_process(module):
+    """The coordinator asserts that every rank recorded the same order (a collective) and logs on rank 0;
+    one process stands for every rank here, so both are switched off while it runs."""
+    saved = {name: getattr(module, name) for name in ("assert_ints_same_as_other_ranks", "print_rank_0")}
+    module.assert_ints_same_as_other_ranks = lambda ints: None
+    module.print_rank_0 = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _in_graph_task(fn) -> None:
+    """Run `fn` inside autograd's backward, where DeepSpeed tells a checkpoint's recomputation from a
+    forward (`torch._C._current_graph_task_id() != -1`)."""
+    import torch
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            fn()
+            return grad
+
+    x = torch.zeros(1, requires_grad=True)
+    Backward.apply(x).sum().backward()
+
+
+def _deepspeed():
+    """DeepSpeed's coordinator module and parameter states. DeepSpeed's logger writes to the stdout it
+    finds at import (its accelerator warning among the first lines); imported here it writes to stderr,
+    so that `check --json` keeps stdout to its JSON."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return ppc, ZeroParamStatus
+
+
+def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = None) -> Gathered:
+    """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
+    of the steady-state step. `stream`: a list to append the steady-state step's allocations and frees
+    to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events."""
+    ppc, ZeroParamStatus = _deepspeed()
+    layout = ModelLayout.from_dict(json.loads(spec.layout_json))
+    step = build_step(layout, spec.layers)
+    ledger = _Ledger(spec.half_bytes, spec.ranks, spec.offload_param)
+    StandIn = _param_class(ZeroParamStatus, ledger)
+    params = {}
+    persistent = 0
+    for ds_id, (key, p) in enumerate(sorted(step.params.items())):  # DeepSpeed's mark_persistent_parameters
+        persist = p.numel <= spec.persistence_threshold and persistent + p.numel <= spec.model_persistence_threshold
+        persistent += p.numel if persist else 0
+        params[key] = StandIn(ds_id, p.numel, p.trainable, persist)
+    modules: dict[int, _StandInModule] = {}
+
+    def stand_in(m: Module) -> _StandInModule:
+        if id(m) not in modules:
+            modules[id(m)] = _StandInModule(len(modules), m.name, [params[p.key] for p in m.params])
+        return modules[id(m)]
+
+    events = step_events(step, spec.checkpointing, spec.input_requires_grad)
+    for _, m in events:
+        stand_in(m)
+    coordinator = ppc.PartitionedParameterCoordinator(
+        prefetch_bucket_sz=spec.prefetch_bucket, max_reuse_distance_in_numel=spec.max_reuse,
+        max_available_parameters_in_numel=spec.max_live, allgather_stream=None,
+        inflight_param_registry=ppc.InflightParamRegistry())
+    available = "_PartitionedParameterCoordinator__n_available_params"
+    best = {"bytes": -1, "where": "", "elements": 0, "round": 0}
+    start_bytes = [0]
+    backward_best = [0]
+
+    def note(round_: int, event: int, m: _StandInModule, backward: bool) -> None:
+        if round_ != ROUNDS - 1:
+            return
+        if record is not None:
+            record.append((EVENT_NAMES[event], m.name, ledger.live))
+        if backward:
+            backward_best[0] = max(backward_best[0], ledger.live)
+        if ledger.live > best["bytes"]:
+            best.update(bytes=ledger.live, where=f"{EVENT_NAMES[event]} of {m.name}",
+                        elements=getattr(coordinator, available, 0))
+
+    def run(seq, round_: int, backward: bool = False) -> None:
+        for event, module in seq:
+            m = stand_in(module)
+            if event in (FWD_PRE, BWD_PRE):
+                coordinator.trace_prologue(m)
+                if coordinator.is_record_trace():
+                    coordinator.record_module(m)
+                coordinator.fetch_sub_module(m, forward=event == FWD_PRE)
+            elif event == FWD_POST:
+                coordinator.release_sub_module(m, forward=True)
+            elif event == BWD_POST:
+                coordinator.release_sub_module(m, forward=False)
+            note(round_, event, m, backward)
+
+    split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
+    forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
+    with _single_process(ppc):
+        for round_ in range(ROUNDS):
+            if round_ == ROUNDS - 1 and stream is not None:
+                ledger.stream = stream
+            coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
+            run(forward, round_)
+            if round_ == ROUNDS - 1:
+                start_bytes[0] = ledger.live
+            _in_graph_task(lambda r=round_: run(backward, r, backward=True))
+            coordinator.release_backward_leftovers()  # the engine's backward epilogue
+    return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
+                    backward_peak_bytes=backward_best[0],
+                    peak_elements=int(best["elements"]), events=len(events))
+
+
+# --- the module layout of a traced model -----------------------------------------------------------
+
+def layout_of(model) -> ModelLayout:
+    """The parameter-holding modules of a (meta) model with one decoder layer, in definition order."""
+    keys: dict[int, int] = {}
+    before, layer, after = [], [], []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        specs = []
+        for p in own:
+            key = keys.setdefault(id(p), len(keys))
+            specs.append((key, p.numel(), bool(p.requires_grad)))
+        from harness.predict.zero3_order import ModuleSpec, ParamSpec
+
+        spec = ModuleSpec(name, tuple(ParamSpec(k, n, t) for k, n, t in specs))
+        if ".layers.0." in name:
+            layer.append(spec)
+        elif layer:
+            after.append(spec)
+        else:
+            before.append(spec)
+    if not layer:
+        raise ValueError("no module named '.layers.0.' in the model: the decoder layers were not found")
+    return ModelLayout(tuple(before), tuple(layer), tuple(after))
+
+
+# --- cache ------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _code_key() -> str:
+    import importlib.metadata as md
+
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("zero3.py", "zero3_order.py"):
+        h.update((here / name).read_bytes())
+    try:
+        h.update(f"deepspeed={md.version('deepspeed')}".encode())
+    except md.PackageNotFoundError:
+        h.update(b"deepspeed=none")
+    return h.hexdigest()
+
+
+def _cache_path(kind: str, payload: str) -> Path | None:
+    from harness.predict.trace import _cache_dir
+
+    folder = _cache_dir()
+    if folder is None:
+        return None
+    return folder / f"zero3-{kind}-{hashlib.sha256((_code_key() + payload).encode()).hexdigest()[:32]}.json"
+
+
+def _cached(kind: str, payload: str, compute, encode, decode):
+    path = _cache_path(kind, payload)
+    if path is not None:
+        try:
+            return decode(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+    value = compute()
+    if path is not None:
+        try:
+            write_atomic(path, json.dumps(encode(value)))
+        except OSError:
+            pass
+    return value
+
+
+@functools.lru_cache(maxsize=32)
+def layout(trace_spec) -> ModelLayout:
+    """The module layout of the case's model as its stack builds it (harness.predict.fake's builder)."""
+    def compute():
+        from harness.predict.fake import _build
+
+        model, _ = _build(trace_spec, 1)
+        return layout_of(model)
+
+    from harness.predict.trace import _code_key as model_code_key  # the builder's code and library versions
+
+    payload = model_code_key() + json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
+    return _cached("layout", payload, compute, ModelLayout.to_dict, ModelLayout.from_dict)
+
+
+@functools.lru_cache(maxsize=64)
+def gathered(spec: Zero3Spec) -> Gathered:
+    payload = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    return _cached("gathered", payload, lambda: replay(spec), dataclasses.asdict, lambda d: Gathered(**d))
+
+
+def spec_for(case, arch, layers: int) -> Zero3Spec:
+    """The replay's settings for a ZeRO-3 case at `layers` decoder layers: DeepSpeed's values as the
+    harness writes its config (harness.spec.dsconfig: the case's, else transformers' 'auto' sizes,
+    else DeepSpeed's defaults)."""
+    from harness.predict.step import TraceSpec, reentrant_checkpointing
+    from harness.spec.dsconfig import auto_sizes
+    from harness.spec.schema import Offload
+
+    ds = case.deepspeed
+    hidden = int(arch.config["hidden_size"])
+    auto = auto_sizes(hidden)
+
+    def value(name: str, default: int) -> int:
+        v = getattr(ds, name, None)
+        if v is None:
+            v = auto.get(name, default)
+        return int(v)
+
+    trace_spec = TraceSpec.of(case, arch)
+    gc = case.train.gradient_checkpointing
+    reentrant = gc and reentrant_checkpointing(case)
+    return Zero3Spec(
+        layout_json=json.dumps(layout(trace_spec).to_dict(), sort_keys=True),
+        layers=layers, ranks=case.launch.ranks, half_bytes=4 if case.precision.value == "fp32" else 2,
+        prefetch_bucket=value("stage3_prefetch_bucket_size", DS_DEFAULTS["prefetch"]),
+        max_live=value("stage3_max_live_parameters", DS_DEFAULTS["max_live"]),
+        max_reuse=value("stage3_max_reuse_distance", DS_DEFAULTS["max_reuse"]),
+        persistence_threshold=value("stage3_param_persistence_threshold", DS_DEFAULTS["persistence"]),
+        model_persistence_threshold=DS_DEFAULTS["model_persistence"],
+        offload_param=ds.offload_param == Offload.cpu,
+        checkpointing=("reentrant" if reentrant else "nonreentrant") if gc else "none",
+        # the embedding's output needs a gradient where checkpointing is on: harness.runtime.build enables
+        # input gradients for reentrant checkpointing, and peft's get_peft_model does for any checkpointed
+        # model (PeftModel._prepare_model_for_gradient_checkpointing); DeepSpeed's hooks then fetch the
+        # embedding again in backward
+        input_requires_grad=gc or case.method.kind == "full",
+    )
+
+
+# DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value
+DS_DEFAULTS = {"prefetch": 50_000_000, "max_live": 1_000_000_000, "max_reuse": 1_000_000_000,
+               "persistence": 100_000, "model_persistence": 2**63 - 1}

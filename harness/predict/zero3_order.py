@@ -1,0 +1,216 @@
+"""The order in which DeepSpeed's ZeRO-3 hooks see a model's modules over one training step.
+
+DeepSpeed (`runtime/zero/parameter_offload.py`) hooks every module: a forward pre-hook fetches
+the module's own parameters, a forward hook releases them; a function applied to the module's
+outputs fetches them again when the gradient reaches them (pre-backward), one applied to its inputs
+releases them when the gradient has passed (post-backward). Which of those fire, and when, depends
+on autograd and on checkpointing; `step_events` writes them down for a decoder-only model:
+
+* forward: the root, then every module in definition order (`named_modules`; for the Llama, Qwen2,
+  Mistral and Gemma decoders it is the call order, up to the per-head norms of Gemma), each
+  decoder layer around its own modules;
+* backward without checkpointing: the same modules in reverse; a module fires pre-backward when
+  its output needs a gradient (it holds a trainable parameter, or its input needs one) and
+  post-backward when its input needs one; the root's post-backward never fires (its input is token
+  ids), nor that of a module whose input needs no gradient: DeepSpeed releases those at the end of
+  backward (`release_backward_leftovers`);
+* non-reentrant checkpointing: in the backward of a layer, the first module to fire pre-backward
+  unpacks its saved tensors, which recomputes the whole layer's forward (its forward hooks fire
+  again, inside autograd's graph task) before that module's backward runs;
+* reentrant checkpointing: the layer's first forward runs without grad, so no backward hooks are
+  attached to its modules then; in backward, the layer's forward is recomputed first (inside the
+  graph task), then the recomputed graph's backward fires the layer's backward hooks.
+
+Whether an input needs a gradient is decided per decoder layer, not per tensor: a layer's input
+needs one when an earlier layer or the embedding holds a trainable parameter, or when the stack
+enables input gradients (`enable_input_require_grads`: the harness's reentrant checkpointing, and
+peft's `get_peft_model` on a checkpointed model). Inside the first
+layer of a LoRA model this counts frozen modules that read the layer's input as gradient-free even
+where an adapter before them made it need one (the output projection and the MLP of layer 0): what
+is gathered at the end of backward is then under-counted by at most those modules of one layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FWD_PRE, FWD_POST, BWD_PRE, BWD_POST, BACKWARD_START, RECOMPUTE = range(6)
+EVENT_NAMES = ("forward pre", "forward post", "backward pre", "backward post", "backward start", "recompute")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    key: int  # one per parameter object (a tied embedding and head share it)
+    numel: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    name: str
+    params: tuple[ParamSpec, ...]  # the module's own parameters (recurse=False)
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.trainable for p in self.params)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model's parameter-holding modules in definition order, split around its decoder layers; the
+    layer template is layer 0's, repeated to any depth with fresh parameter keys."""
+
+    before: tuple[ModuleSpec, ...]  # the embedding and whatever precedes the first layer
+    layer: tuple[ModuleSpec, ...]  # one decoder layer's modules
+    after: tuple[ModuleSpec, ...]  # final norm, output head
+
+    def to_dict(self) -> dict:
+        def mods(ms):
+            return [[m.name, [[p.key, p.numel, p.trainable] for p in m.params]] for m in ms]
+        return {"before": mods(self.before), "layer": mods(self.layer), "after": mods(self.after)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelLayout:
+        def mods(ms):
+            return tuple(ModuleSpec(n, tuple(ParamSpec(k, int(s), bool(t)) for k, s, t in ps)) for n, ps in ms)
+        return cls(mods(d["before"]), mods(d["layer"]), mods(d["after"]))
+
+
+@dataclass
+class Module:
+    """A module at the case's depth: what DeepSpeed's coordinator is driven with."""
+
+    name: str
+    params: list[ParamSpec]
+    layer: int | None = None  # decoder layer index; None outside the layers
+    children: list[Module] = field(default_factory=list)  # a container's modules (root, decoder layer)
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.trainable for p in self.params)
+
+
+@dataclass
+class Step:
+    """The root and its decoder layers at the case's depth, and every parameter."""
+
+    root: Module
+    before: list[Module]
+    layers: list[Module]  # containers, each with its modules as children
+    after: list[Module]
+    params: dict[int, ParamSpec]
+
+
+def build_step(layout: ModelLayout, layers: int) -> Step:
+    keys = {p.key for m in layout.before + layout.after for p in m.params}
+    next_key = max([p.key for m in layout.before + layout.layer + layout.after for p in m.params], default=0) + 1
+    params: dict[int, ParamSpec] = {}
+
+    def own(specs, layer=None, remap=None):
+        out = []
+        for m in specs:
+            ps = [remap.get(p.key, p) if remap else p for p in m.params]
+            for p in ps:
+                params[p.key] = p
+            out.append(Module(m.name if layer is None else m.name.replace(".layers.0.", f".layers.{layer}.", 1),
+                              ps, layer))
+        return out
+
+    before = own(layout.before)
+    after = own(layout.after)
+    decoder = []
+    for i in range(layers):
+        remap = {}
+        for m in layout.layer:
+            for p in m.params:
+                if p.key in keys:  # shared with a module outside the layers: keep the object
+                    continue
+                remap[p.key] = ParamSpec(next_key, p.numel, p.trainable)
+                next_key += 1
+        decoder.append(Module(f"layers.{i}", [], i, own(layout.layer, i, remap)))
+    root = Module("root", [], None, before + decoder + after)
+    return Step(root, before, decoder, after, params)
+
+
+def step_events(step: Step, checkpointing: str, input_requires_grad: bool) -> list[tuple[int, Module]]:
+    """(event, module) in the order DeepSpeed's hooks fire over one forward and backward.
+    `checkpointing`: "none", "reentrant" or "nonreentrant". `BACKWARD_START` marks where backward
+    begins (the loss and the logits live); `RECOMPUTE` where a checkpointed layer's forward is
+    recomputed (the driver runs what follows inside autograd's graph task)."""
+    ev: list[tuple[int, Module]] = []
+    grad_in: dict[int, bool] = {}  # id(module) -> its input needs a gradient
+    flowing = input_requires_grad
+    for m in step.before:
+        grad_in[id(m)] = flowing
+        flowing = flowing or m.trainable
+    layer_in: list[bool] = []
+    for layer in step.layers:
+        layer_in.append(flowing)
+        for m in layer.children:
+            grad_in[id(m)] = flowing
+        flowing = flowing or any(m.trainable for m in layer.children)
+    for m in step.after:
+        grad_in[id(m)] = flowing
+        flowing = flowing or m.trainable
+
+    def out_grad(m: Module) -> bool:
+        return grad_in[id(m)] or m.trainable
+
+    def fwd(m: Module) -> None:
+        ev.append((FWD_PRE, m))
+        ev.append((FWD_POST, m))
+
+    def bwd(m: Module, pre_done: bool = False) -> None:
+        if not out_grad(m):
+            return
+        if not pre_done:
+            ev.append((BWD_PRE, m))
+        if grad_in[id(m)]:
+            ev.append((BWD_POST, m))
+
+    def layer_fwd(layer: Module) -> None:
+        ev.append((FWD_PRE, layer))
+        for m in layer.children:
+            fwd(m)
+        ev.append((FWD_POST, layer))
+
+    ev.append((FWD_PRE, step.root))
+    for m in step.before:
+        fwd(m)
+    for layer in step.layers:
+        layer_fwd(layer)
+    for m in step.after:
+        fwd(m)
+    ev.append((FWD_POST, step.root))
+
+    ev.append((BACKWARD_START, step.root))
+    ev.append((BWD_PRE, step.root))
+    for m in reversed(step.after):
+        bwd(m)
+    for layer, needs in reversed(list(zip(step.layers, layer_in, strict=True))):
+        grads = [m for m in reversed(layer.children) if out_grad(m)]
+        if not grads and not needs:
+            continue
+        if checkpointing == "reentrant":
+            ev.append((RECOMPUTE, layer))
+            layer_fwd(layer)
+            ev.append((BWD_PRE, layer))
+            for m in grads:
+                bwd(m)
+            if needs:
+                ev.append((BWD_POST, layer))
+            continue
+        ev.append((BWD_PRE, layer))
+        for n, m in enumerate(grads):
+            if n == 0 and checkpointing == "nonreentrant":
+                ev.append((BWD_PRE, m))
+                ev.append((RECOMPUTE, layer))
+                layer_fwd(layer)
+                bwd(m, pre_done=True)
+            else:
+                bwd(m)
+        if needs:
+            ev.append((BWD_POST, layer))
+    for m in reversed(step.before):
+        bwd(m)
+    return ev

@@ -1,0 +1,154 @@
+"""DeepSpeed's coordinator, replayed over a step, holds what ZeRO-3 holds (harness.predict.zero3)."""
+
+import json
+
+import pytest
+
+from harness.predict.zero3 import DS_DEFAULTS, Zero3Spec, replay
+from harness.predict.zero3_order import ModelLayout, ModuleSpec, ParamSpec
+
+pytest.importorskip("deepspeed")
+
+M = 1_000_000
+
+
+def _layout(trainable_adapters: bool = True) -> ModelLayout:
+    """An embedding, a head and layers of two frozen 10M linears, each with a small trainable adapter."""
+    layer = []
+    key = 10
+    for name in ("attn", "mlp"):
+        layer.append(ModuleSpec(f"model.layers.0.{name}.base", (ParamSpec(key, 10 * M, False),)))
+        key += 1
+        if trainable_adapters:
+            layer.append(ModuleSpec(f"model.layers.0.{name}.lora", (ParamSpec(key, 1000, True),)))
+            key += 1
+    return ModelLayout(before=(ModuleSpec("model.embed", (ParamSpec(0, 30 * M, False),)),),
+                       layer=tuple(layer), after=(ModuleSpec("lm_head", (ParamSpec(1, 30 * M, False),)),))
+
+
+def _spec(layers=4, ranks=1, offload=True, reuse=DS_DEFAULTS["max_reuse"], checkpointing="none", **kw) -> Zero3Spec:
+    values = dict(layout_json=json.dumps(_layout().to_dict(), sort_keys=True), layers=layers, ranks=ranks,
+                  half_bytes=2, prefetch_bucket=0, max_live=DS_DEFAULTS["max_live"], max_reuse=reuse,
+                  persistence_threshold=10_000, model_persistence_threshold=DS_DEFAULTS["model_persistence"],
+                  offload_param=offload, checkpointing=checkpointing,
+                  input_requires_grad=checkpointing == "reentrant")
+    values.update(kw)
+    return Zero3Spec(**values)
+
+
+def test_reuse_distance_keeps_forward_weights_for_backward():
+    kept = replay(_spec(reuse=10**9))
+    released = replay(_spec(reuse=0))
+    # with a long reuse distance every layer's weights stay gathered from forward into backward
+    assert kept.backward_start_bytes >= 4 * 2 * 10 * M * 2
+    # with none, even the head, used again right away, is released after its forward
+    assert released.backward_start_bytes == 0
+    assert kept.peak_bytes > released.peak_bytes
+
+
+def test_max_live_parameters_does_not_cap_what_reuse_keeps():
+    # stage3_max_live_parameters limits prefetching only, not what a release leaves gathered
+    assert replay(_spec(max_live=1)).backward_start_bytes == replay(_spec()).backward_start_bytes
+
+
+def test_one_rank_without_offload_gathers_nothing_beyond_the_partition():
+    assert replay(_spec(offload=False)).peak_bytes == 0
+
+
+def test_reentrant_checkpointing_ties_recomputed_frozen_weights_to_the_root():
+    """DeepSpeed 0.19 attributes frozen weights fetched in a recompute to the newest module in
+    backward; under reentrant checkpointing that is the root, released only at the end: the peak grows
+    by one layer's frozen weights per layer. Non-reentrant, they go with the layer's first backward
+    module, and the peak does not grow with depth."""
+    kw = dict(reuse=0)
+    r4, r8 = replay(_spec(4, checkpointing="reentrant", **kw)), replay(_spec(8, checkpointing="reentrant", **kw))
+    n4, n8 = (replay(_spec(4, checkpointing="nonreentrant", **kw)),
+              replay(_spec(8, checkpointing="nonreentrant", **kw)))
+    assert r8.peak_bytes - r4.peak_bytes == 4 * 2 * 10 * M * 2
+    assert n8.peak_bytes == n4.peak_bytes
+
+
+def test_prefetch_and_offload_staging_on_two_ranks():
+    # two ranks, offloaded: a one-parameter gather holds the host partition's copy while in flight
+    no_prefetch = replay(_spec(ranks=2, reuse=0))
+    prefetch = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M))
+    assert prefetch.peak_bytes > no_prefetch.peak_bytes
+
+
+def test_the_allocation_stream_adds_up_to_the_gathered_figures():
+    """The steady-state step's allocations and frees, in order, are what the peak is made of, and a
+    caching-allocator model can replay them."""
+    from harness.predict.allocator import CachingAllocator
+    from harness.predict.zero3 import StreamEvent
+
+    events: list = []
+    result = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M, checkpointing="nonreentrant"), record=events,
+                    stream=events)
+    stream = [e for e in events if isinstance(e, StreamEvent)]
+    assert {e.kind for e in stream} == {"alloc", "free"}
+    live = peak = 0
+    allocator, blocks = CachingAllocator(), {}
+    for e in stream:
+        live += e.nbytes if e.kind == "alloc" else -e.nbytes
+        peak = max(peak, live)
+        if e.kind == "alloc":
+            blocks[e.id] = allocator.malloc(e.nbytes)
+        else:
+            allocator.free(blocks.pop(e.id))
+    assert peak == result.peak_bytes
+    assert allocator.stats.peak_reserved >= peak
+
+
+def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
+    """DeepSpeed logs to stdout at import; `check --json` on a cold cache must still print only JSON."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from harness.predict.zero3 import _deepspeed; _deepspeed()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == ""
+
+
+def test_layout_of_reads_a_decoder_and_refuses_a_model_without_layers():
+    import torch
+
+    from harness.predict.zero3 import layout_of
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    decoder = torch.nn.Module()
+    decoder.embed = torch.nn.Embedding(10, 4)
+    decoder.layers = torch.nn.ModuleList([Layer()])
+    decoder.head = torch.nn.Linear(4, 10, bias=False)
+    outer = torch.nn.Module()
+    outer.model = decoder
+    layout = layout_of(outer)
+    assert [m.name for m in layout.before] == ["model.embed"]
+    assert [m.name for m in layout.layer] == ["model.layers.0.proj"]
+    assert [m.name for m in layout.after] == ["model.head"]
+    assert [p.numel for p in layout.layer[0].params] == [16, 4]
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="layers"):
+        layout_of(flat)
+
+
+def test_a_replay_that_fails_falls_back_to_the_closed_form(monkeypatch):
+    from pathlib import Path
+
+    from harness.predict import zero3
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
+
+    def fails(spec):
+        raise RuntimeError("tracing error at step 3")
+
+    monkeypatch.setattr(zero3, "gathered", fails)
+    p = predict(load_case(Path(CASES_DIR) / "001-ladder-rung4-zero3-offload.yaml"))
+    assert any("could not be replayed (tracing error at step 3)" in n for n in p.notes)
+    assert p.terms["zero3_offload_staging"] > 0  # the closed form's term
