@@ -8,13 +8,16 @@ See `harness.predict.trace` for what is reproduced and why.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
+import warnings
 
 import torch
 
+from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, truncated_config
-from harness.predict.step import ParamInfo, TraceResult, TraceSpec
+from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.spec.schema import Precision, Stack
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -172,8 +175,6 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.measure.trackers import LiveTensorTracker
-
     model, info = _build(spec, layers)
     vocab = int(config["vocab_size"])
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -185,20 +186,145 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         elif spec.accumulated_grads:
             for p in trainable:
                 p.grad = torch.zeros_like(p)
-        tracker = LiveTensorTracker()
+        tracker = AllocationLog()
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
-        with tracker:
+        with tracker, _layer_tags(model, tracker, layers):
+            tracker.start_log()
             ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
             base = tracker.current()
             out = model(input_ids=ids, labels=ids)
             held = tracker.current() - base
             logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
-            out.loss.backward()
+            tracker.backward = True
+            tracker.tag = (BACKWARD, tracker.tag[1])
+            with warnings.catch_warnings():  # the layer tags' backward hooks on a layer whose input needs no grad
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                out.loss.backward()
             peak = tracker.peak_bytes() - base
             del out
+            import gc
+
+            gc.collect()  # the step's last frees (loss, logits) belong to it
+            events = tracker.stop_log()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model))
+
+
+FORWARD, BACKWARD = 0, 1
+
+
+class AllocationLog(LiveTensorTracker):
+    """`LiveTensorTracker` that also logs every storage's allocation and free, in order, as
+    `[op, id, bytes, phase, layer]` (op 1 allocates, 0 frees; `id` numbers storages in the order they
+    were allocated, so a free names the allocation it releases; phase FORWARD or BACKWARD; layer the
+    decoder layer running, `step.LAYER_PRE` before the first or `step.LAYER_POST` after the last).
+    `tag` is the (phase, layer) that hooks on the decoder layers set (`_layer_tags`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = (FORWARD, LAYER_PRE)
+        self.backward = False
+        self._ids: dict[int, int] = {}
+        self._issued = 0
+        self._log: list[list[int]] | None = None
+
+    def start_log(self) -> None:
+        self._log = []
+
+    def stop_log(self) -> list[list[int]]:
+        log, self._log = self._log or [], None
+        return log
+
+    def _forget(self, key: int) -> None:
+        size = self._sizes.get(key)
+        seq = self._ids.pop(key, None)
+        if self._log is not None and seq is not None and size is not None:
+            self._log.append([0, seq, size, *self.tag])
+        super()._forget(key)
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        if self._log is None or tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
+            super()._see(tensor)
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key, size = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old is not None and old != size and key in self._ids:  # resized in place: a new block
+            self._log.append([0, self._ids[key], old, *self.tag])
+        super()._see(tensor)
+        if old != size:
+            self._ids[key] = self._issued
+            self._log.append([1, self._issued, size, *self.tag])
+            self._issued += 1
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
+        return int(parts[-1])
+    return None
+
+
+@contextlib.contextmanager
+def _layer_tags(model, log: AllocationLog, layers: int):
+    """Tag the log's events with the decoder layer running: a forward pre-hook (which also fires for
+    checkpointing's recompute) and a backward pre-hook on every decoder layer; after the last layer's
+    forward, LAYER_POST (the final norm, the head and the loss)."""
+    handles = []
+
+    def pre(i):
+        def hook(module, args):
+            log.tag = (BACKWARD if log.backward else FORWARD, i)
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            if not log.backward:
+                log.tag = (FORWARD, i if i < layers - 1 else LAYER_POST)
+        return hook
+
+    def backward_pre(i):
+        def hook(module, grad_output):
+            log.tag = (BACKWARD, i)
+        return hook
+
+    for name, module in model.named_modules():
+        i = _layer_index(name)
+        if i is None:
+            continue
+        handles.append(module.register_forward_pre_hook(pre(i)))
+        handles.append(module.register_forward_hook(post(i)))
+        handles.append(module.register_full_backward_pre_hook(backward_pre(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layout(model) -> list[list[int]]:
+    """Every parameter in the order the stack loads it: the base model's in the order of their names
+    (as `from_pretrained` reads a checkpoint), then the adapters in module order:
+    `[elements, bytes per element as traced, quantized, trainable, layer, adapter]`."""
+    quantized = {id(m.weight) for m in model.modules() if isinstance(m, _Fake4bitLinear)}
+    base, adapters = [], []
+    for name, p in model.named_parameters():
+        layer = LAYER_PRE
+        parts = name.split(".")
+        for a, b in itertools.pairwise(parts):
+            if a == "layers" and b.isdigit():
+                layer = int(b)
+        if layer == LAYER_PRE and not any(k in name for k in ("embed", "wte", "word_embeddings")):
+            layer = LAYER_POST
+        adapter = "lora_" in name
+        row = [p.numel(), p.element_size(), int(id(p) in quantized), int(p.requires_grad), layer, int(adapter)]
+        (adapters if adapter else base).append((name.replace(".base_layer", ""), row))
+    base.sort(key=lambda item: item[0])  # a checkpoint's tensors load in the order of their sorted names
+    return [row for _, row in base + adapters]
 
 
 @contextlib.contextmanager

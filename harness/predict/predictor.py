@@ -19,9 +19,13 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
 4. ZeRO-3 + reentrant checkpointing + frozen (LoRA) weights: every layer's gathered frozen weights
    are held at once (`harness.predict.states.zero3_reentrant_retention`, evidence there);
    allocated = max(step 3, states + that term).
-5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
-   reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
-   parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
+5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
+   the run's allocation stream built from the traces (`harness.predict.stream`: the load, two
+   optimizer steps); with DeepSpeed, calibrated (`harness.predict.calibration`, fitted on
+   results/baselines at call time, per platform): allocated x reserved_over_allocated
+   (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
+   lacks DeepSpeed's buckets, gathers and offload buffers; device = reserved + what the process holds
+   beside the allocator
    (`harness.predict.device`: the parts the device probe measured on the platform where a record
    exists, else device_overhead, + device_overhead_deepspeed for DeepSpeed processes), +
    triton_cold_overhead for fla on a cold Triton cache.
@@ -149,6 +153,19 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     values = {k: cal.values.get(k, v) for k, v in PRIORS.items()}
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
+    if case.deepspeed is None:  # the allocator model over the run's stream (harness.predict.stream)
+        from harness.predict.stream import RunShape
+        from harness.predict.trace import simulated_run
+
+        spec = TraceSpec.of(case, arch)
+        sim = simulated_run(spec, RunShape.of(case, spec, layers))
+        terms["reserved_by_ratio"] = reserved
+        reserved = max(sim.peak_reserved, allocated)
+        notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak during "
+                     f"the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
+    else:
+        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
+                     "see DeepSpeed's buckets, gathers and offload buffers")
     if case.deepspeed is not None and case.deepspeed.stage == 3:
         from harness.predict.calibration import largest_gather_bytes
 
