@@ -14,6 +14,7 @@ from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
 from harness.predict.stream import RunShape, Stream, expand, layout_at, load_stream, run_stream, simulate
 
 MiB = 2**20
+LARGE = 64 * 2**10
 F, B = 0, 1
 TIMELINE = (Path(__file__).resolve().parent.parent
             / "results/timelines/nvidia-h200-x1/003-qlora-fix-r16-seq512-gc@2ga.json.gz")
@@ -27,7 +28,8 @@ def result(events, layout=(), layers=2) -> TraceResult:
 def two_layer_step():
     """Embedding output (pre) is layer 0's input; each layer's output is the next one's input and is
     freed in the next layer's backward (checkpointing keeps inputs); layer 0's input needs no grad, so
-    layer 0 allocates one block less than layer 1."""
+    layer 0 allocates one block less than layer 1, and its backward frees the gradient layer 1 handed
+    down."""
     return result([
         (1, 0, 4 * MiB, F, LAYER_PRE),            # embedding output
         (1, 1, 8 * MiB, F, 0), (0, 1, 8 * MiB, F, 0), (1, 2, 4 * MiB, F, 0),  # transient, then output
@@ -35,7 +37,8 @@ def two_layer_step():
         (1, 6, 30 * MiB, F, LAYER_POST), (0, 5, 4 * MiB, F, LAYER_POST),  # logits; last output freed
         (0, 6, 30 * MiB, B, LAYER_POST),
         (1, 7, 16 * MiB, B, 1), (0, 7, 16 * MiB, B, 1), (0, 3, 6 * MiB, B, 1), (0, 2, 4 * MiB, B, 1),
-        (1, 8, 16 * MiB, B, 0), (0, 8, 16 * MiB, B, 0), (0, 0, 4 * MiB, B, 0),
+        (1, 9, 5 * MiB, B, 1),                    # the gradient of layer 1's input, handed down
+        (1, 8, 16 * MiB, B, 0), (0, 9, 5 * MiB, B, 0), (0, 8, 16 * MiB, B, 0), (0, 0, 4 * MiB, B, 0),
     ])
 
 
@@ -55,8 +58,8 @@ def test_layer_one_repeats_and_every_block_is_freed_once(layers):
     stream = Stream([], [], [])
     left = expand(result([]), two_layer_step(), layers, stream)
     allocs = [op for op in stream.ops if op >= 0]
-    # embedding, layer 0's two, three per layer after it, logits; one backward block per layer
-    assert len(allocs) == 1 + 2 + 3 * (layers - 1) + 1 + layers
+    # embedding, layer 0's two, three per layer after it, logits; two backward blocks per layer above 0
+    assert len(allocs) == 1 + 2 + 3 * (layers - 1) + 1 + 2 * (layers - 1) + 1
     assert left == [] and live_after(stream) == set()
 
 
@@ -110,34 +113,36 @@ def qlora_003():
 
 def test_the_expanded_stream_of_003_resembles_its_recorded_timeline(qlora_003):
     """Guide 003 (QLoRA r16, 512 tokens, GA 2, one H200): per phase the traced-and-expanded stream
-    allocates about as often and as much as the recorded run, and the allocator model over it lands
-    on the recorded reserved peak within 1%."""
+    allocates about as many blocks of 64 KiB and more (the small ones are bitsandbytes' and the
+    trainer's bookkeeping) and about as many bytes as the recorded run, and the allocator model over
+    it lands on the recorded reserved and allocated peaks within 1%."""
     stream, timeline = qlora_003
     recorded = []
     for phase, a, b in timeline.phase_spans():
         if phase == "backward":
             continue  # the stream's micro-step is forward + backward
-        n = sum(1 for i in range(a, b) if timeline.action[i] == ALLOC)
+        n = sum(1 for i in range(a, b) if timeline.action[i] == ALLOC and timeline.size[i] >= LARGE)
         size = sum(timeline.size[i] for i in range(a, b) if timeline.action[i] == ALLOC)
         if phase == "forward":
             c = next(s for s in timeline.phase_spans() if s[1] == b)
-            n += sum(1 for i in range(c[1], c[2]) if timeline.action[i] == ALLOC)
+            n += sum(1 for i in range(c[1], c[2]) if timeline.action[i] == ALLOC and timeline.size[i] >= LARGE)
             size += sum(timeline.size[i] for i in range(c[1], c[2]) if timeline.action[i] == ALLOC)
         recorded.append((phase, n, size))
     bounds = [s for _, s in stream.phases] + [len(stream.ops)]
     built = []
     for (name, start), end in zip(stream.phases, bounds[1:], strict=True):
         ops = [op for op in stream.ops[start:end] if op >= 0]
-        built.append((name, len(ops), sum(stream.sizes[op] for op in ops)))
+        built.append((name, sum(1 for op in ops if stream.sizes[op] >= LARGE), sum(stream.sizes[op] for op in ops)))
     assert [r[0] for r in recorded] == [name.replace("step", "forward") for name, _, _ in built]
     for (phase, n, size), (_, m, built_size) in zip(recorded, built, strict=True):
         if phase == "optimizer":
             continue  # AdamW's small per-parameter tensors: counted apart below
-        assert abs(m / n - 1) < 0.4, (phase, n, m)
+        assert abs(m / n - 1) < 0.1, (phase, n, m)
         assert abs(built_size / size - 1) < 0.05, (phase, size, built_size)
-    peak = timeline.curve().peak("reserved")[1]
+    curve = timeline.curve()
     sim = simulate(stream)
-    assert abs(sim.peak_reserved / peak - 1) < 0.01
+    assert abs(sim.peak_reserved / curve.peak("reserved")[1] - 1) < 0.01
+    assert abs(sim.peak_allocated / curve.peak("allocated")[1] - 1) < 0.01
     assert sim.peak_phase == "optimizer"  # the first step's moments, as recorded
 
 

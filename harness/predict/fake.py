@@ -36,20 +36,31 @@ def _hf_model(config: dict, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(hf, dtype=dtype)
 
 
+def _dequantize(shape, dtype, device):
+    """bitsandbytes' dequantization of a double-quantized 4-bit weight: the fp32 absmax (one per 64
+    elements) restored in two steps, then the weight in the compute dtype; the absmax copies are
+    freed when the weight is made (`_dequant_linear_fallback`)."""
+    blocks = -(-shape[0] * shape[1] // 64)
+    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(2)]
+    w = torch.empty(shape, dtype=dtype, device=device)
+    del absmax
+    return w
+
+
 class _Fake4bitMatmul(torch.autograd.Function):
     """bitsandbytes' MatMul4Bit, memory-wise: nothing of the input is saved; the weight is
     dequantized into a transient (out x in, compute dtype) in forward and again in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        w = torch.empty(weight.shape, dtype=x.dtype, device=x.device)
+        w = _dequantize(weight.shape, x.dtype, x.device)
         ctx.shape, ctx.dtype = weight.shape, x.dtype
         ctx.has_bias = bias is not None
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        w = _dequantize(ctx.shape, grad.dtype, grad.device)
         return grad @ w, None, None
 
 

@@ -10,13 +10,15 @@ its layer's backward). This module builds from them the stream of a run:
    warm-up (`from_pretrained` allocates and frees one block the size of the model as loaded, which
    the allocator keeps), every parameter in module order (a 4-bit weight arrives in the half dtype
    and is quantized: bitsandbytes' transients and kept blocks), peft's k-bit preparation (each
-   non-4-bit half parameter copied to fp32, the half one freed), the LoRA adapters, the cuBLAS
-   workspaces and, under gradient accumulation, the gradients.
+   non-4-bit half parameter copied to fp32, the half one freed), the LoRA adapters (moved in the
+   half dtype, then cast to fp32).
 2. **The step at N layers** (`expand`): the 2-layer step with layer 1's forward and backward chunks
    repeated for layers 1..N-1. A free that crosses layers is remapped: an allocation of layer 0
    freed in layer 1 becomes, in copy k, the allocation of copy k-1 that lines up with it (layer 0's
    chunk aligned with layer 1's by size; layer 0 may differ, its input needs no grad); one of layer 1
-   freed after the layers or in layer 0 is the last copy's, or copy 1's.
+   freed after the layers is the last copy's; one of layer 1 freed in layer 0's backward (the
+   gradient handed down) is freed in every copy's backward, of the copy above it, at the same
+   relative position.
 3. **The run** (`run_stream`): load, `min(grad_accum, 2)` micro-steps, the optimizer's first step
    (AdamW's two moments per trainable parameter, a foreach temporary per parameter, then the
    gradients freed by `zero_grad`), and the same again: the second step reuses what the first cached.
@@ -36,7 +38,9 @@ from harness.spec.schema import Case, Stack
 
 FORWARD, BACKWARD = 0, 1
 HALF_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-CUBLAS_HANDLE_WORKSPACE = 32 * 2**20 + 128 * 2**10  # one handle's workspace (harness.predict.states)
+# One cuBLAS handle's workspace, taken through the caching allocator at the handle's first matmul: one
+# for the forward's thread, one for autograd's (32 MiB each on the recorded H200 timelines, torch 2.11).
+CUBLAS_HANDLE_WORKSPACE = 32 * 2**20
 
 
 class StreamError(ValueError):
@@ -106,12 +110,14 @@ def _counterparts(chunks) -> dict[int, int]:
     return out
 
 
-def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream) -> list[int]:
-    """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live."""
+def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None) -> list[int]:
+    """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
+    `on_backward()` is called where the backward begins (to allocate what the real step allocates
+    there and the trace had before it: gradients, the autograd thread's cuBLAS workspace)."""
     if layers <= 1:
         chunks = _chunks(r1.events)
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
-        return _emit(plan, {}, {}, 1, stream)
+        return _emit(plan, {}, {}, 1, stream, on_backward)
     chunks = _chunks(r2.events)
     where = {e[1]: (e[3], e[4]) for _, _, evs in chunks for e in evs if e[0] == 1}
     seen: set[tuple[int, int]] = set()
@@ -125,14 +131,43 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream) -> lis
             plan += [(ph, layer, evs, k) for k in copies]
         else:
             plan.append((ph, layer, evs, 0))
-    return _emit(plan, where, _counterparts(chunks), layers, stream)
+    return _emit(plan, where, _counterparts(chunks), layers, stream, on_backward, _handed_down(chunks, where))
 
 
-def _emit(plan, where, counterpart, layers: int, stream: Stream) -> list[int]:
+def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
+    """Layer 0's backward frees blocks that layer 1 handed down (the gradient of layer 1's input):
+    at full depth each layer's backward frees those of the layer above it. Per phase, the frees of
+    layer-1 blocks in layer 0's chunk, placed at the same relative position in layer 1's chunk:
+    phase -> [(index in layer 1's chunk, traced id)]."""
+    evs = {(ph, layer): e for ph, layer, e in chunks if layer in (0, 1)}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for phase in (FORWARD, BACKWARD):
+        zero, one = evs.get((phase, 0)), evs.get((phase, 1))
+        if not zero or not one:
+            continue
+        out[phase] = [(i * len(one) // len(zero), e[1]) for i, e in enumerate(zero)
+                      if e[0] == 0 and where.get(e[1], (0, 0))[1] == 1]
+    return out
+
+
+def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
-    for _, layer, evs, k in plan:
-        for op, tid, size, _, _ in evs:
+
+    def release(target):
+        ident = ids.get(target)
+        if ident is not None and ident in live:
+            live.discard(ident)
+            stream.free(ident)
+
+    for phase, layer, evs, k in plan:
+        if phase == BACKWARD and on_backward is not None:
+            on_backward()
+            on_backward = None
+        down = list((handed or {}).get(phase, ())) if layer == 1 and k + 1 < layers else []
+        for index, (op, tid, size, _, _) in enumerate(evs):
+            while down and down[0][0] <= index:  # the block the copy above handed down to this one
+                release((k + 1, down.pop(0)[1]))
             if op == 1:
                 ident = stream.alloc(size)
                 ids[(k, tid)] = ident
@@ -149,16 +184,14 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream) -> list[int]:
                 continue  # freed once, in the copy that stands for the last layer
             else:
                 target = (0, tid)
-            ident = ids.get(target)
-            if ident is not None and ident in live:
-                live.discard(ident)
-                stream.free(ident)
+            release(target)
+        for _, tid in down:
+            release((k + 1, tid))
     return sorted(live)
 
 
-def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Stream) -> list[int]:
-    """Append the model's load to `stream`; returns the ids of the gradients it allocates (when the
-    trace counted them as allocated before the step: gradient accumulation without DeepSpeed)."""
+def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Stream) -> None:
+    """Append the model's load to `stream`."""
     layout = layout_at(r1.layout, r2.layout, shape.layers)
     half = shape.half_bytes
     stream.mark("load")
@@ -184,12 +217,14 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
         for ident, n, _ in kept_half:  # prepare_model_for_kbit_training: param.data = param.data.to(fp32)
             stream.alloc(n * 4)
             stream.free(ident)
-    for n, size, _, _, _, adapter in layout:
-        if adapter:
+    # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
+    # (autocast_adapter_dtype): the half copies are freed one by one
+    adapters = [(n, size) for n, size, _, _, _, adapter in layout if adapter]
+    moved = [stream.alloc(n * min(size, half)) for n, size in adapters]
+    for (n, size), ident in zip(adapters, moved, strict=True):
+        if size > half:
             stream.alloc(n * size)
-    for _ in range(2):
-        stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-    return _gradients(layout, stream) if shape.accumulated_grads else []
+            stream.free(ident)
 
 
 def _gradients(layout: list[list[int]], stream: Stream) -> list[int]:
@@ -230,17 +265,32 @@ def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stre
 
 
 def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape) -> Stream:
-    """Load, then two optimizer steps of `min(grad_accum, 2)` micro-steps each."""
+    """Load, then two optimizer steps of `min(grad_accum, 2)` micro-steps each. The cuBLAS workspaces
+    come at the first forward and the first backward; under gradient accumulation (where the trace
+    ran with gradients allocated) the gradients come at the backward of each step's first micro-step,
+    as AccumulateGrad keeps the first gradient it is given."""
     stream = Stream([], [], [])
-    grads = load_stream(r1, r2, shape, stream)
+    load_stream(r1, r2, shape, stream)
     layout = layout_at(r1.layout, r2.layout, shape.layers)
+    grads: list[int] = []
+
+    def first_backward():
+        stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+
+    def later_backward():
+        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+
     for step in range(2):
         left: list[int] = []
-        for _ in range(min(shape.grad_accum, 2)):
+        for micro in range(min(shape.grad_accum, 2)):
             stream.mark("step")
-            left += expand(r1, r2, shape.layers, stream)
+            if step == micro == 0:
+                stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+            hook = (first_backward if step == 0 else later_backward) if micro == 0 else None
+            left += expand(r1, r2, shape.layers, stream, hook)
         _optimizer_step(layout, grads + left, step == 0, stream)
-        grads = _gradients(layout, stream) if shape.accumulated_grads else []
+        grads.clear()
     return stream
 
 
