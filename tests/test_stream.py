@@ -165,3 +165,21 @@ def test_the_simulated_run_is_cached_on_disk(tmp_path, monkeypatch):
     trace_mod.simulated_run.cache_clear()
     assert trace_mod.simulated_run(spec, shape) == first
     trace_mod.simulated_run.cache_clear()
+
+
+def test_layers_are_tagged_in_a_module_list_of_any_name():
+    import torch
+
+    from harness.predict.fake import _decoder_stack, _layer_index
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(4, 4)
+            self.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+            self.heads = torch.nn.ModuleList(torch.nn.Linear(4, 1) for _ in range(3))
+
+    net = Net()
+    stack = _decoder_stack(net, 3)
+    assert stack == "h"  # the list of 3 that holds the most parameters
+    assert _layer_index("h.2.weight", stack) == 2 and _layer_index("heads.2.weight", stack) is None

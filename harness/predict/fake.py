@@ -8,7 +8,6 @@ See `harness.predict.trace` for what is reproduced and why.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import sys
 import warnings
@@ -219,7 +218,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             gc.collect()  # the step's last frees (loss, logits) belong to it
             events = tracker.stop_log()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
-                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model))
+                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers))
 
 
 FORWARD, BACKWARD = 0, 1
@@ -273,11 +272,24 @@ class AllocationLog(LiveTensorTracker):
             self._issued += 1
 
 
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
-        return int(parts[-1])
-    return None
+def _decoder_stack(model, layers: int) -> str:
+    """The name of the module list that holds the decoder layers: the one with `layers` entries that
+    holds the most parameters ("" when there is none)."""
+    best, size = "", -1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            n = sum(p.numel() for p in module.parameters())
+            if n > size:
+                best, size = name, n
+    return best
+
+
+def _layer_index(name: str, stack: str) -> int | None:
+    """The decoder layer a module or parameter name belongs to, or None."""
+    if not stack or not name.startswith(stack + "."):
+        return None
+    head = name[len(stack) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 @contextlib.contextmanager
@@ -303,9 +315,10 @@ def _layer_tags(model, log: AllocationLog, layers: int):
             log.tag = (BACKWARD, i)
         return hook
 
+    stack = _decoder_stack(model, layers)
     for name, module in model.named_modules():
-        i = _layer_index(name)
-        if i is None:
+        i = _layer_index(name, stack)
+        if i is None or name != f"{stack}.{i}":
             continue
         handles.append(module.register_forward_pre_hook(pre(i)))
         handles.append(module.register_forward_hook(post(i)))
@@ -317,20 +330,19 @@ def _layer_tags(model, log: AllocationLog, layers: int):
             h.remove()
 
 
-def _layout(model) -> list[list[int]]:
+def _layout(model, layers: int) -> list[list[int]]:
     """Every parameter in the order the stack loads it: the base model's in the order of their names
     (as `from_pretrained` reads a checkpoint), then the adapters in module order:
     `[elements, bytes per element as traced, quantized, trainable, layer, adapter]`."""
     quantized = {id(m.weight) for m in model.modules() if isinstance(m, _Fake4bitLinear)}
+    stack = _decoder_stack(model, layers)
     base, adapters = [], []
-    for name, p in model.named_parameters():
-        layer = LAYER_PRE
-        parts = name.split(".")
-        for a, b in itertools.pairwise(parts):
-            if a == "layers" and b.isdigit():
-                layer = int(b)
-        if layer == LAYER_PRE and not any(k in name for k in ("embed", "wte", "word_embeddings")):
-            layer = LAYER_POST
+    seen_layers = False
+    for name, p in model.named_parameters():  # module order: before the decoder layers, in them, after
+        layer = _layer_index(name, stack)
+        seen_layers = seen_layers or layer is not None
+        if layer is None:
+            layer = LAYER_POST if seen_layers else LAYER_PRE
         adapter = "lora_" in name
         row = [p.numel(), p.element_size(), int(id(p) in quantized), int(p.requires_grad), layer, int(adapter)]
         (adapters if adapter else base).append((name.replace(".base_layer", ""), row))

@@ -154,15 +154,20 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
     if case.deepspeed is None:  # the allocator model over the run's stream (harness.predict.stream)
-        from harness.predict.stream import RunShape
+        from harness.predict.stream import RunShape, StreamError
         from harness.predict.trace import simulated_run
 
         spec = TraceSpec.of(case, arch)
-        sim = simulated_run(spec, RunShape.of(case, spec, layers))
-        terms["reserved_by_ratio"] = reserved
-        reserved = max(sim.peak_reserved, allocated)
-        notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak during "
-                     f"the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
+        try:
+            sim = simulated_run(spec, RunShape.of(case, spec, layers))
+        except StreamError as exc:
+            notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model "
+                         f"could not be used: {exc}")
+        else:
+            terms["reserved_by_ratio"] = reserved
+            reserved = max(sim.peak_reserved, allocated)
+            notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak "
+                         f"during the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
     else:
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
                      "see DeepSpeed's buckets, gathers and offload buffers")

@@ -119,6 +119,9 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
         return _emit(plan, {}, {}, 1, stream, on_backward)
     chunks = _chunks(r2.events)
+    if not any(layer == 1 for _, layer, _ in chunks):
+        raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
+                          "of decoder layers was found to tag)")
     where = {e[1]: (e[3], e[4]) for _, _, evs in chunks for e in evs if e[0] == 1}
     seen: set[tuple[int, int]] = set()
     plan = []
