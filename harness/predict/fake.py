@@ -1,7 +1,8 @@
 """Fake-tensor execution of one training micro-step (the heavy half of `harness.predict.trace`).
 
 Builds the truncated model on `meta` as the case's stack does, moves it to fake `cpu` storage
-inside `FakeTensorMode` and runs forward + backward under `harness.measure.trackers.LiveTensorTracker`.
+inside `FakeTensorMode` and runs forward + backward under `AllocationLog` (the live-tensor tracker of
+`harness.measure.trackers`, logging each allocation and free with its decoder layer).
 See `harness.predict.trace` for what is reproduced and why.
 """
 

@@ -9,7 +9,8 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
 1. Trace (`harness.predict.trace`): one training micro-step of the real model code at full width
    with 1 and 2 layers, on fake tensors, as the case's stack builds and trains it; extrapolated
    affinely to the case's depth (its `layers` when set). Gives the step's transient peak above the
-   model states, the activations a forward keeps, the logits, and the parameter inventory. Traces
+   model states, the activations a forward keeps, the logits, the parameter inventory, and the
+   step's allocations and frees by layer (the allocator model's input, step 5). Traces
    are cached in-process and on disk (keyed by spec, code and library versions), so a repeated
    prediction imports neither torch nor transformers.
 2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3

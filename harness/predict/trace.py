@@ -31,9 +31,14 @@ What the stack changes, and how it is reproduced here (see harness/runtime/build
   reference path (`harness.models.fla_cpu`) stands in, with fused-kernel emulations that save what the
   Triton kernels save (`_fla_fake_kernels`).
 
+Each trace also logs the step's allocations and frees in order, tagged with phase and decoder layer,
+and the parameters in load order (`TraceResult.events`, `.layout`): the input from which
+`harness.predict.stream` builds the run's allocation stream for the allocator model.
+
 Nothing here reads measurements. The model code runs in `harness.predict.fake` (torch, transformers,
 peft); this module holds the spec, the results and their caches (in-process, and on disk keyed by
-the spec, this code and the library versions), so a cached prediction imports none of them.
+the spec, this code and the library versions), and the cache of the allocator model's result over
+the built stream (`simulated_run`), so a cached prediction imports none of them and replays nothing.
 """
 from __future__ import annotations
 
