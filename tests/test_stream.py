@@ -84,10 +84,10 @@ def test_the_layout_repeats_layer_one_in_place_and_loads_the_checkpoint_in_name_
     assert [r[4] for r in out] == [LAYER_POST, LAYER_PRE, 0, 0, 1, 1, 1, 1, 1, 1, LAYER_POST, 0, 1, 1, 1]
 
 
-def test_load_keeps_the_warmup_block_and_the_kbit_upcast_frees_the_half_copies():
-    layout = [[1024 * 1024, 2, 0, 0, LAYER_PRE, 0], [4096 * 4096, 2, 1, 0, 0, 0], [8, 4, 0, 1, 0, 1]]
+def test_load_keeps_the_warmup_block_and_an_upcast_frees_the_half_copy():
+    layout = [[1024 * 1024, 4, 0, 0, LAYER_PRE, 0], [4096 * 4096, 2, 1, 0, 0, 0], [8, 4, 0, 1, 0, 1]]  # fp32 as trained
     stream = Stream([], [], [])
-    load_stream(result([], layout, 1), result([], layout), RunShape(1, 1, 2, True, True, False), stream)
+    load_stream(result([], layout, 1), result([], layout), RunShape(1, 1, 2, True, False), stream)
     assert stream.sizes[0] == 1024 * 1024 * 2 + 4096 * 4096 // 2  # the warm-up: the model as loaded
     live = live_after(stream)
     kept = sorted(stream.sizes[i] for i in live)
@@ -157,7 +157,7 @@ def test_the_simulated_run_is_cached_on_disk(tmp_path, monkeypatch):
     spec = trace_mod.TraceSpec(config_json=json.dumps({"x": 1}), seq_len=1, micro_batch=1, kind="full", stack="plain",
                                dtype="bf16", lora_r=None, lora_targets=None, lora_dropout=0.0, checkpointing=False,
                                reentrant=False, deepspeed=False, accumulated_grads=False)
-    shape = RunShape(4, 1, 2, False, False, False)
+    shape = RunShape(4, 1, 2, False, False)
     trace_mod.simulated_run.cache_clear()
     first = trace_mod.simulated_run(spec, shape)
     assert list(tmp_path.glob("sim-*.json"))

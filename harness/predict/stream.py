@@ -9,8 +9,9 @@ its layer's backward). This module builds from them the stream of a run:
 1. **Load** (`load_stream`), in the order the stack loads the model: transformers' caching-allocator
    warm-up (`from_pretrained` allocates and frees one block the size of the model as loaded, which
    the allocator keeps), every parameter in module order (a 4-bit weight arrives in the half dtype
-   and is quantized: bitsandbytes' transients and kept blocks), peft's k-bit preparation (each
-   non-4-bit half parameter copied to fp32, the half one freed), the LoRA adapters (moved in the
+   and is quantized: bitsandbytes' transients and kept blocks), each parameter the stack holds wider
+   than it loads (peft's k-bit preparation: non-4-bit half parameters to fp32) copied, the loaded
+   copy freed, the LoRA adapters (moved in the
    half dtype, then cast to fp32).
 2. **The step at N layers** (`expand`): the 2-layer step with layer 1's forward and backward chunks
    repeated for layers 1..N-1. A free that crosses layers is remapped: an allocation of layer 0
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
-from harness.spec.schema import Case, Stack
+from harness.spec.schema import Case
 
 FORWARD, BACKWARD = 0, 1
 HALF_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -74,7 +75,6 @@ class RunShape:
     layers: int
     grad_accum: int
     half_bytes: int  # the dtype the checkpoint loads in
-    kbit_prep: bool  # peft's prepare_model_for_kbit_training: non-4-bit half parameters to fp32
     double_quant: bool
     accumulated_grads: bool  # the trace ran with gradients already allocated (GA > 1, no DeepSpeed)
     alloc_conf: str = ""
@@ -83,7 +83,6 @@ class RunShape:
     def of(cls, case: Case, spec: TraceSpec, layers: int) -> RunShape:
         q = case.method.quantization
         return cls(layers=layers, grad_accum=case.train.grad_accum, half_bytes=HALF_BYTES[case.precision.value],
-                   kbit_prep=case.method.kind == "qlora" and case.stack == Stack.peft,
                    double_quant=bool(q is not None and q.double_quant), accumulated_grads=spec.accumulated_grads,
                    alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 
@@ -200,10 +199,10 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
     stream.mark("load")
     base = [row for row in layout if not row[5]]
     stream.free(stream.alloc(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base)))  # caching_allocator_warmup
-    kept_half: list[tuple[int, int, int]] = []  # (id, elements, layer) of the non-4-bit parameters as loaded
-    for n, _, q, _, layer, _ in base:
+    kept_half: list[tuple[int, int, int, int]] = []  # (id, elements, layer, bytes each as trained) of the rest
+    for n, size, q, _, layer, _ in base:
         if not q:
-            kept_half.append((stream.alloc(n * half), n, layer))
+            kept_half.append((stream.alloc(n * half), n, layer, size))
             continue
         weight = stream.alloc(n * half)  # the half weight, then bitsandbytes' quantize_4bit
         absmax = stream.alloc(-(-n // 64) * 4)
@@ -215,10 +214,12 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
             stream.free(offset)
             stream.free(absmax)
         stream.free(weight)
-    if shape.kbit_prep:  # in module order: the embedding, each layer's, the final norm and the head
-        kept_half.sort(key=lambda item: item[2])
-        for ident, n, _ in kept_half:  # prepare_model_for_kbit_training: param.data = param.data.to(fp32)
-            stream.alloc(n * 4)
+    # a parameter the stack holds wider than it loads (peft's prepare_model_for_kbit_training, an fp32
+    # upcast of trainable weights) is copied, in module order, and its loaded copy freed
+    kept_half.sort(key=lambda item: item[2])
+    for ident, n, _, size in kept_half:
+        if size > half:
+            stream.alloc(n * size)
             stream.free(ident)
     # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
     # (autocast_adapter_dtype): the half copies are freed one by one
