@@ -228,3 +228,11 @@ def test_the_allocator_models_reserved_follows_the_alloc_conf():
                          platform="nvidia-h200-x1")
     assert expandable.reserved < default.reserved
     assert expandable.allocated == default.allocated
+
+
+def test_the_cuda_pool_backend_keeps_the_ratio_and_says_why():
+    base = case("003-qlora-fix-r16-seq512-gc")
+    p = predict(changed(base, **{"launch.env": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}}),
+                platform="nvidia-h200-x1")
+    assert any("backend:cudaMallocAsync" in n and n.startswith("reserved: allocated x") for n in p.notes)
+    assert "reserved_by_ratio" not in p.terms

@@ -98,6 +98,18 @@ def _inventory(r1, r2, layers: int):
                      layer_sizes=list(per_layer.elements()), layers=layers)
 
 
+def _alloc_conf(case: Case):
+    """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
+    read is bad input."""
+    from harness.models.inputs import InputError
+    from harness.predict.allocator import AllocatorConf, AllocConfError
+
+    try:
+        return AllocatorConf.parse(case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""), "PYTORCH_CUDA_ALLOC_CONF")
+    except AllocConfError as exc:
+        raise InputError(None, "launch.env", str(exc)) from None
+
+
 def predict(case: Case, arch: Architecture | None = None, *, platform: str | None = None,
             exclude=frozenset(), variant=None) -> Prediction:
     """`variant` (a harness.spec.variants.Variant or its text, e.g. '2r4L2ga'): predict the case as
@@ -154,7 +166,14 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     values = {k: cal.values.get(k, v) for k, v in PRIORS.items()}
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
-    if case.deepspeed is None:  # the allocator model over the run's stream (harness.predict.stream)
+    conf = _alloc_conf(case)
+    if case.deepspeed is not None:
+        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
+                     "see DeepSpeed's buckets, gathers and offload buffers")
+    elif conf.backend != "native":
+        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); backend:{conf.backend} hands "
+                     "memory to CUDA's own pool allocator, which the allocator model does not follow")
+    else:  # the allocator model over the run's stream (harness.predict.stream)
         from harness.predict.stream import RunShape, StreamError
         from harness.predict.trace import simulated_run
 
@@ -169,9 +188,6 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             reserved = max(sim.peak_reserved, allocated)
             notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak "
                          f"during the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
-    else:
-        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
-                     "see DeepSpeed's buckets, gathers and offload buffers")
     if case.deepspeed is not None and case.deepspeed.stage == 3:
         from harness.predict.calibration import largest_gather_bytes
 
