@@ -8,11 +8,11 @@ its layer's backward). This module builds from them the stream of a run:
 
 1. **Load** (`load_stream`), in the order the stack loads the model: transformers' caching-allocator
    warm-up (`from_pretrained` allocates and frees one block the size of the model as loaded, which
-   the allocator keeps), every parameter in module order (a 4-bit weight arrives in the half dtype
-   and is quantized: bitsandbytes' transients and kept blocks), each parameter the stack holds wider
-   than it loads (peft's k-bit preparation: non-4-bit half parameters to fp32) copied, the loaded
-   copy freed, the LoRA adapters (moved in the
-   half dtype, then cast to fp32).
+   the allocator keeps), every parameter in the order of its checkpoint name (a 4-bit weight
+   arrives in the half dtype and is quantized: bitsandbytes' transients and kept blocks), each
+   parameter the stack holds wider than it loads (peft's k-bit preparation: non-4-bit half
+   parameters to fp32) copied in module order and its loaded copy freed, the LoRA adapters (moved
+   in the half dtype, then cast to fp32).
 2. **The step at N layers** (`expand`): the 2-layer step with layer 1's forward and backward chunks
    repeated for layers 1..N-1. A free that crosses layers is remapped: an allocation of layer 0
    freed in layer 1 becomes, in copy k, the allocation of copy k-1 that lines up with it (layer 0's
@@ -23,6 +23,8 @@ its layer's backward). This module builds from them the stream of a run:
 3. **The run** (`run_stream`): load, `min(grad_accum, 2)` micro-steps, the optimizer's first step
    (AdamW's two moments per trainable parameter, a foreach temporary per parameter, then the
    gradients freed by `zero_grad`), and the same again: the second step reuses what the first cached.
+   The cuBLAS workspaces come at the first forward and backward, gradients under accumulation at
+   each step's first backward.
 
 `simulate` replays the run through `CachingAllocator` and gives its peak. Only cases without
 DeepSpeed are built: DeepSpeed's buckets, gathers and offload buffers are not in the trace.
@@ -45,7 +47,8 @@ CUBLAS_HANDLE_WORKSPACE = 32 * 2**20
 
 
 class StreamError(ValueError):
-    """A trace whose events cannot be built into a run (its chunks are not in the order expected)."""
+    """A trace whose events cannot be built into a run (no decoder layer tagged, or a layer's chunk
+    run twice apart); the predictor then keeps the fitted ratio and says why."""
 
 
 @dataclass
