@@ -7,6 +7,11 @@ allocations and frees are replayed through `harness.predict.allocator` under the
 PYTORCH_CUDA_ALLOC_CONF and memory cap, and the table shows the recorded reserved peak (from the
 recorded segment actions), the simulated one, their error, where each ran out of memory under a cap,
 and the replay's speed in actions per second.
+
+Then, for each timeline of a case without DeepSpeed (whose predicted reserved figure is the allocator
+model's), the stream the predictor builds from the fake-tensor trace (`harness.predict.stream`, the
+case at the timeline's variant) beside the recording: bytes allocated during the load, allocated and
+reserved at its end, and the allocated and reserved peaks.
 """
 
 from __future__ import annotations
@@ -51,7 +56,59 @@ def main(argv: list[str]) -> int:
               f"{result.peak_reserved / GiB:>9.3f} {(result.peak_reserved - recorded) / 2**20:>+9.0f} "
               f"{100 * error:>+6.2f}% {oom:>13} {len(result.reserved) / seconds:>10.0f}")
     print(f"\nreserved peaks in GiB; worst error {100 * worst:.2f}% (target 1%)")
+    built(paths)
     return 0
+
+
+def built(paths: list[Path]) -> None:
+    """The predictor's stream, built from the trace, against each recorded run without DeepSpeed."""
+    from harness.measure.timeline import ALLOC, MemoryTimeline
+    from harness.models.source import load_model
+    from harness.predict.allocator import CachingAllocator
+    from harness.predict.stream import RunShape, run_stream, simulate
+    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.spec.cases import CASES_DIR, load_case
+    from harness.spec.variants import parse_variant
+
+    print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB:")
+    head = (f"{'platform/timeline':<60} {'load MiB':>17} {'alloc after load':>17} {'reserved after load':>19} "
+            f"{'allocated peak':>15} {'reserved peak':>15} {'error':>7}")
+    print(head)
+    print("-" * len(head))
+    for path in paths:
+        timeline = MemoryTimeline.load(path)
+        case = load_case(CASES_DIR / f"{timeline.case_id}.yaml")
+        if case.deepspeed is not None:
+            continue
+        if timeline.variant:
+            case = parse_variant(timeline.variant).apply(case)
+        arch = load_model(case.model)
+        spec = TraceSpec.of(case, arch)
+        r1, r2 = trace_pair(spec)
+        stream = run_stream(r1, r2, RunShape.of(case, spec, case.layers or arch.layers))
+        sim = simulate(stream)
+        curve = timeline.curve()
+        _, end = next(s for s in timeline.phase_spans() if s[0] == "load")[1:]
+        rec_load = sum(timeline.size[i] for i in range(end) if timeline.action[i] == ALLOC)
+        first_step = next(start for name, start in stream.phases if name == "step")
+        ops = stream.ops[:first_step]
+        built_load = sum(stream.sizes[op] for op in ops if op >= 0)
+        model, blocks = CachingAllocator(), {}
+        for op in ops:
+            if op >= 0:
+                blocks[op] = model.malloc(stream.sizes[op])
+            else:
+                model.free(blocks.pop(-op - 1))
+        alloc, reserved = model.stats.allocated, model.stats.reserved
+        _, rec_alloc_peak = curve.peak("allocated")
+        _, rec_res_peak = curve.peak("reserved")
+        print(f"{path.parent.name + '/' + path.name.removesuffix('.json.gz'):<60} "
+              f"{built_load / 2**20:>8.0f}/{rec_load / 2**20:<8.0f} "
+              f"{alloc / GiB:>8.3f}/{curve.allocated[end - 1] / GiB:<8.3f} "
+              f"{reserved / GiB:>9.3f}/{curve.reserved[end - 1] / GiB:<9.3f} "
+              f"{sim.peak_allocated / GiB:>7.3f}/{rec_alloc_peak / GiB:<7.3f} "
+              f"{sim.peak_reserved / GiB:>7.3f}/{rec_res_peak / GiB:<7.3f} "
+              f"{100 * (sim.peak_reserved / rec_res_peak - 1):>+6.2f}%")
 
 
 def _index(i: int | None) -> str:

@@ -336,3 +336,19 @@ def test_host_ram_of_a_node_whose_cards_each_run_their_own_jobs(capsys, predicte
     assert (result["host_ram_gib"], result["host_ram_node_gib"], result["node_processes"]) == (150, 1050, 14)
     _, out, _ = run(capsys, GUIDE000, *DCU_ARGS)  # one job on all eight cards: the job is the node
     assert "host RAM (the node, 8 processes) 150.00 GiB" in [" ".join(line.split()) for line in out.splitlines()]
+
+
+def test_an_alloc_conf_the_allocator_model_cannot_read_is_bad_input_naming_file_and_key(tmp_path, capsys):
+    import yaml
+
+    from harness.spec.cases import CASES_DIR
+
+    data = yaml.safe_load((CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml").read_text())
+    data.update(id="003-typo", role="config", claims=[])
+    data.setdefault("launch", {})["env"] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segmentz:True"}
+    path = tmp_path / "003-typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", str(path), "--json"]) == 2
+    out = capsys.readouterr()
+    assert "003-typo.yaml" in out.err and "launch.env" in out.err and "expandable_segmentz" in out.err
+    assert "expandable_segmentz" in json.loads(out.out)["error"]

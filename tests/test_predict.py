@@ -217,3 +217,31 @@ def test_a_mistakes_baselines_do_not_calibrate_the_predictor(tmp_path):
     assert cal.used["zero3_cached_gathers"] == ["002-gemma27b-full-z3-offload-len2048",
                                                 "002-gemma27b-full-z3-offload-len4096"]
     assert "002-gemma27b-wrong-model-before-deepspeed" not in cal.calibrated_on
+
+
+def test_reserved_comes_from_the_allocator_model_without_deepspeed_and_says_so():
+    plain = predict(case("003-qlora-fix-r16-seq512-gc"), platform="nvidia-h200-x1")
+    assert any(n.startswith("reserved: the allocator model") for n in plain.notes)
+    assert plain.reserved != plain.terms["reserved_by_ratio"]
+    assert plain.allocated <= plain.reserved
+    sharded = predict(case("000-qlora4bit-z2-cutoff512"), platform="nvidia-h200-x2", variant="2r2L2ga")
+    assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in sharded.notes)
+    assert "reserved_by_ratio" not in sharded.terms
+
+
+def test_the_allocator_models_reserved_follows_the_alloc_conf():
+    """expandable_segments maps pages instead of caching whole segments: less reserved than the default."""
+    base = case("003-qlora-fix-r16-seq512-gc")
+    default = predict(base, platform="nvidia-h200-x1")
+    expandable = predict(changed(base, **{"launch.env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}),
+                         platform="nvidia-h200-x1")
+    assert expandable.reserved < default.reserved
+    assert expandable.allocated == default.allocated
+
+
+def test_the_cuda_pool_backend_keeps_the_ratio_and_says_why():
+    base = case("003-qlora-fix-r16-seq512-gc")
+    p = predict(changed(base, **{"launch.env": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}}),
+                platform="nvidia-h200-x1")
+    assert any("backend:cudaMallocAsync" in n and n.startswith("reserved: allocated x") for n in p.notes)
+    assert "reserved_by_ratio" not in p.terms

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from harness.cli.arguments import fraction, positive_int
+from harness.models.inputs import InputError
 from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
 from harness.premerge.importers import LAUNCHERS, ConfigError, JobSpec, parse_size_arg
 
@@ -69,6 +70,11 @@ def run(args, predict: PredictFn | None = None) -> int:
     try:
         result = run_check(args.config, spec_from_args(args), platform=args.platform, predict=predict)
     except ConfigError as exc:
+        _bad_input(str(exc), args.json)
+        return EXIT_BAD_INPUT
+    except InputError as exc:  # a value the prediction refuses (launch.env's PYTORCH_CUDA_ALLOC_CONF): name the file
+        if exc.path is None:
+            exc.path = Path(args.config)
         _bad_input(str(exc), args.json)
         return EXIT_BAD_INPUT
     if args.json:

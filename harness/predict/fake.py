@@ -1,7 +1,8 @@
 """Fake-tensor execution of one training micro-step (the heavy half of `harness.predict.trace`).
 
 Builds the truncated model on `meta` as the case's stack does, moves it to fake `cpu` storage
-inside `FakeTensorMode` and runs forward + backward under `harness.measure.trackers.LiveTensorTracker`.
+inside `FakeTensorMode` and runs forward + backward under `AllocationLog` (the live-tensor tracker of
+`harness.measure.trackers`, logging each allocation and free with its decoder layer).
 See `harness.predict.trace` for what is reproduced and why.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import warnings
 
 import torch
 
+from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, truncated_config
-from harness.predict.step import ParamInfo, TraceResult, TraceSpec
+from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.spec.schema import Precision, Stack
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -33,20 +36,31 @@ def _hf_model(config: dict, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(hf, dtype=dtype)
 
 
+def _dequantize(shape, dtype, device):
+    """bitsandbytes' dequantization of a double-quantized 4-bit weight: the fp32 absmax (one per 64
+    elements) restored in two steps, then the weight in the compute dtype; the absmax copies are
+    freed when the weight is made (`_dequant_linear_fallback`)."""
+    blocks = -(-shape[0] * shape[1] // 64)
+    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(2)]
+    w = torch.empty(shape, dtype=dtype, device=device)
+    del absmax
+    return w
+
+
 class _Fake4bitMatmul(torch.autograd.Function):
     """bitsandbytes' MatMul4Bit, memory-wise: nothing of the input is saved; the weight is
     dequantized into a transient (out x in, compute dtype) in forward and again in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        w = torch.empty(weight.shape, dtype=x.dtype, device=x.device)
+        w = _dequantize(weight.shape, x.dtype, x.device)
         ctx.shape, ctx.dtype = weight.shape, x.dtype
         ctx.has_bias = bias is not None
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        w = _dequantize(ctx.shape, grad.dtype, grad.device)
         return grad @ w, None, None
 
 
@@ -172,8 +186,6 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.measure.trackers import LiveTensorTracker
-
     model, info = _build(spec, layers)
     vocab = int(config["vocab_size"])
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -185,20 +197,158 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         elif spec.accumulated_grads:
             for p in trainable:
                 p.grad = torch.zeros_like(p)
-        tracker = LiveTensorTracker()
+        tracker = AllocationLog()
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
-        with tracker:
+        with tracker, _layer_tags(model, tracker, layers):
+            tracker.start_log()
             ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
             base = tracker.current()
             out = model(input_ids=ids, labels=ids)
             held = tracker.current() - base
             logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
-            out.loss.backward()
+            tracker.backward = True
+            tracker.tag = (BACKWARD, tracker.tag[1])
+            with warnings.catch_warnings():  # the layer tags' backward hooks on a layer whose input needs no grad
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                out.loss.backward()
             peak = tracker.peak_bytes() - base
             del out
+            import gc
+
+            gc.collect()  # the step's last frees (loss, logits) belong to it
+            events = tracker.stop_log()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers))
+
+
+FORWARD, BACKWARD = 0, 1
+
+
+class AllocationLog(LiveTensorTracker):
+    """`LiveTensorTracker` that also logs every storage's allocation and free, in order, as
+    `[op, id, bytes, phase, layer]` (op 1 allocates, 0 frees; `id` numbers storages in the order they
+    were allocated, so a free names the allocation it releases; phase FORWARD or BACKWARD; layer the
+    decoder layer running, `step.LAYER_PRE` before the first or `step.LAYER_POST` after the last).
+    `tag` is the (phase, layer) that hooks on the decoder layers set (`_layer_tags`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = (FORWARD, LAYER_PRE)
+        self.backward = False
+        self._ids: dict[int, int] = {}
+        self._issued = 0
+        self._log: list[list[int]] | None = None
+
+    def start_log(self) -> None:
+        self._log = []
+
+    def stop_log(self) -> list[list[int]]:
+        log, self._log = self._log or [], None
+        return log
+
+    def _forget(self, key: int) -> None:
+        size = self._sizes.get(key)
+        seq = self._ids.pop(key, None)
+        if self._log is not None and seq is not None and size is not None:
+            self._log.append([0, seq, size, *self.tag])
+        super()._forget(key)
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        if self._log is None or tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
+            super()._see(tensor)
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key, size = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old is not None and old != size and key in self._ids:  # resized in place: a new block
+            self._log.append([0, self._ids[key], old, *self.tag])
+        super()._see(tensor)
+        if old != size:
+            self._ids[key] = self._issued
+            self._log.append([1, self._issued, size, *self.tag])
+            self._issued += 1
+
+
+def _decoder_stack(model, layers: int) -> str:
+    """The name of the module list that holds the decoder layers: the one with `layers` entries that
+    holds the most parameters ("" when there is none)."""
+    best, size = "", -1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            n = sum(p.numel() for p in module.parameters())
+            if n > size:
+                best, size = name, n
+    return best
+
+
+def _layer_index(name: str, stack: str) -> int | None:
+    """The decoder layer a module or parameter name belongs to, or None."""
+    if not stack or not name.startswith(stack + "."):
+        return None
+    head = name[len(stack) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+@contextlib.contextmanager
+def _layer_tags(model, log: AllocationLog, layers: int):
+    """Tag the log's events with the decoder layer running: a forward pre-hook (which also fires for
+    checkpointing's recompute) and a backward pre-hook on every decoder layer; after the last layer's
+    forward, LAYER_POST (the final norm, the head and the loss)."""
+    handles = []
+
+    def pre(i):
+        def hook(module, args):
+            log.tag = (BACKWARD if log.backward else FORWARD, i)
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            if not log.backward:
+                log.tag = (FORWARD, i if i < layers - 1 else LAYER_POST)
+        return hook
+
+    def backward_pre(i):
+        def hook(module, grad_output):
+            log.tag = (BACKWARD, i)
+        return hook
+
+    stack = _decoder_stack(model, layers)
+    for name, module in model.named_modules():
+        i = _layer_index(name, stack)
+        if i is None or name != f"{stack}.{i}":
+            continue
+        handles.append(module.register_forward_pre_hook(pre(i)))
+        handles.append(module.register_forward_hook(post(i)))
+        handles.append(module.register_full_backward_pre_hook(backward_pre(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layout(model, layers: int) -> list[list[int]]:
+    """Every parameter in the order the stack loads it: the base model's in the order of their names
+    (as `from_pretrained` reads a checkpoint), then the adapters in module order:
+    `[elements, bytes per element as traced, quantized, trainable, layer, adapter]`."""
+    quantized = {id(m.weight) for m in model.modules() if isinstance(m, _Fake4bitLinear)}
+    stack = _decoder_stack(model, layers)
+    base, adapters = [], []
+    seen_layers = False
+    for name, p in model.named_parameters():  # module order: before the decoder layers, in them, after
+        layer = _layer_index(name, stack)
+        seen_layers = seen_layers or layer is not None
+        if layer is None:
+            layer = LAYER_POST if seen_layers else LAYER_PRE
+        adapter = "lora_" in name
+        row = [p.numel(), p.element_size(), int(id(p) in quantized), int(p.requires_grad), layer, int(adapter)]
+        (adapters if adapter else base).append((name.replace(".base_layer", ""), row))
+    base.sort(key=lambda item: item[0])  # a checkpoint's tensors load in the order of their sorted names
+    return [row for _, row in base + adapters]
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
 1. Trace (`harness.predict.trace`): one training micro-step of the real model code at full width
    with 1 and 2 layers, on fake tensors, as the case's stack builds and trains it; extrapolated
    affinely to the case's depth (its `layers` when set). Gives the step's transient peak above the
-   model states, the activations a forward keeps, the logits, and the parameter inventory. Traces
+   model states, the activations a forward keeps, the logits, the parameter inventory, and the
+   step's allocations and frees by layer (the allocator model's input, step 5). Traces
    are cached in-process and on disk (keyed by spec, code and library versions), so a repeated
    prediction imports neither torch nor transformers.
 2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3
@@ -22,9 +23,13 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    forward keeps) (DeepSpeed keeping weights for reuse, or tying recomputed frozen weights to the root
    under reentrant checkpointing); the closed form's reentrant retention where nothing was replayed
    (`harness.predict.states.zero3_reentrant_retention`).
-5. Calibrated (`harness.predict.calibration`, fitted on results/baselines at call time, per platform):
-   reserved = allocated x reserved_over_allocated (+ zero3_cached_gathers x the largest gathered
-   parameter's bytes under ZeRO-3); device = reserved + what the process holds beside the allocator
+5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
+   the run's allocation stream built from the traces (`harness.predict.stream`: the load, two
+   optimizer steps); with DeepSpeed, calibrated (`harness.predict.calibration`, fitted on
+   results/baselines at call time, per platform): allocated x reserved_over_allocated
+   (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
+   lacks DeepSpeed's buckets and offload buffers; device = reserved + what the process holds
+   beside the allocator
    (`harness.predict.device`: the parts the device probe measured on the platform where a record
    exists, else device_overhead, + device_overhead_deepspeed for DeepSpeed processes), +
    triton_cold_overhead for fla on a cold Triton cache.
@@ -120,6 +125,18 @@ def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str
     return None
 
 
+def _alloc_conf(case: Case):
+    """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
+    read is bad input."""
+    from harness.models.inputs import InputError
+    from harness.predict.allocator import AllocatorConf, AllocConfError
+
+    try:
+        return AllocatorConf.parse(case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""), "PYTORCH_CUDA_ALLOC_CONF")
+    except AllocConfError as exc:
+        raise InputError(None, "launch.env", str(exc)) from None
+
+
 def predict(case: Case, arch: Architecture | None = None, *, platform: str | None = None,
             exclude=frozenset(), variant=None) -> Prediction:
     """`variant` (a harness.spec.variants.Variant or its text, e.g. '2r4L2ga'): predict the case as
@@ -182,6 +199,28 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     values = {k: cal.values.get(k, v) for k, v in PRIORS.items()}
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
+    conf = _alloc_conf(case)
+    if case.deepspeed is not None:
+        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
+                     "see DeepSpeed's buckets, gathers and offload buffers")
+    elif conf.backend != "native":
+        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); backend:{conf.backend} hands "
+                     "memory to CUDA's own pool allocator, which the allocator model does not follow")
+    else:  # the allocator model over the run's stream (harness.predict.stream)
+        from harness.predict.stream import RunShape, StreamError
+        from harness.predict.trace import simulated_run
+
+        spec = TraceSpec.of(case, arch)
+        try:
+            sim = simulated_run(spec, RunShape.of(case, spec, layers))
+        except StreamError as exc:
+            notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model "
+                         f"could not be used: {exc}")
+        else:
+            terms["reserved_by_ratio"] = reserved
+            reserved = max(sim.peak_reserved, allocated)
+            notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak "
+                         f"during the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
     if case.deepspeed is not None and case.deepspeed.stage == 3:
         from harness.predict.calibration import largest_gather_bytes
 

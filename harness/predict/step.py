@@ -90,6 +90,9 @@ class ParamInfo:
     bytes_total: int = 0  # bytes of every parameter as the stack holds it (before ZeRO)
 
 
+LAYER_PRE, LAYER_POST = -1, 1 << 20  # an event or parameter before the first decoder layer, after the last
+
+
 @dataclass
 class TraceResult:
     layers: int
@@ -99,6 +102,10 @@ class TraceResult:
     params: ParamInfo
     seconds: float
     cached: bool = False
+    # the step's allocations and frees in order, [op, id, bytes, phase, layer] (harness.predict.fake.AllocationLog)
+    events: list[list[int]] = field(default_factory=list)
+    # every parameter in load order, [elements, bytes per element, quantized, trainable, layer, adapter]
+    layout: list[list[int]] = field(default_factory=list)
 
 
 def extrapolate(a1: float, a2: float, layers: int) -> float:

@@ -31,9 +31,14 @@ What the stack changes, and how it is reproduced here (see harness/runtime/build
   reference path (`harness.models.fla_cpu`) stands in, with fused-kernel emulations that save what the
   Triton kernels save (`_fla_fake_kernels`).
 
+Each trace also logs the step's allocations and frees in order, tagged with phase and decoder layer,
+and the parameters in load order (`TraceResult.events`, `.layout`): the input from which
+`harness.predict.stream` builds the run's allocation stream for the allocator model.
+
 Nothing here reads measurements. The model code runs in `harness.predict.fake` (torch, transformers,
 peft); this module holds the spec, the results and their caches (in-process, and on disk keyed by
-the spec, this code and the library versions), so a cached prediction imports none of them.
+the spec, this code and the library versions), and the cache of the allocator model's result over
+the built stream (`simulated_run`), so a cached prediction imports none of them and replays nothing.
 """
 from __future__ import annotations
 
@@ -47,8 +52,8 @@ from pathlib import Path
 from harness.predict.step import ParamInfo, TraceResult, TraceSpec, extrapolate, reentrant_checkpointing, zero_init
 from harness.spec.files import write_atomic
 
-__all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "reentrant_checkpointing", "trace_pair",
-           "zero_init"]
+__all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "reentrant_checkpointing", "simulated_run",
+           "trace_pair", "zero_init"]
 
 
 # --- the on-disk cache ------------------------------------------------------------------------------
@@ -132,3 +137,38 @@ def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
     pair = (trace(spec, 1), trace(spec, 2))
     _store(spec, pair)
     return pair
+
+
+@functools.lru_cache(maxsize=1)
+def _sim_code_key() -> str:
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("stream.py", "allocator.py"))).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def simulated_run(spec: TraceSpec, shape):
+    """The allocator model's figures over the run `shape` (a `harness.predict.stream.RunShape`) builds
+    from the traces of `spec`: cached in-process and on disk beside the traces (keyed by both, and by
+    the code of the stream and the allocator model), so a warm prediction replays nothing."""
+    from harness.predict.stream import Simulated, run_stream, simulate
+
+    folder = _cache_dir()
+    key = hashlib.sha256((_key(spec) + _sim_code_key()
+                          + json.dumps(dataclasses.asdict(shape), sort_keys=True)).encode()).hexdigest()[:32]
+    path = folder / f"sim-{key}.json" if folder is not None else None
+    if path is not None:
+        try:
+            return Simulated(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+    from harness.predict.allocator import AllocatorConf
+
+    r1, r2 = trace_pair(spec)
+    conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
+    result = simulate(run_stream(r1, r2, shape), conf)
+    if path is not None:
+        try:
+            write_atomic(path, json.dumps(dataclasses.asdict(result)))
+        except OSError:
+            pass
+    return result

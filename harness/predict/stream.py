@@ -1,0 +1,330 @@
+"""The allocation stream of a training run at full depth, built from the traced 1- and 2-layer steps.
+
+The allocator model (`harness.predict.allocator`) needs what the caching allocator saw: every
+allocation and free, in order, each free naming the allocation it releases. The fake-tensor trace
+logs them for one micro-step at 1 and 2 layers, each tagged with its phase (forward, backward) and
+the decoder layer running (`harness.predict.fake.AllocationLog`; checkpointing's recompute is part of
+its layer's backward). This module builds from them the stream of a run:
+
+1. **Load** (`load_stream`), in the order the stack loads the model: transformers' caching-allocator
+   warm-up (`from_pretrained` allocates and frees one block the size of the model as loaded, which
+   the allocator keeps), every parameter in the order of its checkpoint name (a 4-bit weight
+   arrives in the half dtype and is quantized: bitsandbytes' transients and kept blocks), each
+   parameter the stack holds wider than it loads (peft's k-bit preparation: non-4-bit half
+   parameters to fp32) copied in module order and its loaded copy freed, the LoRA adapters (moved
+   in the half dtype, then cast to fp32).
+2. **The step at N layers** (`expand`): the 2-layer step with layer 1's forward and backward chunks
+   repeated for layers 1..N-1. A free that crosses layers is remapped: an allocation of layer 0
+   freed in layer 1 becomes, in copy k, the allocation of copy k-1 that lines up with it (layer 0's
+   chunk aligned with layer 1's by size; layer 0 may differ, its input needs no grad); one of layer 1
+   freed after the layers is the last copy's; one of layer 1 freed in layer 0's backward (the
+   gradient handed down) is freed in every copy's backward, of the copy above it, at the same
+   relative position.
+3. **The run** (`run_stream`): load, `min(grad_accum, 2)` micro-steps, the optimizer's first step
+   (AdamW's two moments per trainable parameter, a foreach temporary per parameter, then the
+   gradients freed by `zero_grad`), and the same again: the second step reuses what the first cached.
+   The cuBLAS workspaces come at the first forward and backward, gradients under accumulation at
+   each step's first backward.
+
+`simulate` replays the run through `CachingAllocator` and gives its peak. Only cases without
+DeepSpeed are built: DeepSpeed's buckets, gathers and offload buffers are not in the trace.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from harness.predict.allocator import AllocatorConf, CachingAllocator
+from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
+from harness.spec.schema import Case
+
+FORWARD, BACKWARD = 0, 1
+HALF_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# One cuBLAS handle's workspace, taken through the caching allocator at the handle's first matmul: one
+# for the forward's thread, one for autograd's (32 MiB each on the recorded H200 timelines, torch 2.11).
+CUBLAS_HANDLE_WORKSPACE = 32 * 2**20
+
+
+class StreamError(ValueError):
+    """A trace whose events cannot be built into a run (no decoder layer tagged, or a layer's chunk
+    run twice apart); the predictor then keeps the fitted ratio and says why."""
+
+
+@dataclass
+class Stream:
+    """Allocations and frees: `ops[i]` is +id (allocate `sizes[id]` bytes) or -id - 1 (free id)."""
+
+    ops: list[int]
+    sizes: list[int]
+    phases: list[tuple[str, int]]  # (phase name, index of its first op), in order
+
+    def alloc(self, size: int) -> int:
+        self.sizes.append(int(size))
+        self.ops.append(len(self.sizes) - 1)
+        return len(self.sizes) - 1
+
+    def free(self, ident: int) -> None:
+        self.ops.append(-ident - 1)
+
+    def mark(self, name: str) -> None:
+        self.phases.append((name, len(self.ops)))
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What of a case shapes its load and its step, beside the traces."""
+
+    layers: int
+    grad_accum: int
+    half_bytes: int  # the dtype the checkpoint loads in
+    double_quant: bool
+    accumulated_grads: bool  # the trace ran with gradients already allocated (GA > 1, no DeepSpeed)
+    alloc_conf: str = ""
+
+    @classmethod
+    def of(cls, case: Case, spec: TraceSpec, layers: int) -> RunShape:
+        q = case.method.quantization
+        return cls(layers=layers, grad_accum=case.train.grad_accum, half_bytes=HALF_BYTES[case.precision.value],
+                   double_quant=bool(q is not None and q.double_quant), accumulated_grads=spec.accumulated_grads,
+                   alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+
+
+def _chunks(events: list[list[int]]) -> list[tuple[int, int, list[list[int]]]]:
+    out: list[tuple[int, int, list[list[int]]]] = []
+    for e in events:
+        if not out or out[-1][:2] != (e[3], e[4]):
+            out.append((e[3], e[4], []))
+        out[-1][2].append(e)
+    return out
+
+
+def _counterparts(chunks) -> dict[int, int]:
+    """Layer 0's allocations lined up with layer 1's, per phase, by size order: layer-0 id -> layer-1 id."""
+    out: dict[int, int] = {}
+    for phase in (FORWARD, BACKWARD):
+        a = [e for ph, layer, evs in chunks if (ph, layer) == (phase, 0) for e in evs if e[0] == 1]
+        b = [e for ph, layer, evs in chunks if (ph, layer) == (phase, 1) for e in evs if e[0] == 1]
+        matcher = difflib.SequenceMatcher(None, [e[2] for e in a], [e[2] for e in b], autojunk=False)
+        for block in matcher.get_matching_blocks():
+            for j in range(block.size):
+                out[a[block.a + j][1]] = b[block.b + j][1]
+    return out
+
+
+def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None) -> list[int]:
+    """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
+    `on_backward()` is called where the backward begins (to allocate what the real step allocates
+    there and the trace had before it: gradients, the autograd thread's cuBLAS workspace)."""
+    if layers <= 1:
+        chunks = _chunks(r1.events)
+        plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
+        return _emit(plan, {}, {}, 1, stream, on_backward)
+    chunks = _chunks(r2.events)
+    if not any(layer == 1 for _, layer, _ in chunks):
+        raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
+                          "of decoder layers was found to tag)")
+    where = {e[1]: (e[3], e[4]) for _, _, evs in chunks for e in evs if e[0] == 1}
+    seen: set[tuple[int, int]] = set()
+    plan = []
+    for ph, layer, evs in chunks:
+        if (ph, layer) in seen and layer in (0, 1):
+            raise StreamError(f"the traced step runs layer {layer}'s {('forward', 'backward')[ph]} twice apart")
+        seen.add((ph, layer))
+        if layer == 1:
+            copies = range(1, layers) if ph == FORWARD else range(layers - 1, 0, -1)
+            plan += [(ph, layer, evs, k) for k in copies]
+        else:
+            plan.append((ph, layer, evs, 0))
+    return _emit(plan, where, _counterparts(chunks), layers, stream, on_backward, _handed_down(chunks, where))
+
+
+def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
+    """Layer 0's backward frees blocks that layer 1 handed down (the gradient of layer 1's input):
+    at full depth each layer's backward frees those of the layer above it. Per phase, the frees of
+    layer-1 blocks in layer 0's chunk, placed at the same relative position in layer 1's chunk:
+    phase -> [(index in layer 1's chunk, traced id)]."""
+    evs = {(ph, layer): e for ph, layer, e in chunks if layer in (0, 1)}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for phase in (FORWARD, BACKWARD):
+        zero, one = evs.get((phase, 0)), evs.get((phase, 1))
+        if not zero or not one:
+            continue
+        out[phase] = [(i * len(one) // len(zero), e[1]) for i, e in enumerate(zero)
+                      if e[0] == 0 and where.get(e[1], (0, 0))[1] == 1]
+    return out
+
+
+def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None) -> list[int]:
+    ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
+    live: set[int] = set()
+
+    def release(target):
+        ident = ids.get(target)
+        if ident is not None and ident in live:
+            live.discard(ident)
+            stream.free(ident)
+
+    for phase, layer, evs, k in plan:
+        if phase == BACKWARD and on_backward is not None:
+            on_backward()
+            on_backward = None
+        down = list((handed or {}).get(phase, ())) if layer == 1 and k + 1 < layers else []
+        for index, (op, tid, size, _, _) in enumerate(evs):
+            while down and down[0][0] <= index:  # the block the copy above handed down to this one
+                release((k + 1, down.pop(0)[1]))
+            if op == 1:
+                ident = stream.alloc(size)
+                ids[(k, tid)] = ident
+                live.add(ident)
+                continue
+            la = where.get(tid, (0, layer))[1] if where else layer
+            if la == 1:
+                target = (k if layer == 1 else 1 if layer == 0 else layers - 1, tid)
+            elif la == 0 and layer == 1 and k > 1:
+                if tid not in counterpart:
+                    continue  # no allocation of layer 1 lines up with it: nothing to free in that copy
+                target = (k - 1, counterpart[tid])
+            elif la in (LAYER_PRE, LAYER_POST) and layer == 1 and k != layers - 1:
+                continue  # freed once, in the copy that stands for the last layer
+            else:
+                target = (0, tid)
+            release(target)
+        for _, tid in down:
+            release((k + 1, tid))
+    return sorted(live)
+
+
+def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Stream) -> None:
+    """Append the model's load to `stream`."""
+    layout = layout_at(r1.layout, r2.layout, shape.layers)
+    half = shape.half_bytes
+    stream.mark("load")
+    base = [row for row in layout if not row[5]]
+    stream.free(stream.alloc(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base)))  # caching_allocator_warmup
+    kept_half: list[tuple[int, int, int, int]] = []  # (id, elements, layer, bytes each as trained) of the rest
+    for n, size, q, _, layer, _ in base:
+        if not q:
+            kept_half.append((stream.alloc(n * half), n, layer, size))
+            continue
+        weight = stream.alloc(n * half)  # the half weight, then bitsandbytes' quantize_4bit
+        absmax = stream.alloc(-(-n // 64) * 4)
+        stream.alloc(-(-n // 2))  # the packed 4-bit weight, kept
+        if shape.double_quant:
+            offset = stream.alloc(-(-n // 64) * 4)
+            stream.alloc(-(-n // (64 * 256)) * 4)  # the absmax's own absmax, kept
+            stream.alloc(-(-n // 64))  # the quantized absmax, kept
+            stream.free(offset)
+            stream.free(absmax)
+        stream.free(weight)
+    # a parameter the stack holds wider than it loads (peft's prepare_model_for_kbit_training, an fp32
+    # upcast of trainable weights) is copied, in module order, and its loaded copy freed
+    kept_half.sort(key=lambda item: item[2])
+    for ident, n, _, size in kept_half:
+        if size > half:
+            stream.alloc(n * size)
+            stream.free(ident)
+    # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
+    # (autocast_adapter_dtype): the half copies are freed one by one
+    adapters = [(n, size) for n, size, _, _, _, adapter in layout if adapter]
+    moved = [stream.alloc(n * min(size, half)) for n, size in adapters]
+    for (n, size), ident in zip(adapters, moved, strict=True):
+        if size > half:
+            stream.alloc(n * size)
+            stream.free(ident)
+
+
+def _gradients(layout: list[list[int]], stream: Stream) -> list[int]:
+    return [stream.alloc(n * size) for n, size, _, trainable, *_ in layout if trainable]
+
+
+def layout_at(l1: list[list[int]], l2: list[list[int]], layers: int) -> list[list[int]]:
+    """The parameter layout at `layers` decoder layers: the 2-layer layout with each run of layer 1's
+    rows repeated in place (a checkpoint's sorted names keep a layer's tensors together)."""
+    if layers <= 1:
+        return l1
+    out: list[list[int]] = []
+    run: list[list[int]] = []
+    for row in [*l2, [0, 0, 0, 0, LAYER_PRE, -1]]:
+        if row[4] == 1:
+            run.append(row)
+            continue
+        out += run * (layers - 1)
+        run = []
+        if row[5] >= 0:
+            out.append(row)
+    return out
+
+
+def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stream: Stream) -> None:
+    """torch AdamW (foreach) and the trainer's zero_grad(set_to_none=True)."""
+    stream.mark("optimizer")
+    trainable = [n * size for n, size, _, t, *_ in layout if t]
+    if first:
+        for b in trainable:  # exp_avg, exp_avg_sq, created at the first step
+            stream.alloc(b)
+            stream.alloc(b)
+    temps = [stream.alloc(b) for b in trainable]  # the foreach temporary list
+    for ident in temps:
+        stream.free(ident)
+    for ident in grads:
+        stream.free(ident)
+
+
+def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape) -> Stream:
+    """Load, then two optimizer steps of `min(grad_accum, 2)` micro-steps each. The cuBLAS workspaces
+    come at the first forward and the first backward; under gradient accumulation (where the trace
+    ran with gradients allocated) the gradients come at the backward of each step's first micro-step,
+    as AccumulateGrad keeps the first gradient it is given."""
+    stream = Stream([], [], [])
+    load_stream(r1, r2, shape, stream)
+    layout = layout_at(r1.layout, r2.layout, shape.layers)
+    grads: list[int] = []
+
+    def first_backward():
+        stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+
+    def later_backward():
+        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+
+    for step in range(2):
+        left: list[int] = []
+        for micro in range(min(shape.grad_accum, 2)):
+            stream.mark("step")
+            if step == micro == 0:
+                stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+            hook = (first_backward if step == 0 else later_backward) if micro == 0 else None
+            left += expand(r1, r2, shape.layers, stream, hook)
+        _optimizer_step(layout, grads + left, step == 0, stream)
+        grads.clear()
+    return stream
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """The allocator model's figures over a run's stream."""
+
+    peak_reserved: int
+    peak_allocated: int
+    peak_phase: str  # the phase in which reserved memory peaked
+    actions: int
+
+
+def simulate(stream: Stream, conf: AllocatorConf | None = None) -> Simulated:
+    sim = CachingAllocator(conf)
+    blocks: dict[int, object] = {}
+    stats = sim.stats
+    peak, peak_at = -1, 0
+    malloc, free = sim.malloc, sim.free
+    for i, op in enumerate(stream.ops):
+        if op >= 0:
+            blocks[op] = malloc(stream.sizes[op])
+            if stats.reserved > peak:
+                peak, peak_at = stats.reserved, i
+        else:
+            block = blocks.pop(-op - 1, None)
+            if block is not None:
+                free(block)
+    phase = next((name for name, start in reversed(stream.phases) if start <= peak_at), "load")
+    return Simulated(max(peak, 0), stats.peak_allocated, phase, len(stream.ops))
