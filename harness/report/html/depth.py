@@ -10,7 +10,7 @@ from harness.judge.extrapolation import every_fit
 from harness.report.html.captions import measured_where
 from harness.report.html.inputs import ReportInputs
 from harness.report.html.page import Section, Table
-from harness.report.html.svg import COLORS, Figure, gib, new_figure, to_svg
+from harness.report.html.svg import COLORS, Figure, gib, new_figure, shared_legend, to_svg
 from harness.spec.units import fmt_gib
 
 COLS = 3
@@ -60,13 +60,7 @@ def section(inputs: ReportInputs) -> Section:
         table.append((case.id, e.platform_key, e.base_variant or "as written", e.label, fmt_gib(peak),
                       f"{fmt_gib(with_margin)} ({e.margin_text()})", fmt_gib(case.budget_bytes),
                       "fits" if with_margin <= case.budget_bytes else "exceeds", check))
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, la in zip(*ax.get_legend_handles_labels(), strict=True):
-            if la not in labels:
-                handles.append(h)
-                labels.append(la)
-    fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncols=6)
+    shared_legend(fig, axes, ncols=6)
     used = [b for b in baselines if b.case_id in {c.id for c, _ in fits} and b.variant]
     caption = ("Per-card device peak against the layer count: dots measured at full width with fewer layers "
                f"({measured_where(used)}); the grey line is the least-squares fit; the hollow dot is the "

@@ -37,6 +37,17 @@ def new_figure(width: float, height: float):
     return fig
 
 
+def shared_legend(fig, axes, ncols: int) -> None:
+    """One legend below every subplot of `fig`, each label once (subplots draw the same series)."""
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, la in zip(*ax.get_legend_handles_labels(), strict=True):
+            if la not in labels:
+                handles.append(h)
+                labels.append(la)
+    fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncols=ncols)
+
+
 def to_svg(fig, key: str) -> str:
     """The figure as SVG markup to inline in HTML: text kept as text (small, searchable), ids unique
     to this figure, no date in the metadata (the same inputs give the same page)."""

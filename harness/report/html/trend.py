@@ -11,7 +11,7 @@ from harness.judge.regression import SPEED_FLOOR, limit
 from harness.report.html.captions import measured_where
 from harness.report.html.inputs import Entry, ReportInputs
 from harness.report.html.page import Section, Table
-from harness.report.html.svg import Figure, new_figure, to_svg
+from harness.report.html.svg import Figure, new_figure, shared_legend, to_svg
 
 MARKERS = "os^vPX*<>"
 COLS = 3
@@ -76,13 +76,7 @@ def _figure(platform: str, groups: dict[str, list[Entry]], hosts: list[str]) -> 
         ax.tick_params(labelsize=6)
         ax.set_ylabel("tokens/s per GPU", fontsize=6)
         ax.grid(alpha=0.3)
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, la in zip(*ax.get_legend_handles_labels(), strict=True):
-            if la not in labels:
-                handles.append(h)
-                labels.append(la)
-    fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncols=3)
+    shared_legend(fig, axes, ncols=3)
     fig.suptitle(platform, fontsize=10)
     entries = [e for es in groups.values() for e in es]
     caption = (f"{platform}: tokens/s per GPU of every repetition at the day it ran (the marker is its host CPU), "
