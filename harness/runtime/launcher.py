@@ -1,6 +1,8 @@
 """The launcher: one fresh process group per case run, and a classified result whatever happens.
 
-* one rank: `python -m harness.runtime.worker`;
+* one rank: `python -m harness.runtime.worker`; on a CPU host forked from the worker zygote, which
+  has imported the training stack once (`harness.runtime.zygote`; HARNESS_ZYGOTE=0: a fresh
+  interpreter each);
 * several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU);
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
-from harness.runtime import compile_cache, jit_locks, process_tree
+from harness.runtime import compile_cache, jit_locks, process_tree, zygote
 from harness.runtime.platform import Platform, parse_oom
 from harness.runtime.rank_deaths import unreported_death
 from harness.runtime.reports import EXIT_NO_REPORT, REPORT_NOT_WRITTEN
@@ -51,10 +53,13 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks)."""
+    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks).
+    `preloaded`: forked from the worker zygote instead of a fresh interpreter (argv is then
+    `python -m MODULE ...`; CPU hosts only: a process that initialised CUDA cannot be forked)."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    preloaded: bool = False
 
 
 def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
@@ -111,7 +116,7 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         if launcher == "python":
             env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            jobs.append(Job([py, "-m", WORKER, *wargs], env))
+            jobs.append(Job([py, "-m", WORKER, *wargs], env, preloaded=platform == Platform.cpu and zygote.enabled()))
         elif launcher == "torchrun":
             jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                              "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
@@ -179,6 +184,18 @@ def _clear_earlier(out_dir: Path) -> list[str]:
     return removed
 
 
+def _start(job: Job, env: dict[str, str], log):
+    """Start a job in a session of its own, its output on the case's log: forked from the worker
+    zygote where the job asks for it and the zygote works, else in a fresh interpreter."""
+    if job.preloaded:
+        try:
+            return zygote.shared().start(job.argv, env, os.getcwd(), log.fileno())
+        except zygote.ZygoteError as exc:
+            _note(log, f"{exc}; starting the worker in a fresh interpreter")
+    return subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 def _note(log, line: str) -> None:
     """A line of the launcher's own in the case's log; a full disk loses the line, not the run."""
     with contextlib.suppress(OSError):
@@ -243,8 +260,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             env.setdefault("PYTHONUNBUFFERED", "1")
             env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
             env[process_tree.OWNER_ENV] = process_tree.owner()
-            procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(_start(job, env, log))
         deadline = started + timeout_s
         for proc in procs:
             if proc is ballast:
