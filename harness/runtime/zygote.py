@@ -56,6 +56,7 @@ PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "deepspeed", "fla", 
            "harness.runtime.measurement", "harness.runtime.probe", "harness.runtime.data",
            "harness.spec.dsconfig", "harness.measure.flops")
 ENABLE_ENV = "HARNESS_ZYGOTE"  # "0": every worker in a fresh interpreter
+PRELOAD_ENV = "HARNESS_ZYGOTE_PRELOAD"  # comma-separated modules instead of PRELOAD
 EXIT_LOST = 255  # a job whose exit code was lost with the zygote
 _MESSAGE = 1 << 20  # bytes: a job's environment fits many times over
 
@@ -219,7 +220,8 @@ def shared() -> Zygote:
     global _shared
     with _shared_lock:
         if _shared is None or _shared._gone.is_set():
-            _shared = Zygote()
+            names = os.environ.get(PRELOAD_ENV)
+            _shared = Zygote(tuple(names.split(",")) if names else PRELOAD)
         return _shared
 
 
