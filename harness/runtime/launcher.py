@@ -41,10 +41,6 @@ DEFAULT_TIMEOUT_S = 900
 WORKER = "harness.runtime.worker"  # the module each training process runs
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "oom-harness"))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,10 +92,10 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
                             or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
         # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
+        "TORCH_EXTENSIONS_DIR": str(compile_cache.extensions_dir()),
         # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
         # fresh GPU host); keep them between runs too
-        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(cache_dir() / "triton")),
+        "TRITON_CACHE_DIR": str(compile_cache.shared_triton_dir()),
     }
     base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
     if case.launch.triton_cache == "cold":  # every job of this run compiles into one empty cache
@@ -249,8 +245,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
-        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
-                               for job in jobs} - {""}):
+        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or str(compile_cache.extensions_dir())
+                               for job in jobs}):
             for lock in jit_locks.remove_stale(Path(ext_dir)):
                 _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
                            "which would hang this run")
