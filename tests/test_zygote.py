@@ -131,11 +131,17 @@ def test_a_killed_harness_leaves_neither_the_zygote_nor_its_jobs(tmp_path, still
 
 def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
     """A process that initialised CUDA cannot be forked: GPU runs, and torchrun's ranks, start
-    fresh interpreters."""
+    fresh interpreters. On a CPU, a case measured on one rank needs no rank launcher."""
     one = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
     shared = CASES_DIR / "004-gla-plan-a-minimal.yaml"
     ranks = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
+    rung = CASES_DIR / "001-ladder-rung1-zero2.yaml"  # DeepSpeed's launcher, one rank: no launcher needed
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "tiny", 1, tmp_path, Platform.cpu)] == [True]
+    (job,) = plan_jobs(load_case(rung), rung, "tiny", 1, tmp_path, Platform.cpu)
+    assert job.preloaded and job.argv[1:3] == ["-m", "harness.runtime.worker"]
+    assert {k: job.env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} == {"RANK": "0", "WORLD_SIZE": "1",
+                                                                             "LOCAL_RANK": "0"}
+    assert [j.preloaded for j in plan_jobs(load_case(rung), rung, "real", 1, tmp_path, Platform.cuda)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(shared), shared, "tiny", 1, tmp_path, Platform.cpu)] == [True] * 2
     assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path, Platform.cpu)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "real", 1, tmp_path, Platform.cuda)] == [False]

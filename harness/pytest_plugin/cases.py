@@ -110,6 +110,18 @@ def remember_selected(config, items) -> None:
                               if isinstance(item, CaseItem) and item.param.error is None]
 
 
+def start_runs(config) -> None:
+    """Start the selected cases' tiny runs now, in the background (at the start of the test loop)."""
+    if config.stash.get(_PLANNED, []):
+        _started(config)
+
+
+def shared_session(config) -> Session:
+    """The session the case items judge on, its runs started: a test that needs a bundled case's
+    run takes it from here instead of running the case a second time."""
+    return _started(config)
+
+
 def _started(config) -> Session:
     """The session, its selected runs started on first use (never at collection: --collect-only runs nothing)."""
     if _STARTED not in config.stash:

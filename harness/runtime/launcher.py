@@ -3,7 +3,8 @@
 * one rank: `python -m harness.runtime.worker`; on a CPU host forked from the worker zygote, which
   has imported the training stack once (`harness.runtime.zygote`; HARNESS_ZYGOTE=0: a fresh
   interpreter each);
-* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU);
+* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU; on a CPU a
+  case measured on one rank runs its worker as a single rank does);
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
 
@@ -102,7 +103,11 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         base_env["TRITON_CACHE_DIR"] = str(compile_cache.fresh(out_dir / COLD_TRITON_CACHE))
     jobs: list[Job] = []
     launcher = case.launch.launcher
-    if launcher == "deepspeed" and platform == Platform.cpu:
+    if platform == Platform.cpu and ranks == 1:
+        # one rank needs no rank launcher: the worker itself, with the environment torchrun would
+        # give its only rank (forked from the zygote, instead of torchrun's interpreter and a fresh one)
+        launcher = "python"
+    elif launcher == "deepspeed" and platform == Platform.cpu:
         # DeepSpeed's runner counts accelerators to place ranks and finds none on a CPU; torchrun
         # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
         launcher = "torchrun"
