@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,8 @@ def _reaped(procs: list[subprocess.Popen]):
         for proc in procs:
             _kill_group(proc)
             proc.wait()
+        with _running_lock:
+            _running.difference_update(p.pid for p in procs)
         raise
 
 
@@ -185,16 +188,40 @@ def _clear_earlier(out_dir: Path) -> list[str]:
     return removed
 
 
+_running: set[int] = set()  # the jobs some run_jobs call of this process is waiting on
+_running_lock = threading.RLock()  # re-entered by running_jobs() under starting_nothing()
+
+
+def running_jobs() -> set[int]:
+    """The pids of the jobs this process's launcher is running now (every thread's runs; the zygote
+    and what a job started are not in it). Held while a job starts, so a process listed before this
+    call returns is in it if a run started it."""
+    with _running_lock:
+        return set(_running)
+
+
+@contextlib.contextmanager
+def starting_nothing():
+    """No job starts while this is held: a caller can list processes and `running_jobs` consistently."""
+    with _running_lock:
+        yield
+
+
 def _start(job: Job, env: dict[str, str], log):
     """Start a job in a session of its own, its output on the case's log: forked from the worker
     zygote where the job asks for it and the zygote works, else in a fresh interpreter."""
-    if job.preloaded:
-        try:
-            return zygote.shared().start(job.argv, env, os.getcwd(), log.fileno())
-        except zygote.ZygoteError as exc:
-            _note(log, f"{exc}; starting the worker in a fresh interpreter")
-    return subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    with _running_lock:
+        if job.preloaded:
+            try:
+                proc = zygote.shared().start(job.argv, env, os.getcwd(), log.fileno())
+                _running.add(proc.pid)
+                return proc
+            except zygote.ZygoteError as exc:
+                _note(log, f"{exc}; starting the worker in a fresh interpreter")
+        proc = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        _running.add(proc.pid)
+        return proc
 
 
 def _note(log, line: str) -> None:
@@ -283,6 +310,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
         stuck = process_tree.where_ranks_stuck(out_dir) if timed_out else []
         for who, _, dump in stuck:  # on a full disk they stay in their own files
             _note(log, f"the stacks of {who} before the timeout:\n{dump}")
+    with _running_lock:
+        _running.difference_update(p.pid for p in procs)
     wall = time.monotonic() - started
     codes = [p.returncode for p in procs]
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
