@@ -45,7 +45,7 @@ def still_running():
 def bundled_session(request, tmp_path_factory):
     """The session that runs and judges the bundled cases' items (the plugin's, where this
     repository's ini points it at the bundled suite), so a test's run of a bundled case is the case
-    item's run: run once, and already under way in the background. Elsewhere, a session of its own."""
+    item's run: run once. Elsewhere, a session of its own."""
     from harness.judge.session import Session
     from harness.pytest_plugin.cases import shared_session
     from harness.pytest_plugin.settings import settings

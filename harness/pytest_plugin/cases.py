@@ -110,16 +110,11 @@ def remember_selected(config, items) -> None:
                               if isinstance(item, CaseItem) and item.param.error is None]
 
 
-def start_runs(config) -> None:
-    """Start the selected cases' tiny runs now, in the background (at the start of the test loop)."""
-    if config.stash.get(_PLANNED, []):
-        _started(config)
-
-
 def shared_session(config) -> Session:
-    """The session the case items judge on, its runs started: a test that needs a bundled case's
-    run takes it from here instead of running the case a second time."""
-    return _started(config)
+    """The session the case items judge on: a test that needs a case's run takes it from here, and
+    the case item then judges that run instead of running the case a second time. Its background
+    runs are not started by this (they start with the first case item)."""
+    return _session(config)
 
 
 def _started(config) -> Session:

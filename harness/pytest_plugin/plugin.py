@@ -115,17 +115,6 @@ def pytest_collection_modifyitems(session, config, items):
         remember_selected(config, items)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session):
-    """Start the selected tiny runs as the tests start, not at the first case item: they then run
-    beside the other tests (the case items come last) instead of after them. Returns None, so
-    pytest's own loop runs the tests."""
-    if settings(session.config).case_dir is not None and not session.config.option.collectonly:
-        from harness.pytest_plugin.cases import start_runs
-
-        start_runs(session.config)
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if settings(config).case_dir is not None:
         from harness.pytest_plugin.cases import terminal_summary
