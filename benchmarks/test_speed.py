@@ -9,6 +9,13 @@
   once with it warm (the trace and the calibration's baseline figures cached; target 1 s).
 * the whole tiny suite (every case at tiny size, as CI runs it; target 3 minutes). Run it once
   before timing on a fresh machine, so DeepSpeed's JIT ops and the random checkpoints are cached.
+* a tiny worker's start: a fresh interpreter importing the training stack against a job forked
+  from the zygote that has imported it (harness.runtime.zygote), with the CPU seconds each takes;
+* one tiny case end to end (`oom-harness run -k 003-qlora-fix-r16-seq512-gc`, a cold CLI process
+  each round), its worker forked from the zygote and, for comparison, in a fresh interpreter
+  (HARNESS_ZYGOTE=0).
+
+    .venv/bin/pytest benchmarks/ -k "worker_start or one_tiny_case"
 
 Targets are printed beside the figures and kept in `extra_info`, not asserted: a slower machine is
 a figure to read, not a failing test.
@@ -18,8 +25,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +87,78 @@ def test_tiny_suite(benchmark, request, tmp_path):
     _say(request, f"\ntiny suite: {len(runs)} runs in {wall:.0f} s on {os.cpu_count()} cores "
                   f"({'within' if wall <= TINY_SUITE_TARGET_S else 'over'} the {TINY_SUITE_TARGET_S:.0f} s target); "
                   "slowest: " + ", ".join(f"{r['case']} {r['run']['wall_s']:.0f} s" for r in slowest))
+
+
+# what a worker imports before it builds anything; it then writes the CPU seconds it used
+STACK_JOB = """
+import os, sys
+import torch, transformers, peft, deepspeed, harness.runtime.worker
+times = os.times()
+open(sys.argv[1], "a").write(f"{times.user + times.system}\\n")
+"""
+
+
+@pytest.mark.parametrize("start", ["fresh", "zygote"])
+def test_worker_start(benchmark, request, start, tmp_path, monkeypatch):
+    """From asking for a worker to its exit, when all it does is import the training stack; the
+    CPU seconds are the worker's own (a forked one counts from its fork)."""
+    from harness.runtime import zygote
+
+    (tmp_path / "stack_job.py").write_text(STACK_JOB)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), str(ROOT),
+                                                                    os.environ.get("PYTHONPATH")])))
+    cpu_file = tmp_path / "cpu.txt"
+    argv = [sys.executable, "-m", "stack_job", str(cpu_file)]
+    log = open(tmp_path / "log.txt", "wb", buffering=0)
+    forker = zygote.Zygote() if start == "zygote" else None
+
+    def one():
+        if forker is None:
+            subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True)
+        else:
+            assert forker.start(argv, dict(os.environ), os.getcwd(), log.fileno()).wait(120) == 0
+
+    warm = ""
+    try:
+        if forker is not None:  # its own imports are paid once per harness process, not per worker
+            started = time.perf_counter()
+            forker.start([sys.executable, "-m", "json.tool", "--help"], dict(os.environ), os.getcwd(),
+                         log.fileno()).wait(300)
+            warm = f"; the zygote's own imports took {time.perf_counter() - started:.1f} s, once"
+        benchmark.pedantic(one, rounds=5, iterations=1)
+    finally:
+        if forker is not None:
+            forker.close()
+        log.close()
+    cpu = [float(line) for line in cpu_file.read_text().split()]
+    benchmark.extra_info.update(cpus=os.cpu_count(), worker_cpu_s=[round(c, 2) for c in cpu])
+    _say(request, f"\nworker start, {start}: median {benchmark.stats.stats.median:.2f} s and "
+                  f"{sorted(cpu)[len(cpu) // 2]:.2f} CPU-s per worker{warm}")
+
+
+@pytest.mark.parametrize("start", ["fresh", "zygote"])
+def test_one_tiny_case(benchmark, request, start, tmp_path):
+    """`oom-harness run` of one tiny case in a cold CLI process, as a developer runs one case (its
+    claim of a lower peak than 003-qlora-fix-r32-seq1024-gc runs that case too: two workers)."""
+    case = "003-qlora-fix-r16-seq512-gc"
+    env = dict(os.environ, HARNESS_ZYGOTE="1" if start == "zygote" else "0")
+    cpu = []
+
+    def one():
+        before = _children_cpu_s()
+        _run([sys.executable, "-m", "harness.cli", "run", "-k", case, "--out", str(tmp_path / "runs"),
+              "--json", str(tmp_path / "runs.json")], env)
+        cpu.append(_children_cpu_s() - before)
+
+    benchmark.pedantic(one, rounds=3, iterations=1)
+    runs = json.loads((tmp_path / "runs.json").read_text())  # the case, and the one its claim compares with
+    assert case in {r["case"] for r in runs}
+    assert all(r["run"]["error"] is None for r in runs), [r["run"]["error"] for r in runs]
+    benchmark.extra_info.update(cpus=os.cpu_count(), cpu_s=[round(c, 1) for c in cpu])
+    _say(request, f"\none tiny case ({case}), worker {start}: median {benchmark.stats.stats.median:.1f} s, "
+                  f"{sorted(cpu)[1]:.1f} CPU-s (the CLI, the zygote and the worker)")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -1,6 +1,7 @@
 """Fixtures the test files share: isolation of the harness's process-wide state (the card locks a
 test's full-size sessions take live in a lock folder of the test's own and are let go after it, so no
-test finds a card held by an earlier one), and waiting for processes a test expects to be gone."""
+test finds a card held by an earlier one), waiting for processes a test expects to be gone, and the
+session the bundled cases' items are judged on (a test that needs a bundled case's run shares it)."""
 
 import time
 
@@ -8,6 +9,7 @@ import psutil
 import pytest
 
 from harness.runtime import card_lock
+from harness.spec.cases import CASES_DIR
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +39,17 @@ def _still_running(pids: list[int], within_s: float) -> list[int]:
 @pytest.fixture
 def still_running():
     return _still_running
+
+
+@pytest.fixture(scope="session")
+def bundled_session(request, tmp_path_factory):
+    """The session that runs and judges the bundled cases' items (the plugin's, where this
+    repository's ini points it at the bundled suite), so a test's run of a bundled case is the case
+    item's run: run once. Elsewhere, a session of its own."""
+    from harness.judge.session import Session
+    from harness.pytest_plugin.cases import shared_session
+    from harness.pytest_plugin.settings import settings
+
+    if settings(request.config).case_dir == CASES_DIR.resolve():
+        return shared_session(request.config)
+    return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))

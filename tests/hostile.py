@@ -201,5 +201,35 @@ def invoke(argv: list[str], capsys, work: Path, limit_s: float = TIME_LIMIT_S) -
     assert code in (0, 1, 2), f"exit {code}: {outcome.err}"
     assert not (work / "logs").exists(), "an internal error was logged"
     assert _snapshot() == before, "the command wrote in the repository"
-    assert not psutil.Process().children(recursive=True), "the command left processes running"
+    left = _left_running()
+    assert not left, f"the command left processes running: {[_named(p) for p in left]}"
     return outcome
+
+
+def _named(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid}: {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"{proc.pid} (gone)"
+
+
+def _is_zygote(proc: psutil.Process) -> bool:
+    try:
+        return proc.ppid() == os.getpid() and proc.cmdline()[1:3] == ["-m", "harness.runtime.zygote"]
+    except psutil.Error:
+        return False
+
+
+def _left_running() -> list[psutil.Process]:
+    """This process's descendants, less the case runs other sessions of it are running meanwhile (the
+    plugin's tiny runs in the background) and the worker zygote, which serves every run of this
+    process and exits with it (the jobs it forked are runs, counted as such). A process the command
+    started and left is not in a running run: its run_jobs has returned."""
+    from harness.runtime import launcher, process_tree
+
+    accounted: set[int] = set()
+    with launcher.starting_nothing():
+        children = psutil.Process().children(recursive=True)
+        for pid in launcher.running_jobs():
+            accounted.update(p.pid for p in process_tree.tree(pid))
+    return [p for p in children if p.pid not in accounted and not _is_zygote(p)]

@@ -4,6 +4,7 @@ kernels, asked for by a case, and never compared against a baseline of the other
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,27 @@ def test_a_cold_gla_case_is_predicted_with_what_compiling_held_on_measured_cold_
     assert p_cold.device == p_warm.device + extra and "triton_cold_compile" not in p_warm.terms
     # two such processes no longer fit the 23.52 GiB card, as the cold H100 run found
     assert 2 * p_cold.device > cold.budget_bytes >= 2 * p_warm.device
+
+
+def test_jit_ops_and_kernels_are_kept_under_one_cache_folder_that_ci_keeps(tmp_path, monkeypatch):
+    """DeepSpeed's JIT-built ops and Triton's kernels go under HARNESS_CACHE for every worker, and
+    the launcher clears interrupted builds' locks in that same folder; an explicit
+    TORCH_EXTENSIONS_DIR wins for both."""
+    from harness.runtime.launcher import run_jobs
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    job = plan_jobs(load_case(PLAN_B), PLAN_B, "tiny", 1, tmp_path, Platform.cpu)[0]
+    assert job.env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "cache" / "torch_extensions")
+    assert job.env["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+    stale = tmp_path / "cache" / "torch_extensions" / "cpu_adam" / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    run_jobs([type(job)([sys.executable, "-c", "pass"])], tmp_path / "run", 60, "x", "tiny", 0)
+    assert not stale.exists()  # a job without the variable builds in the default folder: cleared there
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "own"))
+    assert plan_jobs(load_case(PLAN_B), PLAN_B, "tiny", 1, tmp_path, Platform.cpu)[0].env[
+        "TORCH_EXTENSIONS_DIR"] == str(tmp_path / "own")
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert "HARNESS_CACHE=${HARNESS_CACHE:-$PWD/.cache/oom-harness}" in ci

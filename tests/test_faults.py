@@ -117,6 +117,26 @@ def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path):
     assert rank.step is not None and rank.step.allocated > 0 and len(rank.step_times_s) >= 3
 
 
+def test_a_stop_swallowed_by_a_finalizer_stops_the_worker_at_its_next_progress_line(monkeypatch):
+    """SIGTERM landing while Python runs a finalizer (a garbage collection mid-step): Python prints the
+    handler's exception and goes on, so the worker asks again at each progress line and stops there."""
+    import weakref
+
+    from harness.runtime import worker
+
+    monkeypatch.setattr(worker, "_stopped_by", None)
+
+    class Tensorish:
+        pass
+
+    held = Tensorish()
+    weakref.finalize(held, worker._stop, signal.SIGTERM, None)
+    del held  # the finalizer runs the handler; its Stopped is printed and ignored
+    assert worker._stopped_by == signal.SIGTERM
+    with pytest.raises(worker.Stopped, match="stopped by SIGTERM"):
+        worker._stop_if_asked()
+
+
 _DEEPSPEED_LOG = """\
 [INFO] [launch.py:245:main] process 100 spawned with command: ['python', '-m', 'worker', '--local_rank=0']
 [INFO] [launch.py:245:main] process 101 spawned with command: ['python', '-m', 'worker', '--local_rank=1']

@@ -262,11 +262,10 @@ def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def plan_a_tiny(tmp_path_factory):
+def plan_a_tiny(bundled_session):
     """Guide 004's plan A, tiny, on the CPU: two jobs sharing one card, claiming checkpointing's
-    speed cost."""
-    path = CASES_DIR / "004-gla-plan-a-minimal.yaml"
-    run = run_case(load_case(path), path, "tiny", tmp_path_factory.mktemp("plan-a"), Platform.cpu)
+    speed cost (the run its case item is judged on)."""
+    run = bundled_session.run("004-gla-plan-a-minimal", "tiny")
     assert run.ok, run.log_tail
     return run
 

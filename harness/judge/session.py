@@ -29,7 +29,7 @@ from harness.judge.verdicts import (
     on_a_short_card,
 )
 from harness.measure.records import CaseRun, ErrorInfo, Failure
-from harness.runtime import card_lock
+from harness.runtime import card_lock, zygote
 from harness.runtime import platform as plat
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.spec.cases import CaseError, load_cases
@@ -250,6 +250,8 @@ class Session:
         todo = [k for k in keys if k[1] == "tiny" and k[0] in self.cases and (*k, "", 0) not in self._runs]
         if not todo:
             return
+        if self.platform == plat.Platform.cpu and zygote.enabled():
+            zygote.warm()  # its imports overlap the first runs (multi-rank ones start torchrun)
         pool = ThreadPoolExecutor(max_workers=budget.capacity, thread_name_prefix="harness-run")
 
         def task(case_id: str, fidelity: str) -> None:

@@ -110,6 +110,13 @@ def remember_selected(config, items) -> None:
                               if isinstance(item, CaseItem) and item.param.error is None]
 
 
+def shared_session(config) -> Session:
+    """The session the case items judge on: a test that needs a case's run takes it from here, and
+    the case item then judges that run instead of running the case a second time. Its background
+    runs are not started by this (they start with the first case item)."""
+    return _session(config)
+
+
 def _started(config) -> Session:
     """The session, its selected runs started on first use (never at collection: --collect-only runs nothing)."""
     if _STARTED not in config.stash:

@@ -70,7 +70,7 @@ def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.devi
     from transformers import AutoModelForCausalLM
 
     key = hashlib.sha256(json.dumps([config_dict, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
-    from harness.runtime.launcher import cache_dir
+    from harness.runtime.compile_cache import cache_dir
 
     root = cache_dir() / "checkpoints"
     folder = root / f"{config_dict['model_type']}-{key}"

@@ -1,4 +1,11 @@
-"""Whether a run's Triton kernels were compiled in the run (a cold cache) or loaded from disk (warm).
+"""Where compiled code is kept between runs, and whether a run's Triton kernels were compiled in the
+run (a cold cache) or loaded from disk (warm).
+
+Everything the harness keeps between runs lives under one folder, `HARNESS_CACHE` (default
+~/.cache/oom-harness): DeepSpeed's JIT-built ops (`torch_extensions`, 1-2 min of compiling per op on
+a fresh host), Triton's kernels (`triton`) and the random-weight checkpoints. A CI job keeps that one
+folder between jobs (`.ci/run` puts it in the checkout's ignored `.cache/`). TORCH_EXTENSIONS_DIR or
+TRITON_CACHE_DIR set in the environment win, for the workers and for the launcher's lock cleanup alike.
 
 flash-linear-attention's kernels are Triton kernels: the first run on a host compiles and autotunes
 them. Measured on guide 004's GLA jobs (docs/findings.md), a cold cache costs the first step minutes
@@ -17,6 +24,21 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The folder kept between runs."""
+    return Path(os.environ.get("HARNESS_CACHE") or Path.home() / ".cache" / "oom-harness")
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's ops are JIT-built (torch's cpp_extension reads TORCH_EXTENSIONS_DIR)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+
+
+def shared_triton_dir() -> Path:
+    """The Triton cache the workers share (a case with `launch.triton_cache: cold` gets its own)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or cache_dir() / "triton")
 
 
 def triton_cache_dir() -> Path:

@@ -45,8 +45,11 @@ def remove_stale(extensions_dir: Path, recheck_after_s: float = 0.5) -> list[Pat
     if not extensions_dir.is_dir():
         return []
     # torch puts a build in <root>/<name>, older layouts in <root>/<py_cu>/<name>
-    locks = [*extensions_dir.glob(f"*/{LOCK_NAME}"), *extensions_dir.glob(f"*/*/{LOCK_NAME}")]
-    candidates = _unheld([p for p in locks if p.is_file()])
+    locks = [p for p in (*extensions_dir.glob(f"*/{LOCK_NAME}"), *extensions_dir.glob(f"*/*/{LOCK_NAME}"))
+             if p.is_file()]
+    if not locks:  # the usual case: no build under way; the walk over every process's files is skipped
+        return []
+    candidates = _unheld(locks)
     if not candidates:
         return []
     time.sleep(recheck_after_s)

@@ -1,7 +1,10 @@
 """The launcher: one fresh process group per case run, and a classified result whatever happens.
 
-* one rank: `python -m harness.runtime.worker`;
-* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU);
+* one rank: `python -m harness.runtime.worker`; on a CPU host forked from the worker zygote, which
+  has imported the training stack once (`harness.runtime.zygote`; HARNESS_ZYGOTE=0: a fresh
+  interpreter each);
+* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU; on a CPU a
+  case measured on one rank runs its worker as a single rank does);
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
 
@@ -20,12 +23,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
-from harness.runtime import compile_cache, jit_locks, process_tree
+from harness.runtime import compile_cache, jit_locks, process_tree, zygote
 from harness.runtime.platform import Platform, parse_oom
 from harness.runtime.rank_deaths import unreported_death
 from harness.runtime.reports import EXIT_NO_REPORT, REPORT_NOT_WRITTEN
@@ -39,10 +43,6 @@ DEFAULT_TIMEOUT_S = 900
 WORKER = "harness.runtime.worker"  # the module each training process runs
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "oom-harness"))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,10 +51,13 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks)."""
+    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks).
+    `preloaded`: forked from the worker zygote instead of a fresh interpreter (argv is then
+    `python -m MODULE ...`; CPU hosts only: a process that initialised CUDA cannot be forked)."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    preloaded: bool = False
 
 
 def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
@@ -91,17 +94,21 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
                             or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
         # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions")),
+        "TORCH_EXTENSIONS_DIR": str(compile_cache.extensions_dir()),
         # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
         # fresh GPU host); keep them between runs too
-        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(cache_dir() / "triton")),
+        "TRITON_CACHE_DIR": str(compile_cache.shared_triton_dir()),
     }
     base_env.update(case.launch.env)  # the case's own (PYTORCH_CUDA_ALLOC_CONF, thread limits, ...)
     if case.launch.triton_cache == "cold":  # every job of this run compiles into one empty cache
         base_env["TRITON_CACHE_DIR"] = str(compile_cache.fresh(out_dir / COLD_TRITON_CACHE))
     jobs: list[Job] = []
     launcher = case.launch.launcher
-    if launcher == "deepspeed" and platform == Platform.cpu:
+    if platform == Platform.cpu and ranks == 1:
+        # one rank needs no rank launcher: the worker itself, with the environment torchrun would
+        # give its only rank (forked from the zygote, instead of torchrun's interpreter and a fresh one)
+        launcher = "python"
+    elif launcher == "deepspeed" and platform == Platform.cpu:
         # DeepSpeed's runner counts accelerators to place ranks and finds none on a CPU; torchrun
         # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
         launcher = "torchrun"
@@ -111,7 +118,7 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         if launcher == "python":
             env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            jobs.append(Job([py, "-m", WORKER, *wargs], env))
+            jobs.append(Job([py, "-m", WORKER, *wargs], env, preloaded=platform == Platform.cpu and zygote.enabled()))
         elif launcher == "torchrun":
             jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                              "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
@@ -141,6 +148,8 @@ def _reaped(procs: list[subprocess.Popen]):
         for proc in procs:
             _kill_group(proc)
             proc.wait()
+        with _running_lock:
+            _running.difference_update(p.pid for p in procs)
         raise
 
 
@@ -177,6 +186,42 @@ def _clear_earlier(out_dir: Path) -> list[str]:
                 path.unlink()
                 removed.append(path.name)
     return removed
+
+
+_running: set[int] = set()  # the jobs some run_jobs call of this process is waiting on
+_running_lock = threading.RLock()  # re-entered by running_jobs() under starting_nothing()
+
+
+def running_jobs() -> set[int]:
+    """The pids of the jobs this process's launcher is running now (every thread's runs; the zygote
+    and what a job started are not in it). Held while a job starts, so a process listed before this
+    call returns is in it if a run started it."""
+    with _running_lock:
+        return set(_running)
+
+
+@contextlib.contextmanager
+def starting_nothing():
+    """No job starts while this is held: a caller can list processes and `running_jobs` consistently."""
+    with _running_lock:
+        yield
+
+
+def _start(job: Job, env: dict[str, str], log):
+    """Start a job in a session of its own, its output on the case's log: forked from the worker
+    zygote where the job asks for it and the zygote works, else in a fresh interpreter."""
+    with _running_lock:
+        if job.preloaded:
+            try:
+                proc = zygote.shared().start(job.argv, env, os.getcwd(), log.fileno())
+                _running.add(proc.pid)
+                return proc
+            except zygote.ZygoteError as exc:
+                _note(log, f"{exc}; starting the worker in a fresh interpreter")
+        proc = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        _running.add(proc.pid)
+        return proc
 
 
 def _note(log, line: str) -> None:
@@ -232,8 +277,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
-        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", "")
-                               for job in jobs} - {""}):
+        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or str(compile_cache.extensions_dir())
+                               for job in jobs}):
             for lock in jit_locks.remove_stale(Path(ext_dir)):
                 _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
                            "which would hang this run")
@@ -243,8 +288,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             env.setdefault("PYTHONUNBUFFERED", "1")
             env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
             env[process_tree.OWNER_ENV] = process_tree.owner()
-            procs.append(subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(_start(job, env, log))
         deadline = started + timeout_s
         for proc in procs:
             if proc is ballast:
@@ -266,6 +310,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
         stuck = process_tree.where_ranks_stuck(out_dir) if timed_out else []
         for who, _, dump in stuck:  # on a full disk they stay in their own files
             _note(log, f"the stacks of {who} before the timeout:\n{dump}")
+    with _running_lock:
+        _running.difference_update(p.pid for p in procs)
     wall = time.monotonic() - started
     codes = [p.returncode for p in procs]
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""

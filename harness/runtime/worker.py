@@ -107,6 +107,7 @@ def run(args) -> int:
     t_start = time.perf_counter()
 
     def progress(what: str) -> None:  # to the case's log.txt, so a slow or hung run shows where it is
+        _stop_if_asked()
         print(f"[harness.runtime.worker] {case.id} rank {rank} slot {args.slot}: {what} "
               f"({time.perf_counter() - t_start:.1f} s)", file=sys.stderr, flush=True)
 
@@ -226,8 +227,22 @@ class Stopped(BaseException):
     """SIGTERM, as an exception: a BaseException, so no library's `except Exception` swallows it."""
 
 
+_stopped_by: int | None = None  # the signal that asked this worker to stop
+
+
 def _stop(signum, frame):
-    raise Stopped(f"stopped by {signal.Signals(signum).name}: a launcher stops every rank once one has failed")
+    global _stopped_by
+    _stopped_by = signum
+    _stop_if_asked()
+
+
+def _stop_if_asked() -> None:
+    """Raise `Stopped` once a stop was asked for. The handler raises it at once; where that lands in
+    a finalizer (a garbage collection during the step), Python prints it and swallows it, so
+    every progress line asks again."""
+    if _stopped_by is not None:
+        raise Stopped(f"stopped by {signal.Signals(_stopped_by).name}: a launcher stops every rank once one has "
+                      "failed")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,159 @@
+"""Workers forked from the zygote behave as fresh `python -m` processes do for the launcher: their
+own session, output on the case's log, the job's environment, the exit code or the signal, a
+timeout that kills their tree, and nothing left once the harness is killed. The zygotes here preload
+little, so each test is quick; the real one (the training stack) runs every tiny case."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.measure.records import Failure
+from harness.runtime import zygote
+from harness.runtime.launcher import Job, plan_jobs, run_jobs
+from harness.runtime.platform import Platform
+from harness.spec.cases import CASES_DIR, load_case
+
+JOB = '''
+import atexit, os, signal, subprocess, sys, time
+what = sys.argv[1]
+print(f"job {what} pid={os.getpid()} session={os.getsid(0)} cwd={os.getcwd()} X={os.environ.get('X')}", flush=True)
+atexit.register(print, "atexit handlers ran", flush=True)
+if what == "raise":
+    raise ValueError("a bad lora target: q_projj")
+if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "hang":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[2], "w").write(str(child.pid))
+    time.sleep(600)
+if what == "owned":
+    from harness.runtime.process_tree import exit_with_owner
+    exit_with_owner(0.1)
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(120)
+sys.exit(int(what))
+'''
+
+
+@pytest.fixture
+def light(tmp_path, monkeypatch):
+    """A zygote that preloads only json, and a job module it can run; it is the launcher's zygote
+    for the test."""
+    (tmp_path / "zjob.py").write_text(JOB)
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(root)]))
+    z = zygote.Zygote(preload=("json",))
+    monkeypatch.setattr(zygote, "_shared", z)
+    yield z
+    z.close()
+
+
+def _job(*args: str, **env: str) -> Job:
+    return Job([sys.executable, "-m", "zjob", *args], env, preloaded=True)
+
+
+def test_a_job_exits_with_its_code_in_a_session_of_its_own_with_its_output_on_the_log(light, tmp_path):
+    run = run_jobs([_job("3", X="from the job")], tmp_path / "run", 60, "x", "tiny", 1)
+    log = Path(run.run_dir, "log.txt").read_text()
+    assert run.returncode == 3 and run.error.kind == Failure.crash
+    (line,) = [ln for ln in log.splitlines() if ln.startswith("job 3")]
+    fields = dict(f.split("=", 1) for f in line.split()[2:5])
+    assert fields["pid"] == fields["session"]  # its own session: a timeout kills its whole group
+    assert fields["cwd"] == os.getcwd()
+    assert "X=from the job" in line
+    assert "atexit handlers ran" in log  # it exits as an interpreter does
+    assert psutil.Process(light.pid).is_running()  # the zygote forks; it does not run jobs itself
+
+
+def test_an_exception_is_exit_1_with_its_traceback_and_a_signal_is_named(light, tmp_path):
+    run = run_jobs([_job("raise")], tmp_path / "a", 60, "x", "tiny", 1)
+    assert run.returncode == 1 and run.error.kind == Failure.crash
+    assert "ValueError: a bad lora target: q_projj" in run.error.message
+    run = run_jobs([_job("kill")], tmp_path / "b", 60, "x", "tiny", 1)
+    assert run.returncode == -signal.SIGKILL and run.error.kind == Failure.host_oom
+    assert "SIGKILL" in run.error.message
+
+
+def test_jobs_run_side_by_side_and_each_gets_its_own_exit_code(light, tmp_path):
+    run = run_jobs([_job("0"), _job("4")], tmp_path / "run", 60, "x", "tiny", 0)
+    assert run.returncode == 4  # the launcher keeps the worst
+
+
+def test_a_hang_past_the_timeout_is_killed_with_its_children(light, tmp_path, still_running):
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    run = run_jobs([_job("hang", str(pid_file))], tmp_path / "run", 3, "x", "tiny", 1)
+    assert time.monotonic() - started < 30
+    assert run.error.kind == Failure.timeout
+    assert still_running([int(pid_file.read_text())], 5) == []
+
+
+def test_a_killed_harness_leaves_neither_the_zygote_nor_its_jobs(tmp_path, still_running):
+    (tmp_path / "zjob.py").write_text(JOB)
+    pid_file = tmp_path / "job.pid"
+    harness_code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from harness.runtime import zygote
+        from harness.runtime.launcher import Job, run_jobs
+        z = zygote.shared()
+        open({str(tmp_path / 'zygote.pid')!r}, "w").write(str(z.pid))
+        run_jobs([Job([sys.executable, "-m", "zjob", "owned", {str(pid_file)!r}], preloaded=True)],
+                 Path({str(tmp_path / 'run')!r}), 120, "x", "tiny", 1)
+    """)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
+    env[zygote.PRELOAD_ENV] = "json"
+    harness = subprocess.Popen([sys.executable, "-c", harness_code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and harness.poll() is None
+            time.sleep(0.05)
+        job, forked_by = int(pid_file.read_text()), int((tmp_path / "zygote.pid").read_text())
+        assert psutil.Process(job).ppid() == forked_by
+        harness.send_signal(signal.SIGKILL)
+        harness.wait()
+        assert still_running([job, forked_by], 15) == []
+    finally:
+        harness.kill()
+        harness.wait()
+
+
+def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
+    """A process that initialised CUDA cannot be forked: GPU runs, and torchrun's ranks, start
+    fresh interpreters. On a CPU, a case measured on one rank needs no rank launcher."""
+    one = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
+    shared = CASES_DIR / "004-gla-plan-a-minimal.yaml"
+    ranks = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
+    rung = CASES_DIR / "001-ladder-rung1-zero2.yaml"  # DeepSpeed's launcher, one rank: no launcher needed
+    assert [j.preloaded for j in plan_jobs(load_case(one), one, "tiny", 1, tmp_path, Platform.cpu)] == [True]
+    (job,) = plan_jobs(load_case(rung), rung, "tiny", 1, tmp_path, Platform.cpu)
+    assert job.preloaded and job.argv[1:3] == ["-m", "harness.runtime.worker"]
+    assert {k: job.env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} == {"RANK": "0", "WORLD_SIZE": "1",
+                                                                             "LOCAL_RANK": "0"}
+    assert [j.preloaded for j in plan_jobs(load_case(rung), rung, "real", 1, tmp_path, Platform.cuda)] == [False]
+    assert [j.preloaded for j in plan_jobs(load_case(shared), shared, "tiny", 1, tmp_path, Platform.cpu)] == [True] * 2
+    assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path, Platform.cpu)] == [False]
+    assert [j.preloaded for j in plan_jobs(load_case(one), one, "real", 1, tmp_path, Platform.cuda)] == [False]
+    monkeypatch.setenv(zygote.ENABLE_ENV, "0")
+    assert [j.preloaded for j in plan_jobs(load_case(one), one, "tiny", 1, tmp_path, Platform.cpu)] == [False]
+
+
+def test_a_zygote_that_died_leaves_the_job_to_a_fresh_interpreter(light, tmp_path, monkeypatch):
+    os.kill(light.pid, signal.SIGKILL)
+    assert light._gone.wait(10)
+    monkeypatch.setattr(zygote, "shared", lambda: light)
+    run = run_jobs([_job("0")], tmp_path / "run", 60, "x", "tiny", 0)
+    assert run.returncode == 0 and run.error is None
+    log = Path(run.run_dir, "log.txt").read_text()
+    assert "the worker zygote" in log and "starting the worker in a fresh interpreter" in log
