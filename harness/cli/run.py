@@ -10,7 +10,6 @@ and skipped, the valid cases still run; bad options are refused before any case 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -145,9 +144,9 @@ def run(args) -> int:
     from harness.baselines.store import RESULTS_DIR, load_baselines
 
     if args.memory_history:
-        from harness.runtime.memory_history import ENV
+        from harness.runtime import memory_history
 
-        os.environ[ENV] = "1"  # the workers inherit it (harness.runtime.memory_history)
+        memory_history.request()
     from harness.judge.session import Session, skip_reason
     from harness.report.progress import Progress, expected_time
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line

@@ -19,7 +19,6 @@ folder lies outside what it would collect (its `testpaths`), the folder is colle
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -90,9 +89,9 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
     chosen = settings(config)
     if config.getoption("--memory-history", default=False):
-        from harness.runtime.memory_history import ENV
+        from harness.runtime import memory_history
 
-        os.environ[ENV] = "1"  # the workers inherit it (harness.runtime.memory_history)
+        memory_history.request()
     if chosen.active and _args_are_defaults(config):
         covered = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
         config.args.extend(str(f) for f in chosen.folders()

@@ -24,6 +24,11 @@ MAX_ENTRIES = 2_000_000  # actions kept; a 7B LoRA step is tens of thousands
 _PREFIX = "oom-harness:"
 
 
+def request() -> None:
+    """Ask every worker this harness starts from now on to record (they inherit the environment)."""
+    os.environ[ENV] = "1"
+
+
 def wanted(on_gpu: bool, rank: int) -> bool:
     return on_gpu and rank == 0 and os.environ.get(ENV, "") not in ("", "0")
 
