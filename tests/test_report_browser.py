@@ -57,7 +57,7 @@ def browser(tmp_path_factory):
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        _missing("selenium is not installed (the test extra: pip install -e '.[test]')")
+        _missing("selenium is not installed (the browser extra: pip install -e '.[browser]')")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in CHROMIUM_FLAGS:
