@@ -152,3 +152,32 @@ def test_a_replay_that_fails_falls_back_to_the_closed_form(monkeypatch):
     p = predict(load_case(Path(CASES_DIR) / "001-ladder-rung4-zero3-offload.yaml"))
     assert any("could not be replayed (tracing error at step 3)" in n for n in p.notes)
     assert p.terms["zero3_offload_staging"] > 0  # the closed form's term
+
+
+def test_the_replay_runs_where_deepspeed_picked_a_gpu_accelerator(monkeypatch):
+    """On a GPU host DeepSpeed's coordinator asks the CUDA accelerator to wait on its all-gather
+    stream, which the replay has none of (None.record_event). The replay must not depend on which
+    accelerator the host's DeepSpeed found."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    class _Stream:
+        def wait_stream(self, other):
+            other.record_event()  # what torch.cuda.Stream.wait_stream does with the stream it waits on
+
+    class _GpuLike:
+        def resolves_data_dependency(self):
+            return False
+
+        def handles_memory_backpressure(self):
+            return False
+
+        def current_stream(self):
+            return _Stream()
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the replay reached the host accelerator's {name}")
+
+    cpu_figure = replay(_spec(ranks=2, reuse=0))
+    monkeypatch.setattr(ppc, "get_accelerator", lambda: _GpuLike())
+    assert replay(_spec(ranks=2, reuse=0)) == cpu_figure
+    assert isinstance(ppc.get_accelerator(), _GpuLike)  # and it is put back afterwards

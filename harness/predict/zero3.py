@@ -249,10 +249,19 @@ class _StandInModule:
 @contextlib.contextmanager
 def _single_process(module):
     """The coordinator asserts that every rank recorded the same order (a collective) and logs on rank 0;
-    one process stands for every rank here, so both are switched off while it runs."""
-    saved = {name: getattr(module, name) for name in ("assert_ints_same_as_other_ranks", "print_rank_0")}
+    one process stands for every rank here, so both are switched off while it runs.
+
+    A GPU host's DeepSpeed picks the CUDA accelerator, whose streams and events the stand-in parameters
+    have none of; the coordinator sees DeepSpeed's CPU accelerator instead, on every host, which
+    resolves data dependencies itself (no stream waits) and keeps no fetch events."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    cpu = CPU_Accelerator()
+    saved = {name: getattr(module, name) for name in ("assert_ints_same_as_other_ranks", "print_rank_0",
+                                                      "get_accelerator")}
     module.assert_ints_same_as_other_ranks = lambda ints: None
     module.print_rank_0 = lambda *args, **kwargs: None
+    module.get_accelerator = lambda: cpu
     try:
         yield
     finally:
