@@ -201,10 +201,14 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             )
         elif gc_on:  # LLaMA-Factory: no fp32 upcast
             _enable_checkpointing(model, reentrant=_reentrant(case))
-    else:
+    elif hf_ds_config is not None:  # built inside zero.Init: each rank holds its partition
         model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
-        if hf_ds_config is None:  # zero.Init did not partition it: it lives whole on the device
-            model.to(device)
+    else:
+        # Built where it trains. Random init of a 7-8B model on one CPU thread takes minutes; on the
+        # card it takes a second and allocates the same tensors in the same order as `.to(device)`
+        # would (the initialisers write in place).
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
         if case.train.gradient_checkpointing:
             _enable_checkpointing(model, reentrant=_reentrant(case))
 
