@@ -15,7 +15,7 @@ import pytest
 
 from harness.models.registry import load_architecture, tiny_config
 from harness.predict.reference import estimator_errors, reference_estimates
-from harness.predict.reference.counts import _counts, model_counts
+from harness.predict.reference.counts import config_counts, hf_config, model_counts
 from harness.predict.reference.llamafactory_table import GB, TABLE, row_for
 from harness.spec.schema import Case
 
@@ -64,6 +64,14 @@ def test_parameter_counts_are_the_models():
     assert counts.accelerate_total_bytes == 4 * (N + ROTARY_BUFFERS)
 
 
+def test_a_config_json_folder_counts_as_its_registry_twin(tmp_path):
+    config = dict(load_architecture("qwen1.5-0.5b-chat").config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_folder = {e.estimator: e.per_card for e in reference_estimates(make(model=str(tmp_path)))}
+    assert from_folder == {e.estimator: e.per_card for e in reference_estimates(make())}
+    assert from_folder["deepspeed"] == 20 * N
+
+
 def test_case_layers_shrink_the_model_it_counts():
     assert model_counts(make(layers=12)).total_params == EMBED + 12 * PER_LAYER + H
 
@@ -76,12 +84,9 @@ def test_meta_counts_equal_deepspeeds_own_count_of_a_real_model(name):
     from deepspeed.runtime.zero.stage3 import model_to_params
     from transformers import AutoModelForCausalLM
 
-    from harness.predict.reference.counts import _hf_config
-
     config = tiny_config(load_architecture(name), 64)
-    config.pop("_name", None)
-    real = AutoModelForCausalLM.from_config(_hf_config(config), dtype=torch.float32)
-    counts = _counts(json.dumps(config, sort_keys=True))
+    real = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
+    counts = config_counts(config)
     assert (counts.total_params, counts.largest_layer_params) == model_to_params(real)
 
 
@@ -140,14 +145,12 @@ def test_accelerate_leaves_an_untied_head_out_as_its_command_does(monkeypatch):
     from accelerate.commands import estimate as acc
     from transformers import AutoModel
 
-    from harness.predict.reference.counts import _hf_config
-
     arch = load_architecture("qwen1.5-7b-chat")
     assert arch.config["tie_word_embeddings"] is False
 
     def offline_model(model_name, library_name, trust_remote_code=False, access_token=None):
         with init_empty_weights():
-            return AutoModel.from_config(_hf_config(arch.config), dtype=torch.float32)
+            return AutoModel.from_config(hf_config(arch.config), dtype=torch.float32)
 
     monkeypatch.setattr(acc, "create_empty_model", offline_model)
     rows = acc.gather_data(Namespace(model_name="qwen1.5-7b-chat", library_name="transformers",

@@ -48,7 +48,12 @@ def case_config(case: Case) -> dict:
 
 
 def model_counts(case: Case) -> ModelCounts:
-    return _counts(json.dumps(case_config(case), sort_keys=True))
+    return config_counts(case_config(case))
+
+
+def config_counts(config: dict) -> ModelCounts:
+    """The counts of the model a Hugging Face config describes (cached per config)."""
+    return _counts(json.dumps(config, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=32)
@@ -58,7 +63,7 @@ def _counts(config_json: str) -> ModelCounts:
     from accelerate.utils import calculate_maximum_sizes
     from transformers import AutoModel, AutoModelForCausalLM
 
-    config = _hf_config(json.loads(config_json))
+    config = hf_config(json.loads(config_json))
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     total = sum(p.numel() for p in lm.parameters())
@@ -71,7 +76,8 @@ def _counts(config_json: str) -> ModelCounts:
                        accelerate_total_bytes=int(acc_total), accelerate_largest_layer_bytes=int(acc_largest))
 
 
-def _hf_config(config: dict):
+def hf_config(config: dict):
+    """A transformers config object from a config dict, as the predictor builds models from it."""
     from transformers import AutoConfig
 
     cfg = dict(config)

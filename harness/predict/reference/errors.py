@@ -62,7 +62,8 @@ class ErrorSummary:
 
 def estimator_errors(measured: Iterable[tuple[Case, int]]) -> dict[str, ErrorSummary]:
     """Every estimator's errors on `measured` (case as run, measured per-card device peak in bytes),
-    keyed by estimator name in ESTIMATORS' order."""
+    keyed by estimator name in ESTIMATORS' order; each summary's runs are in the order given (a
+    benchmark tells a case's variants apart by their position)."""
     runs: dict[str, list[EstimatorError]] = {name: [] for name in ESTIMATORS}
     for case, peak in measured:
         if not peak or peak <= 0:
