@@ -201,16 +201,22 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             )
         elif gc_on:  # LLaMA-Factory: no fp32 upcast
             _enable_checkpointing(model, reentrant=_reentrant(case))
-    elif hf_ds_config is not None:  # built inside zero.Init: each rank holds its partition
-        model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
     else:
-        # Built where it trains. Random init of a 7-8B model on one CPU thread takes minutes; on the
-        # card it takes a second and allocates the same tensors in the same order as `.to(device)`
-        # would (the initialisers write in place).
-        with torch.device(device):
+        if hf_ds_config is not None:  # built inside zero.Init: each rank holds its partition
             model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+        else:
+            # Built where it trains. Random init of a 7-8B model on one CPU thread takes minutes; on
+            # the card it takes a second and allocates the same tensors in the same order as
+            # `.to(device)` would (the initialisers write in place).
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
         if case.train.gradient_checkpointing:
             _enable_checkpointing(model, reentrant=_reentrant(case))
+    if checkpointing_active(model) != case.train.gradient_checkpointing:
+        # a run measured without the case's checkpointing is another config's figure, not this one's
+        raise RuntimeError(f"{case.id}: activation checkpointing is {'on' if checkpointing_active(model) else 'off'} "
+                           f"in the built model, but the case asks for it "
+                           f"{'on' if case.train.gradient_checkpointing else 'off'}")
 
     zero_init = any(hasattr(p, "ds_id") for p in model.parameters())
     if case.method.kind in ("lora", "qlora"):
