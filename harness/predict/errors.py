@@ -3,7 +3,8 @@
     python -m harness.predict.errors            rewrite results/predictor/errors.json, print the margins
     python -m harness.predict.errors --check    exit 1 where the stored table is stale or a margin lets a run through
 
-Every blessed baseline of the bundled suite is predicted as it was measured (its variant applied,
+Every blessed baseline of the bundled suite and of the architecture benchmark (benchmarks/architectures:
+models in none of the guides) is predicted as it was measured (its variant applied,
 the Triton cache it ran with) on its own platform's calibration with its case left out, and its
 device figure per card compared with the measured one (`harness.predict.margin.ErrorRecord`).
 Baselines of mistakes the harness must detect (`expect: detected`) are left out: they are predicted
@@ -31,6 +32,7 @@ from harness.predict.margin import (
 )
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.files import write_atomic
+from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 from harness.spec.units import fmt_gib
 
 
@@ -42,13 +44,19 @@ class Measured:
     record: ErrorRecord
 
 
-def measure_errors(baselines_dir: Path = RESULTS_DIR, case_dir: Path = CASES_DIR) -> list[Measured]:
+# (baselines, their cases): the bundled suite, and the architecture benchmark (models the constants are
+# never fitted on: harness.predict.calibration reads the bundled baselines only)
+SOURCES = ((RESULTS_DIR, CASES_DIR), (ARCH_BASELINES_DIR, ARCH_CASES_DIR))
+
+
+def measure_errors(sources: tuple[tuple[Path, Path], ...] = SOURCES) -> list[Measured]:
     """Every baseline predicted leave-one-out, against its measured device figure per card."""
     from harness.predict.predictor import predict
     from harness.spec.variants import parse_variant
 
     out = []
-    for b in load_baselines(baselines_dir):
+    for b, case_dir in ((b, case_dir) for baselines_dir, case_dir in sources
+                        for b in (load_baselines(baselines_dir) if baselines_dir.is_dir() else [])):
         case = load_case(Path(case_dir) / f"{b.case_id}.yaml")
         if case.expect.outcome == "detected":
             continue

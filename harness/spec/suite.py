@@ -31,3 +31,7 @@ ROOT = _root()
 CASES_DIR = ROOT / "cases"
 BASELINES_DIR = ROOT / "results" / "baselines"
 EXAMPLE_CONFIGS_DIR = ROOT / "configs" / "examples"
+# The architecture benchmark: models in none of the guides, measured so the predictor's errors (and
+# so its margins) cover architectures its constants were never fitted on (benchmarks/architectures).
+ARCH_CASES_DIR = ROOT / "benchmarks" / "architectures" / "cases"
+ARCH_BASELINES_DIR = ROOT / "results" / "architectures" / "baselines"
