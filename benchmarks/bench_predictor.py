@@ -9,15 +9,9 @@ device (per card: the sum of the processes sharing a card) with relative errors.
 in an OOM only gives a lower bound (the figure at the failure on its emulated card): for those the
 table says whether the prediction is at or above it, never an error.
 
-Beside it, where they apply, two reference estimators of the same peak:
-* DeepSpeed's model-state estimator (`estimate_zero2_model_states_mem_needs` /
-  `estimate_zero3_model_states_mem_needs`, the functions behind the `*_all_cold` printers), for
-  DeepSpeed cases. It counts every parameter, frozen LoRA base weights included, and no
-  activations.
-* LLaMA-Factory's README "Hardware Requirement" rule (hiyouga/LLaMA-Factory README, commit
-  00409ff): Full AMP 18x GB, Full pure bf16 8x GB, Freeze/LoRA 16-bit 2x GB, QLoRA 8-bit x GB,
-  QLoRA 4-bit x/2 GB, for a model of x billion parameters (GB = 1e9 bytes), per job; divided over
-  the ranks for ZeRO-3 here.
+Beside it, DeepSpeed's model-state estimator and LLaMA-Factory's hardware table as
+harness.predict.reference applies them (what each counts: docs/predictor.md, "The reference
+estimators"; benchmarks/bench_architectures.py sets accelerate's beside them too).
 Their errors are against the measured device peak.
 
 Last, the wall time of `predict()` on guide 000's 32B case in a fresh interpreter (imports included),
@@ -37,45 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 GiB = 2**30
-LF_RULE = {("full", None): 18, ("lora", None): 2, ("qlora", 4): 0.5, ("qlora", 8): 1.0}
+REFERENCES = ("deepspeed", "llamafactory")  # the columns beside the predictor's
 
 
-def lf_rule(case, params: int) -> float | None:
-    x = params / 1e9
-    if case.method.kind == "qlora":
-        factor = LF_RULE.get(("qlora", case.method.quantization.bits))
-    else:
-        factor = LF_RULE.get((case.method.kind, None))
-    if factor is None:
-        return None
-    total = factor * x * 1e9
-    if case.deepspeed is not None and case.deepspeed.stage == 3:
-        total /= case.launch.ranks
-    return total
+def references(case) -> dict[str, float]:
+    """The reference tools' per-card figures for the case as measured (harness.predict.reference)."""
+    from harness.predict.reference import reference_estimates
 
-
-def ds_estimate(case, params: int, largest_layer: int) -> float | None:
-    ds = case.deepspeed
-    if ds is None or ds.stage not in (2, 3):
-        return None
-    import io
-    from contextlib import redirect_stdout
-
-    with redirect_stdout(io.StringIO()):
-        if ds.stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-            _, gpu = estimate_zero2_model_states_mem_needs(
-                params, num_gpus_per_node=case.launch.ranks, num_nodes=1,
-                cpu_offload=ds.offload_optimizer.value == "cpu")
-        else:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-            _, gpu, _ = estimate_zero3_model_states_mem_needs(
-                params, largest_layer, num_gpus_per_node=case.launch.ranks, num_nodes=1,
-                cpu_offload=ds.offload_optimizer.value == "cpu", cpu_offload_params=ds.offload_param.value == "cpu",
-                zero_init=case.launch.init_order == "deepspeed_first")
-    return gpu
+    return {e.estimator: e.per_card for e in reference_estimates(case) if e.estimator in REFERENCES}
 
 
 def issue6() -> None:
@@ -134,7 +97,7 @@ def main(argv=None) -> int:
     print("Predicted (leave-one-out) vs measured peaks, GiB. device = per card (sum of processes sharing it).")
     header = (f"{'case':44s} {'platform':26s} {'var':7s} {'outcome':7s} | {'alloc p/m':>15s} {'err':>7s} | "
               f"{'reserved p/m':>15s} {'err':>7s} | {'device p/m':>15s} {'err':>7s} | "
-              f"{'DS est':>6s} {'err':>7s} | {'LF rule':>7s} {'err':>7s}")
+              f"{'DS est':>6s} {'err':>7s} | {'LF tab':>6s} {'err':>7s}")
     print(header)
     print("-" * len(header))
     for b in load_baselines():
@@ -168,10 +131,8 @@ def main(argv=None) -> int:
 
         m_alloc, m_res, m_dev = med("allocated_peak"), med("reserved_peak"), med("per_card_peak")
         p_alloc, p_res, p_dev = pred.allocated, pred.reserved, pred.device * procs
-        params = pred.params_total
-        ds = ds_estimate(measured_case, params, pred.largest_layer_params)
-        lf = lf_rule(measured_case, params)
-        lf = None if lf is None else lf * procs  # the rule is per job; the card holds `procs` jobs
+        refs_of = references(measured_case)  # per card: every job sharing it counted
+        ds, lf = refs_of["deepspeed"], refs_of["llamafactory"]
         cells = []
         for name, p, m in (("allocated", p_alloc, m_alloc), ("reserved", p_res, m_res), ("device", p_dev, m_dev)):
             if m is None:
