@@ -172,3 +172,20 @@ def test_premerge_fit_puts_the_fitted_diff_in_the_failure(pytester):
     fitted.assert_outcomes(failed=1)
     fitted.stdout.fnmatch_lines(["*oom-harness fit: this fits at * per card predicted*",
                                  "*gradient_accumulation_steps: 16 -> *"])
+
+
+@pytest.mark.parametrize(("allowed", "hint"), [
+    (frozenset(), "more room: --allow cutoff,quantization,rank (what is trained changes), more GPUs, or bigger cards"),
+    (frozenset({"cutoff"}), "more room: --allow cutoff,quantization,rank (what is trained changes), more GPUs"),
+    (frozenset({"cutoff", "quantization", "rank"}), "more room: more GPUs, or bigger cards"),
+])
+def test_when_nothing_fits_the_hint_offers_only_what_was_not_searched(capsys, allowed, hint):
+    from types import SimpleNamespace
+
+    from harness.cli.fit import _report_none
+
+    found = SimpleNamespace(base=SimpleNamespace(config=SimpleNamespace(training=SimpleNamespace(path="job.yaml"))),
+                            closest=None, considered=10, predicted=4)
+    _report_none(found, False, allowed)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(hint)

@@ -99,7 +99,7 @@ def _fit(args, predict: PredictFn | None) -> int:
                           "change the settings the lint names, then run fit again")
     found = search(base, args.allow, _predictor(predict), platform=args.platform)
     if found.best is None:
-        _report_none(found, args.json)
+        _report_none(found, args.json, args.allow)
         return EXIT_NONE_FITS
     written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out,
                            deepspeed_arg=spec.deepspeed, alloc_env=ALLOC_ENV not in imported.case.launch.env)
@@ -214,7 +214,7 @@ def _table(found: Search, written: Written) -> str:
     return "\n".join(lines)
 
 
-def _report_none(found: Search, as_json_output: bool) -> None:
+def _report_none(found: Search, as_json_output: bool, allowed: frozenset[str]) -> None:
     c = found.closest
     over = None if c is None else c.result.card_peak - c.result.budget
     if as_json_output:
@@ -228,5 +228,7 @@ def _report_none(found: Search, as_json_output: bool) -> None:
     if c is not None:
         lines.append(f"closest: {_knobs_text(c)}: {fmt_gib(c.result.card_peak)} per card predicted against a budget of "
                      f"{fmt_gib(c.result.budget)}, {fmt_gib(over)} over")
-    lines.append("more room: --allow quantization,cutoff,rank (what is trained changes), more GPUs, or bigger cards")
+    left = [name for name in ALLOWABLE if name not in allowed]  # only what this search did not already try
+    allow = f"--allow {','.join(sorted(allowed | set(left)))} (what is trained changes), " if left else ""
+    lines.append(f"more room: {allow}more GPUs, or bigger cards")
     print("\n".join(lines))
