@@ -213,3 +213,4 @@ def test_the_written_case_runs_green_at_tiny_size(team):
     assert used["architectures"] == ["LlamaForCausalLM"] and used["rope_scaling"]["rope_type"] == "llama3"
     assert used["num_attention_heads"] == 4 * used["num_key_value_heads"] and used["hidden_size"] < 4096
     assert rank["losses"][-1] < rank["losses"][0]
+    assert rank["attn_implementation"] == "sdpa"  # what transformers picked for Llama, recorded with the run

@@ -146,6 +146,9 @@ class RankReport(BaseModel):
     flops_per_token: float | None = None
     losses: list[float] = Field(default_factory=list)
     model_config_used: dict = Field(default_factory=dict)
+    # the attention kernel transformers chose for the model ('sdpa', 'eager', ...): the library's
+    # default, which changes between versions and models, and moves a step's peak by GiBs
+    attn_implementation: str | None = None
     versions: dict[str, str] = Field(default_factory=dict)
     triton_cache: str | None = None  # 'cold' or 'warm' where the run used Triton kernels (runtime.compile_cache)
     cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.runtime.launcher.cpu_threads)

@@ -143,6 +143,7 @@ def run(args) -> int:
             built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, layers, checkpoint)
             model = built.model
             report.model_config_used = built.config_dict
+            report.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
             report.context_bytes = meas.context_bytes
             meas.sync()
             meas.check_cpu_limit()
