@@ -55,7 +55,6 @@ def collect() -> list[Row]:
     from harness.predict.predictor import predict
     from harness.spec.cases import load_case
     from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR, BASELINES_DIR, CASES_DIR
-    from harness.spec.variants import parse_variant
 
     found = []
     for suite, baselines_dir, case_dir in (("guides", BASELINES_DIR, CASES_DIR),
@@ -68,12 +67,7 @@ def collect() -> list[Row]:
             ok = [r for r in b.runs if r.outcome == "ok" and r.per_card_peak]
             if not ok:
                 continue
-            measured_case = parse_variant(b.variant).apply(case) if b.variant else case
-            cache = ok[0].triton_cache
-            if cache is not None:
-                kept = "cold" if cache == "cold" else "shared"
-                launch = measured_case.launch.model_copy(update={"triton_cache": kept})
-                measured_case = measured_case.model_copy(update={"launch": launch})
+            measured_case = b.case_as_measured(case)
             same_model = {cid for cid, c in cases.items() if arch_of(c) == arch_of(case)}
             pred = predict(measured_case, platform=b.platform.key, exclude=same_model)
             procs = measured_case.launch.procs_per_card

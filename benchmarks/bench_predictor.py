@@ -88,7 +88,6 @@ def main(argv=None) -> int:
     from harness.baselines.store import load_baselines
     from harness.predict.predictor import predict
     from harness.spec.cases import CASES_DIR, load_case
-    from harness.spec.variants import parse_variant
 
     rows = []
     host_rows = []
@@ -107,14 +106,10 @@ def main(argv=None) -> int:
             print(f"{b.case_id}: case file unreadable ({exc}); skipped")
             continue
         try:
-            measured_case = parse_variant(b.variant).apply(case) if b.variant else case
+            measured_case = b.case_as_measured(case)  # its variant, and the Triton cache it had
         except Exception as exc:
             print(f"{b.case_id}@{b.variant}: variant not applicable ({exc}); skipped")
             continue
-        cache = b.runs[0].triton_cache  # predict the Triton cache the baseline had, not the case's request
-        if cache is not None:
-            launch = measured_case.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
-            measured_case = measured_case.model_copy(update={"launch": launch})
         procs = measured_case.launch.procs_per_card
         pred = predict(measured_case, platform=b.platform.key, exclude={b.case_id})
         assert b.case_id not in pred.calibrated_on

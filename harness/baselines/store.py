@@ -88,6 +88,18 @@ class Baseline(BaseModel):
         """One figure over the repetitions that have it."""
         return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
 
+    def case_as_measured(self, case):
+        """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, and the Triton
+        cache the run had ('cold' or a shared warm one) instead of the case's request."""
+        from harness.spec.variants import parse_variant
+
+        measured = parse_variant(self.variant).apply(case) if self.variant else case
+        cache = self.runs[0].triton_cache if self.runs else None
+        if cache is None:
+            return measured
+        launch = measured.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
+        return measured.model_copy(update={"launch": launch})
+
 
 # The run-to-run noise of a peak: two runs of one config differ by less than this share.
 MEMORY_FLOOR = 0.02

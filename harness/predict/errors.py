@@ -52,7 +52,6 @@ SOURCES = ((RESULTS_DIR, CASES_DIR), (ARCH_BASELINES_DIR, ARCH_CASES_DIR))
 def measure_errors(sources: tuple[tuple[Path, Path], ...] = SOURCES) -> list[Measured]:
     """Every baseline predicted leave-one-out, against its measured device figure per card."""
     from harness.predict.predictor import predict
-    from harness.spec.variants import parse_variant
 
     out = []
     for b, case_dir in ((b, case_dir) for baselines_dir, case_dir in sources
@@ -60,11 +59,7 @@ def measure_errors(sources: tuple[tuple[Path, Path], ...] = SOURCES) -> list[Mea
         case = load_case(Path(case_dir) / f"{b.case_id}.yaml")
         if case.expect.outcome == "detected":
             continue
-        measured_case = parse_variant(b.variant).apply(case) if b.variant else case
-        cache = b.runs[0].triton_cache  # predict the Triton cache the baseline had
-        if cache is not None:
-            launch = measured_case.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
-            measured_case = measured_case.model_copy(update={"launch": launch})
+        measured_case = b.case_as_measured(case)
         ok = [r.per_card_peak for r in b.runs if r.outcome == "ok" and r.per_card_peak]
         failed = [r.per_card_peak for r in b.runs if r.outcome != "ok" and r.per_card_peak]
         if not ok and not failed:

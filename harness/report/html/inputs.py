@@ -54,9 +54,8 @@ class Entry:
 
     @property
     def measured_case(self) -> Case:
-        from harness.spec.variants import parse_variant
-
-        return parse_variant(self.baseline.variant).apply(self.case) if self.baseline.variant else self.case
+        """The case as the baseline ran it (variant and Triton cache)."""
+        return self.baseline.case_as_measured(self.case)
 
 
 @dataclass
@@ -95,10 +94,6 @@ def predict_entry(entry: Entry) -> None:
     """Fill `entry.predicted` (or `entry.problem`) with the prediction of the config as it was measured:
     its variant applied, and the Triton cache the run had rather than the case's request."""
     case = entry.measured_case
-    cache = entry.baseline.runs[0].triton_cache
-    if cache is not None:
-        launch = case.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
-        case = case.model_copy(update={"launch": launch})
     try:
         entry.predicted = _predicted(case.model_dump_json(), entry.baseline.platform.key, entry.case.id)
     except (ValueError, KeyError, NotImplementedError, RuntimeError) as exc:
