@@ -45,6 +45,7 @@ For `launch.procs_per_card > 1` every figure is per process; the caller multipli
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -125,6 +126,37 @@ def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str
     return None
 
 
+def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec):
+    """On a cold cache, start DeepSpeed's coordinator replay of a ZeRO-3 LoRA case in a forked process
+    while this one traces the step: the two are independent, and each spends seconds importing
+    (transformers, DeepSpeed) and computing; the child writes its figures to the disk cache, where
+    `_zero3_gathered` then finds them. Returns the process to join, or None where nothing is gained or
+    forking is not safe: a warm trace, no disk cache, one CPU, or threads running in this process (a
+    forked child holds only the forking thread, and any lock another held stays locked in it)."""
+    import multiprocessing
+    import threading
+
+    from harness.predict.trace import _cache_dir, _load
+
+    if (case.deepspeed is None or case.deepspeed.stage != 3 or case.method.kind == "full"
+            or _cache_dir() is None or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
+            or "fork" not in multiprocessing.get_all_start_methods() or _load(trace_spec) is not None):
+        return None
+    child = multiprocessing.get_context("fork").Process(target=_warm_zero3_cache, args=(case, arch, layers),
+                                                        daemon=True)
+    child.start()
+    return child
+
+
+def _warm_zero3_cache(case: Case, arch: Architecture, layers: int) -> None:
+    """The forked child: the replay into the disk cache; what fails here is met again, and reported, by
+    the parent's own `_zero3_gathered`."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        _zero3_gathered(case, arch, layers, [])
+
+
 def _alloc_conf(case: Case):
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
     read is bad input."""
@@ -159,7 +191,11 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     if case.layers:
         notes.append(f"predicted at {layers} of {arch.layers} layers (the case's `layers`)")
 
-    r1, r2 = trace_pair(TraceSpec.of(case, arch))
+    trace_spec = TraceSpec.of(case, arch)
+    replaying = _replay_alongside(case, arch, layers, trace_spec)
+    r1, r2 = trace_pair(trace_spec)
+    if replaying is not None:
+        replaying.join()
     peak = int(extrapolate(r1.peak, r2.peak, layers))
     held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
     inv = _inventory(r1, r2, layers)
