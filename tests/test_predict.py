@@ -247,30 +247,28 @@ def test_the_cuda_pool_backend_keeps_the_ratio_and_says_why():
     assert "reserved_by_ratio" not in p.terms
 
 
-def test_a_cold_zero3_prediction_replays_deepspeed_alongside_the_trace(tmp_path, monkeypatch):
-    """On an empty cache the coordinator replay runs in a forked process while the step is traced; its
-    figures reach the prediction through the disk cache, the same as replayed in-process."""
+def test_a_cold_zero3_prediction_replays_deepspeed_alongside_the_trace(monkeypatch):
+    """With nothing cached, the coordinator replay runs in a forked process while the step is traced,
+    and gives the figures and notes the in-process replay gives; once traced, nothing is forked."""
     from harness.predict import predictor, trace, zero3
     from harness.predict.trace import TraceSpec
 
+    monkeypatch.setenv("HARNESS_PREDICT_CACHE", "off")
+    monkeypatch.setattr(predictor, "_TRACED", set())
+    for cached in (trace.trace_pair, zero3.gathered, zero3.layout):
+        cached.cache_clear()
     case = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")  # ZeRO-3 LoRA
     arch = predictor.load_model(case.model)
-    monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(tmp_path / "forked"))
-    for cached in (trace.trace_pair, zero3.gathered, zero3.layout):
-        cached.cache_clear()
-    child = predictor._replay_alongside(case, arch, arch.layers, TraceSpec.of(case, arch))
-    assert child is not None
-    child.join()
-    assert child.exitcode == 0 and list((tmp_path / "forked").glob("zero3-gathered-*.json"))
-    forked = predict(case)
-    # in-process, no disk cache: nothing to fork into
-    monkeypatch.setenv("HARNESS_PREDICT_CACHE", "off")
-    for cached in (trace.trace_pair, zero3.gathered, zero3.layout):
-        cached.cache_clear()
-    assert predictor._replay_alongside(case, arch, arch.layers, TraceSpec.of(case, arch)) is None
-    alone = predict(case)
-    assert (forked.allocated, forked.reserved, forked.device) == (alone.allocated, alone.reserved, alone.device)
-    # nothing to replay for a case without ZeRO-3
-    other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
-    assert predictor._replay_alongside(other, predictor.load_model(other.model), 1, TraceSpec.of(
-        other, predictor.load_model(other.model))) is None
+    spec = TraceSpec.of(case, arch)
+    alongside = predictor._replay_alongside(case, arch, arch.layers, spec)
+    assert alongside is not None
+    notes = []
+    (forked,) = alongside.take(notes)
+    assert alongside.child.exitcode == 0
+    here = []
+    assert forked == predictor._zero3_gathered(case, arch, arch.layers, here) and notes == here
+    predict(case)
+    assert predictor._replay_alongside(case, arch, arch.layers, spec) is None  # traced in this process
+    other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")  # no DeepSpeed: nothing to replay
+    other_arch = predictor.load_model(other.model)
+    assert predictor._replay_alongside(other, other_arch, 1, TraceSpec.of(other, other_arch)) is None

@@ -126,35 +126,71 @@ def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str
     return None
 
 
-def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec):
-    """On a cold cache, start DeepSpeed's coordinator replay of a ZeRO-3 LoRA case in a forked process
-    while this one traces the step: the two are independent, and each spends seconds importing
-    (transformers, DeepSpeed) and computing; the child writes its figures to the disk cache, where
-    `_zero3_gathered` then finds them. Returns the process to join, or None where nothing is gained or
-    forking is not safe: a warm trace, no disk cache, one CPU, or threads running in this process (a
-    forked child holds only the forking thread, and any lock another held stays locked in it)."""
+# Trace specs this process has traced or read: their layout and replay are in its caches too.
+_TRACED: set = set()
+
+
+@dataclass
+class _ReplayAlongside:
+    """DeepSpeed's coordinator replayed in a forked child while this process traces the step."""
+
+    child: object  # multiprocessing.Process
+    conn: object  # the read end of a pipe the child sends (gathered, notes) through
+
+    def take(self, notes: list[str]):
+        """The child's (gathered figures, notes); None where it sent nothing (it failed: the caller then
+        replays in-process, where the failure is met again and reported)."""
+        try:
+            value, child_notes = self.conn.recv()
+        except (EOFError, OSError):
+            return None
+        finally:
+            self.conn.close()
+            self.child.join()
+        notes += child_notes
+        return (value,)
+
+
+def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> _ReplayAlongside | None:
+    """On a cold start, replay DeepSpeed's coordinator for a ZeRO-3 LoRA case in a forked process while
+    this one traces the step: once the model's module layout is built here, the two are independent,
+    and the replay spends seconds importing DeepSpeed and running its coordinator. None where nothing
+    is gained or forking is not safe: a trace this process or the disk cache already has, one CPU, or
+    threads running in this process (a forked child holds only the forking thread, and a lock another
+    thread held stays locked in it)."""
     import multiprocessing
     import threading
 
-    from harness.predict.trace import _cache_dir, _load
+    from harness.predict.trace import _load
 
     if (case.deepspeed is None or case.deepspeed.stage != 3 or case.method.kind == "full"
-            or _cache_dir() is None or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
+            or trace_spec in _TRACED or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods() or _load(trace_spec) is not None):
         return None
-    child = multiprocessing.get_context("fork").Process(target=_warm_zero3_cache, args=(case, arch, layers),
-                                                        daemon=True)
+    from harness.predict import zero3
+
+    try:  # the model's layout first, here: it builds the model as the trace will (transformers imported once)
+        zero3.layout(trace_spec)
+    except Exception:  # met again, and reported, by the in-process replay
+        return None
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_replay_in_child, args=(case, arch, layers, send), daemon=True)
     child.start()
-    return child
+    send.close()
+    return _ReplayAlongside(child, receive)
 
 
-def _warm_zero3_cache(case: Case, arch: Architecture, layers: int) -> None:
-    """The forked child: the replay into the disk cache; what fails here is met again, and reported, by
-    the parent's own `_zero3_gathered`."""
-    import contextlib
-
-    with contextlib.suppress(Exception):
-        _zero3_gathered(case, arch, layers, [])
+def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
+    """The forked child: sends (gathered, notes), or nothing where it fails (the parent then replays
+    in-process, where the failure is met again and reported)."""
+    notes: list[str] = []
+    try:
+        send.send((_zero3_gathered(case, arch, layers, notes), notes))
+    except Exception:
+        pass
+    finally:
+        send.close()
 
 
 def _alloc_conf(case: Case):
@@ -192,14 +228,15 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append(f"predicted at {layers} of {arch.layers} layers (the case's `layers`)")
 
     trace_spec = TraceSpec.of(case, arch)
-    replaying = _replay_alongside(case, arch, layers, trace_spec)
+    alongside = _replay_alongside(case, arch, layers, trace_spec)
     r1, r2 = trace_pair(trace_spec)
-    if replaying is not None:
-        replaying.join()
+    _TRACED.add(trace_spec)
     peak = int(extrapolate(r1.peak, r2.peak, layers))
     held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
     inv = _inventory(r1, r2, layers)
-    states = model_states(case, inv, hidden, _zero3_gathered(case, arch, layers, notes))
+    replayed = alongside.take(notes) if alongside is not None else None
+    gathered = replayed[0] if replayed is not None else _zero3_gathered(case, arch, layers, notes)
+    states = model_states(case, inv, hidden, gathered)
     notes += states.notes
 
     dev = dict(states.device)
