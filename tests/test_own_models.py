@@ -223,3 +223,27 @@ def test_model_flops_count_the_experts_a_token_is_routed_to(name):
     dense = linear_weight_count(model)
     assert linear_weight_count(model, cfg) == dense + stacked * cfg["num_experts_per_tok"] // experts
     assert linear_weight_count(model, FAMILIES["mistral-7b-v0.3"]) == dense  # no experts in the config: unchanged
+
+
+def test_the_architecture_benchmark_covers_unseen_models_and_its_baselines_match_its_cases():
+    """benchmarks/architectures: every case loads, its model is a config.json folder of a model no
+    bundled case trains, at least six architectures and a mixture of experts; every blessed baseline
+    belongs to one of its cases, as measured (variant applied), and trained."""
+    from harness.baselines.store import load_baselines
+    from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+
+    cases = {p.stem: load_case(p) for p in sorted(ARCH_CASES_DIR.glob("*.yaml"))}
+    assert cases and all(c.id == cid for cid, c in cases.items())
+    models = {cid: load_model(c.model) for cid, c in cases.items()}
+    bundled = {load_case(p).model for p in CASES_DIR.glob("*.yaml")}
+    assert not {Path(c.model).name for c in cases.values()} & bundled
+    assert len({m.config["model_type"] for m in models.values()}) >= 6
+    assert any("num_experts" in m.config or "num_local_experts" in m.config for m in models.values())
+    kinds = {(c.method.kind, c.deepspeed.stage if c.deepspeed else 0) for c in cases.values()}
+    assert {("lora", 0), ("qlora", 0), ("full", 0), ("lora", 2), ("lora", 3), ("full", 3)} <= kinds
+    baselines = load_baselines(ARCH_BASELINES_DIR)
+    assert len(baselines) >= 15
+    for b in baselines:
+        measured = b.case_as_measured(cases[b.case_id])
+        assert b.platform.device_count == measured.launch.ranks
+        assert all(r.outcome == "ok" for r in b.runs), b.case_id
