@@ -129,9 +129,9 @@ def test_a_killed_harness_leaves_neither_the_zygote_nor_its_jobs(tmp_path, still
         harness.wait()
 
 
-def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
+def test_only_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
     """A process that initialised CUDA cannot be forked: GPU runs, and torchrun's ranks, start
-    fresh interpreters. On a CPU, a case measured on one rank needs no rank launcher."""
+    fresh interpreters. On a CPU no rank launcher is needed: every rank comes from the zygote."""
     one = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
     shared = CASES_DIR / "004-gla-plan-a-minimal.yaml"
     ranks = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
@@ -143,7 +143,9 @@ def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch
                                                                              "LOCAL_RANK": "0"}
     assert [j.preloaded for j in plan_jobs(load_case(rung), rung, "real", 1, tmp_path, Platform.cuda)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(shared), shared, "tiny", 1, tmp_path, Platform.cpu)] == [True] * 2
-    assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path, Platform.cpu)] == [False]
+    assert [(j.preloaded, j.ranks) for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path,
+                                                      Platform.cpu)] == [(True, 2)]
+    assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "real", 2, tmp_path, Platform.cuda)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "real", 1, tmp_path, Platform.cuda)] == [False]
     monkeypatch.setenv(zygote.ENABLE_ENV, "0")
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "tiny", 1, tmp_path, Platform.cpu)] == [False]
