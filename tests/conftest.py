@@ -1,7 +1,8 @@
 """Fixtures the test files share: isolation of the harness's process-wide state (the card locks a
 test's full-size sessions take live in a lock folder of the test's own and are let go after it, so no
 test finds a card held by an earlier one), waiting for processes a test expects to be gone, and the
-session the bundled cases' items are judged on (a test that needs a bundled case's run shares it)."""
+session the bundled cases' items are judged on (a test that needs a bundled case's run shares it;
+under pytest-xdist, `--dist loadgroup`, such a test goes to the worker that runs the case items)."""
 
 import time
 
@@ -53,3 +54,13 @@ def bundled_session(request, tmp_path_factory):
     if settings(request.config).case_dir == CASES_DIR.resolve():
         return shared_session(request.config)
     return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        from harness.pytest_plugin.cases import XDIST_GROUP
+
+        for item in items:
+            if "bundled_session" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
