@@ -4,6 +4,7 @@ test finds a card held by an earlier one), waiting for processes a test expects 
 session the bundled cases' items are judged on (a test that needs a bundled case's run shares it;
 under pytest-xdist, `--dist loadgroup`, such a test goes to the worker that runs the case items)."""
 
+import os
 import time
 
 import psutil
@@ -11,6 +12,24 @@ import pytest
 
 from harness.runtime import card_lock
 from harness.spec.cases import CASES_DIR
+
+
+@pytest.fixture(autouse=True)
+def _caches_kept_under_pytester(request, monkeypatch):
+    """pytester gives the pytest it runs a HOME of its own, where the harness's caches (DeepSpeed's
+    JIT ops, the random-weight checkpoints, the predictor's traces) would be empty: a cold
+    predictor trace of guide 000's 32B config is most of a minute. Point it at this process's.
+    Hypothesis's plugin, which no pytester run uses, imports Hypothesis whole at every run's end
+    (1.3 CPU-s a run)."""
+    if "pytester" not in request.fixturenames:
+        return
+    from harness.predict.trace import _cache_dir
+    from harness.runtime.compile_cache import cache_dir
+
+    monkeypatch.setenv("HARNESS_CACHE", str(cache_dir()))
+    monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(_cache_dir() or "off"))
+    monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"),
+                                                                "-p no:hypothesispytest"])))
 
 
 @pytest.fixture(autouse=True)

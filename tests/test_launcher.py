@@ -172,15 +172,21 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path, still_running):
         import _thread
         _thread.interrupt_main()
 
+    import signal
+
     import harness.runtime.launcher as launcher
 
     launcher.subprocess.Popen, saved = spy, launcher.subprocess.Popen
+    # a pytest started in the background by a shell (`pytest &`, CI scripts) inherits SIGINT ignored,
+    # and interrupt_main() then does nothing: Ctrl-C is what this test stands for
+    saved_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             run_jobs([job], tmp_path / "run", 120, "x", "tiny", 1)
     finally:
         launcher.subprocess.Popen = saved
+        signal.signal(signal.SIGINT, saved_handler)
     assert len(pids) == 1 and still_running(pids, 5) == []
 
 
