@@ -2,7 +2,7 @@
 test's full-size sessions take live in a lock folder of the test's own and are let go after it, so no
 test finds a card held by an earlier one), waiting for processes a test expects to be gone, and the
 session the bundled cases' items are judged on (a test that needs a bundled case's run shares it;
-under pytest-xdist, `--dist loadgroup`, such a test goes to the worker that runs the case items)."""
+under pytest-xdist, where the test runs in the worker that runs the case items)."""
 
 import os
 import time
@@ -30,6 +30,18 @@ def _caches_kept_under_pytester(request, monkeypatch):
     monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(_cache_dir() or "off"))
     monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"),
                                                                 "-p no:hypothesispytest"])))
+
+
+@pytest.fixture
+def shared_zygote(monkeypatch):
+    """A harness this test starts (pytester's pytest, the CLI) forks its workers from this process's
+    zygote instead of importing the training stack in one of its own."""
+    from harness.runtime import zygote
+
+    if zygote.enabled():
+        address = zygote.shared().address()
+        if address:
+            monkeypatch.setenv(zygote.SOCKET_ENV, address)
 
 
 @pytest.fixture(autouse=True)
@@ -73,13 +85,3 @@ def bundled_session(request, tmp_path_factory):
     if settings(request.config).case_dir == CASES_DIR.resolve():
         return shared_session(request.config)
     return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):
-        from harness.pytest_plugin.cases import XDIST_GROUP
-
-        for item in items:
-            if "bundled_session" in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))

@@ -69,9 +69,10 @@ def _marks(case, fidelity: str) -> list:
 _PLANNED = pytest.StashKey[list]()
 _STARTED = pytest.StashKey[Session]()
 
-# pytest-xdist (`-n 2 --dist loadgroup`) sends every case item to one worker: the session that runs
-# them (its background runs, the runs one case's claims take from another's) lives in one process.
-XDIST_GROUP = "oom-harness-cases"
+# pytest-xdist (`-n 2 --dist loadgroup`) sends every case item to one worker
+# (harness.pytest_plugin.xdist_groups): the session that runs them (its background runs, the runs
+# one case's claims take from another's) lives in one process.
+XDIST_GROUP = "oom-harness-cases"  # harness.pytest_plugin.xdist_groups.GROUP
 
 
 def _xdist_worker(config) -> bool:
@@ -81,7 +82,7 @@ def _xdist_worker(config) -> bool:
 def _one_worker_runs_the_cases(config) -> bool:
     """False in a pytest-xdist worker whose items are not grouped (`--dist load`, the default of
     `-n`): each worker would start every selected case in the background, so runs start on demand."""
-    return not _xdist_worker(config) or config.getoption("dist", None) == "loadgroup"
+    return not _xdist_worker(config) or bool(getattr(config.option, "loadgroup", False))
 
 
 class CaseFile(pytest.File):

@@ -164,6 +164,17 @@ def pytest_sessionfinish(session):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's controller, under `--dist loadgroup`: the case items in one group."""
+    chosen = settings(config)
+    if config.getvalue("dist") != "loadgroup" or chosen.case_dir is None:
+        return None
+    from harness.pytest_plugin.xdist_groups import CaseGroupScheduling
+
+    return CaseGroupScheduling(config, log, chosen.case_dir)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: keep what a worker's cases came to."""
     sections = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
