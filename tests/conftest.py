@@ -1,8 +1,8 @@
 """Fixtures the test files share: isolation of the harness's process-wide state (the card locks a
 test's full-size sessions take live in a lock folder of the test's own and are let go after it, so no
 test finds a card held by an earlier one), waiting for processes a test expects to be gone, and the
-session the bundled cases' items are judged on (a test that needs a bundled case's run shares it;
-under pytest-xdist, where the test runs in the worker that runs the case items)."""
+session the bundled cases' items are judged on (a test that needs a bundled case's run shares it,
+except under pytest-xdist)."""
 
 import os
 import time
@@ -82,6 +82,8 @@ def bundled_session(request, tmp_path_factory):
     from harness.pytest_plugin.cases import shared_session
     from harness.pytest_plugin.settings import settings
 
-    if settings(request.config).case_dir == CASES_DIR.resolve():
+    if settings(request.config).case_dir == CASES_DIR.resolve() and not hasattr(request.config, "workerinput"):
         return shared_session(request.config)
+    # under pytest-xdist the case items may run in another worker, into the same folders: a run of
+    # their own, which never meets theirs
     return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))

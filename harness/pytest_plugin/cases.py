@@ -41,6 +41,9 @@ class CaseParam:
 def _session(config) -> Session:
     if _SESSION not in config.stash:
         run_dir = config.getoption("--harness-run-dir") or tempfile.mkdtemp(prefix="oom-harness-")
+        if config.getoption("--harness-run-dir") and not _one_worker_runs_the_cases(config):
+            # pytest-xdist workers that may each run a case: never two runs in one folder at once
+            run_dir = str(Path(run_dir) / config.workerinput["workerid"])
         chosen = settings(config)
         config.stash[_SESSION] = Session(
             case_dir=chosen.case_dir,
