@@ -225,11 +225,13 @@ stall_before_the_collective() if rank == 1 else wait_for_the_peer()
 
 
 def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_was(tmp_path, still_running,
-                                                                                    two_ranks):
+                                                                                    two_ranks, request):
     out = tmp_path / "run"
     out.mkdir()
     started = time.monotonic()
-    run = run_jobs([two_ranks(_HANGING_RANKS, str(out))], out, 15, "x", "tiny", 2)
+    # torchrun's three interpreters import torch before the ranks hang; forked ranks have it imported
+    limit = 15 if request.node.callspec.params["two_ranks"] == "torchrun" else 8
+    run = run_jobs([two_ranks(_HANGING_RANKS, str(out))], out, limit, "x", "tiny", 2)
     assert time.monotonic() - started < 45
     assert run.error is not None and run.error.kind == Failure.timeout
     message = run.error.message
