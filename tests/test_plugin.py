@@ -194,3 +194,22 @@ def test_under_xdist_the_cases_run_in_one_worker_and_are_summed_up_once(pytester
     result.stdout.fnmatch_lines([f"{name} *tiny*" for name in sorted((GOOD, fix_1, failing))])
     assert "also run" not in out  # GOOD's claim took the run of fix 1's item
     assert sorted(p.name for p in (runs / "tiny").iterdir()) == sorted((GOOD, fix_1, failing))
+
+
+def test_an_xdist_worker_whose_items_are_not_grouped_runs_cases_on_demand_in_a_folder_of_its_own(pytester, tmp_path,
+                                                                                               monkeypatch):
+    """`-n 2` without `--dist loadgroup`: every worker may get case items, so none starts every case
+    in the background, and each runs into a folder of its own under --harness-run-dir."""
+    from harness.judge.session import Session
+    from harness.pytest_plugin import cases as plugin_cases
+
+    _case_dir(pytester)
+    started = []
+    monkeypatch.setattr(Session, "prefetch", lambda self, keys, jobs=None: started.append(keys))
+    for grouped, folder in ((False, tmp_path / "runs" / "gw1"), (True, tmp_path / "runs")):
+        config = pytester.parseconfigure("--case-dir", "mycases", "--harness-run-dir", str(tmp_path / "runs"))
+        config.workerinput = {"workerid": "gw1"}
+        config.option.loadgroup = grouped
+        config.stash[plugin_cases._PLANNED] = [(GOOD, "tiny")]
+        assert plugin_cases._started(config).run_root == folder
+        assert started == ([[(GOOD, "tiny")]] if grouped else [])
