@@ -1,14 +1,18 @@
 """The harness's own speed, measured with pytest-benchmark:
 
-    .venv/bin/pytest benchmarks/                      # both benchmarks, pytest-benchmark's table
+    .venv/bin/pytest benchmarks/                      # every benchmark, pytest-benchmark's table
     .venv/bin/pytest benchmarks/ -k check --benchmark-json out.json
+    .venv/bin/pytest benchmarks/ -k default_tier      # the README's test command, timed
 
 * `oom-harness check` on guide 000's 32B config, each round a fresh process (imports, config import,
   the predictor's fake-tensor trace, calibration, lints, the table), as a pre-merge CI job runs it;
   once with the predictor's on-disk cache off (a fresh CI runner: nothing cached; target 10 s) and
   once with it warm (the trace and the calibration's baseline figures cached; target 1 s).
-* the whole tiny suite (every case at tiny size, as CI runs it; target 3 minutes). Run it once
-  before timing on a fresh machine, so DeepSpeed's JIT ops and the random checkpoints are cached.
+* the whole tiny suite (every case at tiny size, `oom-harness run`). Run it once before timing on
+  a fresh machine, so DeepSpeed's JIT ops and the random checkpoints are cached.
+* the default test tier as CI runs it (`DEFAULT_TIER`: the tiny cases, the pre-merge checks and the
+  unit tests, on two pytest-xdist workers; target 3 minutes on two cores, warm), with the CPU
+  seconds of every process it started.
 * a tiny worker's start: a fresh interpreter importing the training stack against a job forked
   from the zygote that has imported it (harness.runtime.zygote), with the CPU seconds each takes;
 * one tiny case end to end (`oom-harness run -k 003-qlora-fix-r16-seq512-gc`, a cold CLI process
@@ -38,6 +42,10 @@ EXAMPLES = ROOT / "configs" / "examples"
 CHECK_TARGET_S = 10.0  # an empty trace cache, two CPU cores
 CHECK_WARM_TARGET_S = 1.0  # the trace and the calibration cached on disk
 TINY_SUITE_TARGET_S = 180.0
+DEFAULT_TIER_TARGET_S = 180.0
+# the README's test command: the repository's default tier on two pytest-xdist workers, the case
+# items in one of them (harness.pytest_plugin.xdist_groups)
+DEFAULT_TIER = ["-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q"]
 
 
 def _say(request, line: str) -> None:
@@ -87,6 +95,30 @@ def test_tiny_suite(benchmark, request, tmp_path):
     _say(request, f"\ntiny suite: {len(runs)} runs in {wall:.0f} s on {os.cpu_count()} cores "
                   f"({'within' if wall <= TINY_SUITE_TARGET_S else 'over'} the {TINY_SUITE_TARGET_S:.0f} s target); "
                   "slowest: " + ", ".join(f"{r['case']} {r['run']['wall_s']:.0f} s" for r in slowest))
+
+
+def test_default_tier(benchmark, request):
+    """The README's test command, in a fresh pytest process from the repository's root."""
+    pytest.importorskip("xdist")
+    cpu = []
+
+    def one():
+        before = _children_cpu_s()
+        proc = subprocess.run([sys.executable, *DEFAULT_TIER], capture_output=True, text=True, cwd=ROOT,
+                              env=dict(os.environ))
+        cpu.append(_children_cpu_s() - before)
+        if proc.returncode != 0:
+            pytest.fail(f"the default tier failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+        return proc
+
+    proc = benchmark.pedantic(one, rounds=1, iterations=1)
+    wall = benchmark.stats.stats.data[0]
+    summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " passed" in ln), "")
+    benchmark.extra_info.update(target_s=DEFAULT_TIER_TARGET_S, cpu_s=round(cpu[0], 1), cpus=os.cpu_count(),
+                                affinity=len(os.sched_getaffinity(0)), summary=summary.strip("= "))
+    _say(request, f"\ndefault tier: {wall:.0f} s and {cpu[0]:.0f} CPU-s on {len(os.sched_getaffinity(0))} cores "
+                  f"({'within' if wall <= DEFAULT_TIER_TARGET_S else 'over'} the {DEFAULT_TIER_TARGET_S:.0f} s "
+                  f"target): {summary.strip('= ')}")
 
 
 # what a worker imports before it builds anything; it then writes the CPU seconds it used

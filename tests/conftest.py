@@ -1,8 +1,10 @@
 """Fixtures the test files share: isolation of the harness's process-wide state (the card locks a
 test's full-size sessions take live in a lock folder of the test's own and are let go after it, so no
 test finds a card held by an earlier one), waiting for processes a test expects to be gone, and the
-session the bundled cases' items are judged on (a test that needs a bundled case's run shares it)."""
+session the bundled cases' items are judged on (a test that needs a bundled case's run shares it,
+except under pytest-xdist)."""
 
+import os
 import time
 
 import psutil
@@ -10,6 +12,36 @@ import pytest
 
 from harness.runtime import card_lock
 from harness.spec.cases import CASES_DIR
+
+
+@pytest.fixture(autouse=True)
+def _caches_kept_under_pytester(request, monkeypatch):
+    """pytester gives the pytest it runs a HOME of its own, where the harness's caches (DeepSpeed's
+    JIT ops, the random-weight checkpoints, the predictor's traces) would be empty: a cold
+    predictor trace of guide 000's 32B config is most of a minute. Point it at this process's.
+    Hypothesis's plugin, which no pytester run uses, imports Hypothesis whole at every run's end
+    (1.3 CPU-s a run)."""
+    if "pytester" not in request.fixturenames:
+        return
+    from harness.predict.trace import _cache_dir
+    from harness.runtime.compile_cache import cache_dir
+
+    monkeypatch.setenv("HARNESS_CACHE", str(cache_dir()))
+    monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(_cache_dir() or "off"))
+    monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"),
+                                                                "-p no:hypothesispytest"])))
+
+
+@pytest.fixture
+def shared_zygote(monkeypatch):
+    """A harness this test starts (pytester's pytest, the CLI) forks its workers from this process's
+    zygote instead of importing the training stack in one of its own."""
+    from harness.runtime import zygote
+
+    if zygote.enabled():
+        address = zygote.shared().address()
+        if address:
+            monkeypatch.setenv(zygote.SOCKET_ENV, address)
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +82,8 @@ def bundled_session(request, tmp_path_factory):
     from harness.pytest_plugin.cases import shared_session
     from harness.pytest_plugin.settings import settings
 
-    if settings(request.config).case_dir == CASES_DIR.resolve():
+    if settings(request.config).case_dir == CASES_DIR.resolve() and not hasattr(request.config, "workerinput"):
         return shared_session(request.config)
+    # under pytest-xdist the case items may run in another worker, into the same folders: a run of
+    # their own, which never meets theirs
     return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))

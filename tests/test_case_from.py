@@ -194,7 +194,7 @@ def test_a_team_case_is_blessed_from_its_own_folder(team, capsys):
     assert blessed["runs"][0]["per_card_peak"] == int(20.8 * GIB)
 
 
-def test_the_written_case_runs_green_at_tiny_size(team):
+def test_the_written_case_runs_green_at_tiny_size(team, shared_zygote):
     """The whole path a team's CI takes: case-from, then `oom-harness run --case-dir DIR --fidelity tiny`."""
     assert _case_from(team, "--gpu-memory", "24GiB", "--gpus", "1") == 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

@@ -37,6 +37,41 @@ def _torchrun(script: Path, *args: str) -> Job:
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args])
 
 
+@pytest.fixture(scope="module")
+def _rank_zygote(tmp_path_factory):
+    """A worker zygote that has imported torch.distributed, and a folder of rank scripts it can run as modules."""
+    from harness.runtime import zygote
+
+    scripts = tmp_path_factory.mktemp("rank-scripts")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(scripts), str(ROOT), os.environ.get("PYTHONPATH")])))
+        forker = zygote.Zygote(preload=("torch.distributed", "harness.measure.records", "harness.runtime.process_tree"))
+    yield forker, scripts
+    forker.close()
+
+
+@pytest.fixture(params=["torchrun", "forked"])
+def two_ranks(request, tmp_path, monkeypatch):
+    """Start a script as the two ranks of a run: through torchrun (GPU hosts), or by the launcher
+    itself with each rank forked from the worker zygote (CPU hosts: harness.runtime.ranks)."""
+    if request.param == "torchrun":
+        def start(code: str, *args: str) -> Job:
+            script = tmp_path / "ranks.py"
+            script.write_text(code)
+            return _torchrun(script, *args)
+        return start
+    from harness.runtime import zygote
+
+    forker, scripts = request.getfixturevalue("_rank_zygote")
+    monkeypatch.setattr(zygote, "_shared", forker)
+
+    def start(code: str, *args: str) -> Job:
+        module = f"ranks_{request.node.name.replace('[', '_').replace(']', '').replace('-', '_')}"
+        (scripts / f"{module}.py").write_text(code)
+        return Job([sys.executable, "-m", module, *args], {"MASTER_PORT": str(free_port())}, preloaded=True, ranks=2)
+    return start
+
+
 def _report(rank: int, error: ErrorInfo | None = None) -> RankReport:
     return RankReport(case_id="x", fidelity="tiny", rank=rank, world_size=2, platform="cpu", device_name="cpu",
                       step=Memory(allocated=1000), error=error)
@@ -70,15 +105,14 @@ except Exception as exc:  # as the worker does: the survivor reports what it saw
 
 
 @pytest.mark.parametrize("sig, kind", [("SIGKILL", Failure.host_oom), ("SIGSEGV", Failure.crash)])
-def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tmp_path, sig, kind, still_running):
+def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tmp_path, sig, kind, still_running,
+                                                                               two_ranks):
     """One of two ranks dies of a signal while they all-reduce: the case names that rank and signal
     (not its peer's "Connection closed by peer"), the other rank is stopped, and nothing is left."""
-    script = tmp_path / "ranks.py"
-    script.write_text(_STEPPING_RANKS)
     out = tmp_path / "run"
     out.mkdir()
     started = time.monotonic()
-    run = run_jobs([_torchrun(script, str(out), sig)], out, 120, "x", "tiny", 2)
+    run = run_jobs([two_ranks(_STEPPING_RANKS, str(out), sig)], out, 120, "x", "tiny", 2)
     assert time.monotonic() - started < 60
     assert run.error is not None and run.error.kind == kind
     assert f"rank 1 (pid {(out / 'pid1').read_text()}) was killed by {sig}" in run.error.message
@@ -190,13 +224,14 @@ stall_before_the_collective() if rank == 1 else wait_for_the_peer()
 '''
 
 
-def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_was(tmp_path, still_running):
-    script = tmp_path / "ranks.py"
-    script.write_text(_HANGING_RANKS)
+def test_a_rank_hung_in_a_collective_is_stopped_and_each_rank_is_named_where_it_was(tmp_path, still_running,
+                                                                                    two_ranks, request):
     out = tmp_path / "run"
     out.mkdir()
     started = time.monotonic()
-    run = run_jobs([_torchrun(script, str(out))], out, 15, "x", "tiny", 2)
+    # torchrun's three interpreters import torch before the ranks hang; forked ranks have it imported
+    limit = 15 if request.node.callspec.params["two_ranks"] == "torchrun" else 8
+    run = run_jobs([two_ranks(_HANGING_RANKS, str(out))], out, limit, "x", "tiny", 2)
     assert time.monotonic() - started < 45
     assert run.error is not None and run.error.kind == Failure.timeout
     message = run.error.message

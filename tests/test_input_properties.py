@@ -6,6 +6,8 @@ costs milliseconds (the prediction itself is tested in test_predict)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import tempfile
@@ -44,9 +46,25 @@ class FixedPrediction:
     margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
 
 
+def _fixed_predictor():
+    return lambda case, arch=None, **kw: FixedPrediction()
+
+
 @pytest.fixture(autouse=True)
 def fixed_prediction(monkeypatch):
-    monkeypatch.setattr(check, "_predictor", lambda: lambda case, arch=None, **kw: FixedPrediction())
+    monkeypatch.setattr(check, "_predictor", _fixed_predictor)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _check_loaded():
+    """`check` imports the training stack (torch, transformers, DeepSpeed) on its first call: seconds,
+    more on a loaded machine, that the deadline would count against whichever example came first."""
+    from harness.cli.main import main
+
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        mp.setattr(check, "_predictor", _fixed_predictor)
+        main(["check", str(TRAINING_CONFIGS[0]), "--gpu-memory", "24GiB", "--gpus", "1"])
 
 
 # --- Strategies ---------------------------------------------------------------------------------

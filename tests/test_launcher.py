@@ -82,11 +82,23 @@ def test_jobs_sharing_a_card_start_together_with_their_slots(tmp_path):
     assert jobs[0].env["MASTER_PORT"] != jobs[1].env["MASTER_PORT"]
 
 
-def test_several_ranks_go_through_torchrun_on_a_cpu(tmp_path):
+def test_several_ranks_are_started_by_the_launcher_on_a_cpu_and_by_torchrun_on_a_gpu(tmp_path):
+    """On a CPU the launcher starts each rank of the worker itself, with torchrun's environment
+    (harness.runtime.ranks); a GPU host keeps torchrun, or DeepSpeed's launcher where the case names it."""
     path = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
     (job,) = plan_jobs(load_case(path), path, "tiny", 2, tmp_path, Platform.cpu)
-    assert job.argv[1:3] == ["-m", "torch.distributed.run"]
+    assert job.argv[1:3] == ["-m", "harness.runtime.worker"] and job.ranks == 2
+    assert {k: job.env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    (job,) = plan_jobs(load_case(path), path, "real", 2, tmp_path, Platform.cuda)  # launched as its guide says
+    assert job.argv[1:3] == ["-m", "deepspeed.launcher.runner"] and job.ranks == 1
+    assert job.argv[job.argv.index("--num_gpus") + 1] == "2"
+    z3 = CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml"
+    (job,) = plan_jobs(load_case(z3), z3, "real", 2, tmp_path, Platform.cuda)
+    assert job.argv[1:3] == ["-m", "torch.distributed.run"] and job.ranks == 1
     assert job.argv[job.argv.index("--nproc-per-node") + 1] == "2"
+    (job,) = plan_jobs(load_case(z3), z3, "tiny", 2, tmp_path, Platform.cpu)
+    assert job.argv[1:3] == ["-m", "harness.runtime.worker"] and job.ranks == 2
 
 
 def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, monkeypatch):
@@ -160,15 +172,21 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path, still_running):
         import _thread
         _thread.interrupt_main()
 
+    import signal
+
     import harness.runtime.launcher as launcher
 
     launcher.subprocess.Popen, saved = spy, launcher.subprocess.Popen
+    # a pytest started in the background by a shell (`pytest &`, CI scripts) inherits SIGINT ignored,
+    # and interrupt_main() then does nothing: Ctrl-C is what this test stands for
+    saved_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             run_jobs([job], tmp_path / "run", 120, "x", "tiny", 1)
     finally:
         launcher.subprocess.Popen = saved
+        signal.signal(signal.SIGINT, saved_handler)
     assert len(pids) == 1 and still_running(pids, 5) == []
 
 

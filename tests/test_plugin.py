@@ -147,7 +147,8 @@ def test_deselected_tiny_cases_are_not_started_in_the_background(pytester, tmp_p
     assert not (runs / "tiny").exists()
 
 
-def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_only(pytester, tmp_path):
+def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_only(pytester, tmp_path,
+                                                                                    shared_zygote):
     """Fix 3 claims a lower peak than fix 1: selecting fix 3 alone runs fix 1 too (on a GPU, guide
     004's plan A so ran its failing case, minutes of cold compilation), and the summary names it.
     --harness-selected-only runs nothing unselected and leaves the claim unchecked, saying why."""
@@ -169,3 +170,46 @@ def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_on
     lower = next(v for v in session.judge(GOOD, "tiny").claims if v.what == "lower_peak_than")
     assert lower.status == "not_checkable"
     assert f"needs a run of {fix_1}, which was not selected" in lower.detail
+
+
+def test_under_xdist_the_cases_run_in_one_worker_and_are_summed_up_once(pytester, tmp_path, shared_zygote):
+    """`pytest -n 2 --dist loadgroup`: every case item goes to one worker (whose session runs each
+    case once, and lends a case's run to another case's claim), and the controller prints the
+    table that worker sends."""
+    pytest.importorskip("xdist")
+    cases = pytester.mkdir("mycases")
+    fix_1, failing = "003-qlora-fix-r32-seq1024-gc", "003-qlora-failing-bs2-seq2048-r64"
+    for name in (GOOD, fix_1, failing):  # GOOD claims a lower peak than fix 1
+        shutil.copy(CASES_DIR / f"{name}.yaml", cases)
+    pytester.makepyfile(test_own="import pytest\n\n@pytest.mark.parametrize('n', range(4))\ndef test_own(n):\n"
+                                 "    pass\n")
+    runs = tmp_path / "runs"
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-n", "2", "--dist", "loadgroup", "-m", "not gpu",
+                                           "-v", "-p", "no:cacheprovider", "--harness-run-dir", str(runs))
+    result.assert_outcomes(passed=7)
+    workers = {line.split()[0] for line in result.stdout.lines if "PASSED mycases/" in line}
+    assert len(workers) == 1, result.stdout.str()
+    out = result.stdout.str()
+    assert out.count("oom-harness cases") == 1
+    result.stdout.fnmatch_lines([f"{name} *tiny*" for name in sorted((GOOD, fix_1, failing))])
+    assert "also run" not in out  # GOOD's claim took the run of fix 1's item
+    assert sorted(p.name for p in (runs / "tiny").iterdir()) == sorted((GOOD, fix_1, failing))
+
+
+def test_an_xdist_worker_whose_items_are_not_grouped_runs_cases_on_demand_in_a_folder_of_its_own(pytester, tmp_path,
+                                                                                               monkeypatch):
+    """`-n 2` without `--dist loadgroup`: every worker may get case items, so none starts every case
+    in the background, and each runs into a folder of its own under --harness-run-dir."""
+    from harness.judge.session import Session
+    from harness.pytest_plugin import cases as plugin_cases
+
+    _case_dir(pytester)
+    started = []
+    monkeypatch.setattr(Session, "prefetch", lambda self, keys, jobs=None: started.append(keys))
+    for grouped, folder in ((False, tmp_path / "runs" / "gw1"), (True, tmp_path / "runs")):
+        config = pytester.parseconfigure("--case-dir", "mycases", "--harness-run-dir", str(tmp_path / "runs"))
+        config.workerinput = {"workerid": "gw1"}
+        config.option.loadgroup = grouped
+        config.stash[plugin_cases._PLANNED] = [(GOOD, "tiny")]
+        assert plugin_cases._started(config).run_root == folder
+        assert started == ([[(GOOD, "tiny")]] if grouped else [])

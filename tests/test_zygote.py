@@ -129,9 +129,52 @@ def test_a_killed_harness_leaves_neither_the_zygote_nor_its_jobs(tmp_path, still
         harness.wait()
 
 
-def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
+def test_another_harness_uses_a_running_zygote_through_its_socket(light, tmp_path, still_running):
+    """A harness started with the zygote's address (pytest's pytester runs, a CLI a test starts)
+    forks its jobs there instead of importing the training stack again: each job gets that
+    harness's environment, folder and log, and its exit code goes back to that harness; the zygote
+    outlives it, and a job of that harness exits with it."""
+    address = light.address()
+    assert address and Path(address).is_socket() and Path(address).parent.stat().st_mode & 0o077 == 0
+    pid_file = tmp_path / "job.pid"
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    harness_code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from harness.runtime import zygote
+        from harness.runtime.launcher import Job, run_jobs
+        run = run_jobs([Job([sys.executable, "-m", "zjob", "6"], {{"X": "theirs"}}, preloaded=True)],
+                       Path("run"), 60, "x", "tiny", 1)
+        print("code", run.returncode, "zygote", zygote.shared().pid, flush=True)
+        run_jobs([Job([sys.executable, "-m", "zjob", "owned", {str(pid_file)!r}], preloaded=True)],
+                 Path("owned"), 120, "x", "tiny", 1)
+    """)
+    env = dict(os.environ, **{zygote.SOCKET_ENV: address, zygote.PRELOAD_ENV: "no-such-module"})
+    harness = subprocess.Popen([sys.executable, "-c", harness_code], env=env, cwd=work, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert harness.stdout.readline().split() == ["code", "6", "zygote", str(light.pid)]
+        line = next(ln for ln in (work / "run" / "log.txt").read_text().splitlines() if ln.startswith("job 6"))
+        assert f"cwd={work}" in line and "X=theirs" in line
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and harness.poll() is None
+            time.sleep(0.05)
+        job = int(pid_file.read_text())
+        assert psutil.Process(job).ppid() == light.pid
+        harness.kill()
+        harness.wait()
+        assert still_running([job], 15) == []
+    finally:
+        harness.kill()
+        harness.wait()
+    assert run_jobs([_job("0")], tmp_path / "after", 60, "x", "tiny", 0).returncode == 0  # the zygote serves on
+
+
+def test_only_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
     """A process that initialised CUDA cannot be forked: GPU runs, and torchrun's ranks, start
-    fresh interpreters. On a CPU, a case measured on one rank needs no rank launcher."""
+    fresh interpreters. On a CPU no rank launcher is needed: every rank comes from the zygote."""
     one = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
     shared = CASES_DIR / "004-gla-plan-a-minimal.yaml"
     ranks = CASES_DIR / "002-gemma27b-full-z3-offload-len2048.yaml"
@@ -143,7 +186,9 @@ def test_only_single_rank_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch
                                                                              "LOCAL_RANK": "0"}
     assert [j.preloaded for j in plan_jobs(load_case(rung), rung, "real", 1, tmp_path, Platform.cuda)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(shared), shared, "tiny", 1, tmp_path, Platform.cpu)] == [True] * 2
-    assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path, Platform.cpu)] == [False]
+    assert [(j.preloaded, j.ranks) for j in plan_jobs(load_case(ranks), ranks, "tiny", 2, tmp_path,
+                                                      Platform.cpu)] == [(True, 2)]
+    assert [j.preloaded for j in plan_jobs(load_case(ranks), ranks, "real", 2, tmp_path, Platform.cuda)] == [False]
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "real", 1, tmp_path, Platform.cuda)] == [False]
     monkeypatch.setenv(zygote.ENABLE_ENV, "0")
     assert [j.preloaded for j in plan_jobs(load_case(one), one, "tiny", 1, tmp_path, Platform.cpu)] == [False]

@@ -183,10 +183,32 @@ class Session:
 
     def __post_init__(self):
         self._lock = threading.Lock()
-        self.platform = plat.detect()
-        self.accelerators = plat.accelerator_count()
+        self._platform: plat.Platform | None = None
+        self._accelerators: int | None = None
         loaded, self.errors = load_cases(self.case_dir)
         self.cases = {c.id: (c, self.case_dir / f"{c.id}.yaml") for c in loaded}
+
+    # The host's platform and accelerators, found on first use: finding them imports torch (1.8 s of
+    # CPU), which a session that only collects its cases (`pytest --collect-only`) never needs.
+    @property
+    def platform(self) -> plat.Platform:
+        if self._platform is None:
+            self._platform = plat.detect()
+        return self._platform
+
+    @platform.setter
+    def platform(self, value: plat.Platform) -> None:
+        self._platform = value
+
+    @property
+    def accelerators(self) -> int:
+        if self._accelerators is None:
+            self._accelerators = plat.accelerator_count()
+        return self._accelerators
+
+    @accelerators.setter
+    def accelerators(self, value: int) -> None:
+        self._accelerators = value
 
     @cached_property
     def _baselines(self):

@@ -41,6 +41,9 @@ class CaseParam:
 def _session(config) -> Session:
     if _SESSION not in config.stash:
         run_dir = config.getoption("--harness-run-dir") or tempfile.mkdtemp(prefix="oom-harness-")
+        if config.getoption("--harness-run-dir") and not _one_worker_runs_the_cases(config):
+            # pytest-xdist workers that may each run a case: never two runs in one folder at once
+            run_dir = str(Path(run_dir) / config.workerinput["workerid"])
         chosen = settings(config)
         config.stash[_SESSION] = Session(
             case_dir=chosen.case_dir,
@@ -69,6 +72,21 @@ def _marks(case, fidelity: str) -> list:
 _PLANNED = pytest.StashKey[list]()
 _STARTED = pytest.StashKey[Session]()
 
+# pytest-xdist (`-n 2 --dist loadgroup`) sends every case item to one worker
+# (harness.pytest_plugin.xdist_groups): the session that runs them (its background runs, the runs
+# one case's claims take from another's) lives in one process.
+XDIST_GROUP = "oom-harness-cases"  # harness.pytest_plugin.xdist_groups.GROUP
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _one_worker_runs_the_cases(config) -> bool:
+    """False in a pytest-xdist worker whose items are not grouped (`--dist load`, the default of
+    `-n`): each worker would start every selected case in the background, so runs start on demand."""
+    return not _xdist_worker(config) or bool(getattr(config.option, "loadgroup", False))
+
 
 class CaseFile(pytest.File):
     """One case file: an item per fidelity, or one failing item naming what is wrong with it."""
@@ -82,6 +100,8 @@ class CaseFile(pytest.File):
                 item = CaseItem.from_parent(self, name=f"{case_id}-{fidelity}", param=CaseParam(case_id, fidelity))
                 for mark in _marks(case, fidelity):
                     item.add_marker(mark)
+                if _xdist_worker(self.config):
+                    item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
                 yield item
         for err in session.errors:
             if err.path.resolve() == self.path.resolve():
@@ -123,7 +143,8 @@ def _started(config) -> Session:
         session = _session(config)
         if config.getoption("--harness-selected-only"):
             session.selected_only = set(config.stash.get(_PLANNED, []))
-        session.prefetch(config.stash.get(_PLANNED, []), config.getoption("--harness-jobs"))
+        if _one_worker_runs_the_cases(config):
+            session.prefetch(config.stash.get(_PLANNED, []), config.getoption("--harness-jobs"))
         config.stash[_STARTED] = session
     return config.stash[_STARTED]
 
@@ -150,29 +171,46 @@ def check_case(param: CaseParam, session: Session) -> None:
         pytest.skip(f"inconclusive here: {judgement.outcome.detail}")
 
 
-def terminal_summary(terminalreporter, config) -> None:
+def summary(config) -> list[tuple[str, list[str]]]:
+    """What the session ran, as (section title, lines), after writing the files the options ask
+    for (pytest-benchmark JSON, the HTML report). Made where the cases ran: the test process, or
+    the pytest-xdist worker that ran them (the controller prints what its workers send)."""
     if _SESSION not in config.stash:
-        return
+        return []
     session = config.stash[_SESSION]
     judged = session.judged()
     if not judged:
-        return
+        return []
+    lines = []
     bench_path = config.getoption("--harness-benchmark-json")
     if bench_path:
         from harness.baselines.benchjson import write_benchmark_json
 
         n = write_benchmark_json(Path(bench_path), session.all_runs(),
                                  {cid: c.launch.procs_per_card for cid, (c, _) in session.cases.items()})
-        terminalreporter.write_line(f"oom-harness: {n} benchmarks written to {bench_path} (pytest-benchmark format)")
-    terminalreporter.section("oom-harness cases")
-    terminalreporter.write_line(table(judged))
+        lines.append(f"oom-harness: {n} benchmarks written to {bench_path} (pytest-benchmark format)")
+    lines.append(table(judged))
     consulted = session.consulted()
     if consulted:
-        terminalreporter.write_line(consulted_line(consulted, "--harness-selected-only"))
+        lines.append(consulted_line(consulted, "--harness-selected-only"))
     whole_card = session.whole_card()
     if whole_card:
-        terminalreporter.write_line(whole_card_line(whole_card))
+        lines.append(whole_card_line(whole_card))
+    if config.getoption("--harness-html"):
+        from harness.report.html.build import report_runs
+
+        _, line = report_runs(Path(config.getoption("--harness-html")), session.run_root, session.baseline_root,
+                              session.case_dir)
+        lines.append(line)
+    sections = [("oom-harness cases", lines)]
     found = findings(judged)
     if found:
-        terminalreporter.section(f"oom-harness {FINDINGS_TITLE}")
-        terminalreporter.write_line(found)
+        sections.append((f"oom-harness {FINDINGS_TITLE}", [found]))
+    return sections
+
+
+def terminal_summary(terminalreporter, sections: list[tuple[str, list[str]]]) -> None:
+    for title, lines in sections:
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)

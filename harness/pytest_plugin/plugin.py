@@ -121,14 +121,6 @@ def pytest_collect_file(file_path: Path, parent):
     return None
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
-    if settings(config).case_dir is not None:
-        from harness.pytest_plugin.cases import remember_selected
-
-        remember_selected(config, items)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A full-size case's progress (harness.report.progress) while it runs: they take minutes each."""
@@ -150,15 +142,48 @@ def pytest_runtest_call(item):
         return (yield)
 
 
+_FROM_WORKERS = pytest.StashKey[list]()
+_WORKER_OUTPUT = "oom_harness_summary"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    if settings(config).case_dir is not None:
+        from harness.pytest_plugin.cases import remember_selected
+
+        remember_selected(config, items)
+
+
+def pytest_sessionfinish(session):
+    """In a pytest-xdist worker: the summary of the cases it ran, for the controller to print."""
+    config = session.config
+    if hasattr(config, "workeroutput") and settings(config).case_dir is not None:
+        from harness.pytest_plugin.cases import summary
+
+        config.workeroutput[_WORKER_OUTPUT] = summary(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's controller, under `--dist loadgroup`: the case items in one group."""
+    chosen = settings(config)
+    if config.getvalue("dist") != "loadgroup" or chosen.case_dir is None:
+        return None
+    from harness.pytest_plugin.xdist_groups import CaseGroupScheduling
+
+    return CaseGroupScheduling(config, log, chosen.case_dir)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: keep what a worker's cases came to."""
+    sections = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
+    if sections:
+        node.config.stash.setdefault(_FROM_WORKERS, []).extend(sections)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if settings(config).case_dir is not None:
-        from harness.pytest_plugin.cases import _SESSION, terminal_summary
+        from harness.pytest_plugin.cases import summary, terminal_summary
 
-        terminal_summary(terminalreporter, config)
-        if config.getoption("--harness-html") and _SESSION in config.stash:
-            from harness.report.html.build import report_runs
-
-            session = config.stash[_SESSION]
-            _, line = report_runs(Path(config.getoption("--harness-html")), session.run_root, session.baseline_root,
-                                  session.case_dir)
-            terminalreporter.write_line(line)
+        terminal_summary(terminalreporter, config.stash.get(_FROM_WORKERS, None) or summary(config))

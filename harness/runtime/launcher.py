@@ -3,8 +3,9 @@
 * one rank: `python -m harness.runtime.worker`; on a CPU host forked from the worker zygote, which
   has imported the training stack once (`harness.runtime.zygote`; HARNESS_ZYGOTE=0: a fresh
   interpreter each);
-* several ranks: `torchrun` or DeepSpeed's launcher, as the case says (gloo on a CPU; on a CPU a
-  case measured on one rank runs its worker as a single rank does);
+* several ranks: on a GPU host `torchrun` or DeepSpeed's launcher, as the case says; on a CPU host
+  the launcher starts the ranks itself, each forked from the zygote with the environment torchrun
+  gives it (`harness.runtime.ranks`; gloo);
 * several independent jobs sharing one card (guide 004): that many concurrent workers, each with
   its slot number, started together so they compete for the card as they do in production.
 
@@ -31,7 +32,8 @@ from pathlib import Path
 from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
 from harness.runtime import compile_cache, jit_locks, process_tree, zygote
 from harness.runtime.platform import Platform, parse_oom
-from harness.runtime.rank_deaths import unreported_death
+from harness.runtime.rank_deaths import RankDeath, deaths, unreported_death
+from harness.runtime.ranks import RankGroup, rank_env
 from harness.runtime.reports import EXIT_NO_REPORT, REPORT_NOT_WRITTEN
 from harness.spec.schema import Case
 from harness.spec.variants import Variant
@@ -51,13 +53,15 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    """One process the launcher starts (a single worker, or torchrun/deepspeed for all ranks).
+    """One job the launcher starts: a single worker, torchrun/deepspeed for all ranks (GPU hosts), or
+    `ranks` processes of argv, each with its rank's environment (CPU hosts: `harness.runtime.ranks`).
     `preloaded`: forked from the worker zygote instead of a fresh interpreter (argv is then
     `python -m MODULE ...`; CPU hosts only: a process that initialised CUDA cannot be forked)."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     preloaded: bool = False
+    ranks: int = 1
 
 
 def worker_args(case_path: Path, fidelity: str, out_dir: Path, steps: int | None, slot: int,
@@ -104,21 +108,17 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         base_env["TRITON_CACHE_DIR"] = str(compile_cache.fresh(out_dir / COLD_TRITON_CACHE))
     jobs: list[Job] = []
     launcher = case.launch.launcher
-    if platform == Platform.cpu and ranks == 1:
-        # one rank needs no rank launcher: the worker itself, with the environment torchrun would
-        # give its only rank (forked from the zygote, instead of torchrun's interpreter and a fresh one)
+    if platform == Platform.cpu:
+        # a CPU host needs no rank launcher: the launcher starts each rank itself with the environment
+        # torchrun gives it, forked from the zygote instead of torchrun's interpreter and a fresh one
+        # per rank (DeepSpeed's runner would count accelerators to place ranks, and find none)
         launcher = "python"
-    elif launcher == "deepspeed" and platform == Platform.cpu:
-        # DeepSpeed's runner counts accelerators to place ranks and finds none on a CPU; torchrun
-        # starts the same worker processes with the same RANK/WORLD_SIZE/LOCAL_RANK environment.
-        launcher = "torchrun"
     for slot in range(case.launch.procs_per_card):
         wargs = worker_args(case_path, fidelity, out_dir, steps, slot, emulate_card_bytes, variant)
         port = str(free_port())
         if launcher == "python":
-            env = dict(base_env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            jobs.append(Job([py, "-m", WORKER, *wargs], env, preloaded=platform == Platform.cpu and zygote.enabled()))
+            jobs.append(Job([py, "-m", WORKER, *wargs], dict(base_env, **rank_env(0, ranks, port)),
+                            preloaded=platform == Platform.cpu and zygote.enabled(), ranks=ranks))
         elif launcher == "torchrun":
             jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                              "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
@@ -129,13 +129,21 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
     return jobs
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill a job and everything it started (torchrun's ranks live in sessions of their own)."""
-    process_tree.kill(process_tree.tree(proc.pid))
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the tree walk misses what is already reparented
-    except ProcessLookupError:
-        pass
+def _kill_group(proc) -> None:
+    """Kill a job and everything it started (torchrun's ranks, and the launcher's own, live in
+    sessions of their own)."""
+    if isinstance(proc, RankGroup):
+        proc.mark_killed()
+    for pid in proc.pids if isinstance(proc, RankGroup) else [proc.pid]:
+        process_tree.kill(process_tree.tree(pid))
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the tree walk misses what is already reparented
+        except ProcessLookupError:
+            pass
+
+
+def _pids(proc) -> list[int]:
+    return proc.pids if isinstance(proc, RankGroup) else [proc.pid]
 
 
 @contextlib.contextmanager
@@ -149,7 +157,7 @@ def _reaped(procs: list[subprocess.Popen]):
             _kill_group(proc)
             proc.wait()
         with _running_lock:
-            _running.difference_update(p.pid for p in procs)
+            _running.difference_update(pid for p in procs for pid in _pids(p))
         raise
 
 
@@ -208,7 +216,27 @@ def starting_nothing():
 
 
 def _start(job: Job, env: dict[str, str], log):
-    """Start a job in a session of its own, its output on the case's log: forked from the worker
+    """Start a job, its output on the case's log: one process in a session of its own, or for a job
+    of several ranks one such process per rank, waited on and killed as one (`RankGroup`)."""
+    if job.ranks == 1:
+        return _start_one(job, env, log)
+    port = env.get("MASTER_PORT") or str(free_port())
+    ranks = []
+    try:
+        for rank in range(job.ranks):
+            ranks.append(_start_one(job, {**env, **rank_env(rank, job.ranks, port)}, log))
+    except BaseException:
+        for proc in ranks:
+            _kill_group(proc)
+            proc.wait()
+        with _running_lock:
+            _running.difference_update(p.pid for p in ranks)
+        raise
+    return RankGroup(ranks, say=lambda line: _note(log, line))
+
+
+def _start_one(job: Job, env: dict[str, str], log):
+    """One process in a session of its own, its output on the case's log: forked from the worker
     zygote where the job asks for it and the zygote works, else in a fresh interpreter."""
     with _running_lock:
         if job.preloaded:
@@ -311,26 +339,30 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
         for who, _, dump in stuck:  # on a full disk they stay in their own files
             _note(log, f"the stacks of {who} before the timeout:\n{dump}")
     with _running_lock:
-        _running.difference_update(p.pid for p in procs)
+        _running.difference_update(pid for p in procs for pid in _pids(p))
     wall = time.monotonic() - started
-    codes = [p.returncode for p in procs]
+    job_codes = [p.returncode for p in procs]  # a rank group's: its first failed rank's
+    codes = [code for p in procs for code in (p.returncodes if isinstance(p, RankGroup) else [p.returncode])]
+    seen = [death for p in procs if isinstance(p, RankGroup) for death in p.deaths]
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
     ranks, unreadable = _read_reports(out_dir)
     run = CaseRun(case_id=case_id, fidelity=fidelity, command=jobs[0].argv if jobs else [],
-                  returncode=max(codes, key=abs) if codes else None, wall_s=wall, ranks=ranks,
+                  returncode=max(job_codes, key=abs) if job_codes else None, wall_s=wall, ranks=ranks,
                   log_tail=log_text[-6000:], run_dir=str(out_dir),
                   emulated_card_bytes=ballast_leave_bytes, card_free_at_start=card_free)
     run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports,
-                         [(who, where) for who, where, _ in stuck], unreadable)
+                         [(who, where) for who, where, _ in stuck], unreadable, seen)
     return run
 
 
 def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[RankReport], log: str,
-             expected_reports: int, stuck: list[tuple[str, str]] = (), unreadable: list[str] = ()) -> ErrorInfo | None:
+             expected_reports: int, stuck: list[tuple[str, str]] = (), unreadable: list[str] = (),
+             seen: list[RankDeath] = ()) -> ErrorInfo | None:
     """Turn what the processes left behind into one error (or None when all went well).
     Errors the workers wrote themselves stay in their rank reports; this covers the rest.
     `stuck`: (who, where) of each rank that dumped its stacks before a timeout; `unreadable`: a line
-    for each report that could not be read."""
+    for each report that could not be read; `seen`: the failed ranks of the launcher's own rank
+    groups (the others' come from what torchrun or DeepSpeed's launcher printed)."""
     if timed_out:
         message = f"no result after {timeout_s:.0f} s; every process of the run was killed"
         progress = _last_progress(log)
@@ -349,7 +381,7 @@ def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[Ra
                          message=f"{said or f'a worker exited {EXIT_NO_REPORT}: it could not write its report'}; "
                                  "what it measured is lost: free space in the run's folder or point the run at "
                                  "another one")
-    death = unreported_death(log, {r.rank for r in ranks}, expected_reports)
+    death = unreported_death([*seen, *deaths(log)], {r.rank for r in ranks}, expected_reports)
     if death is not None:
         # a rank that died without a report (killed, or failed before it could write one)
         kind = Failure.host_oom if death.signal_name == "SIGKILL" else Failure.crash

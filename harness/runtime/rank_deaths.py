@@ -1,4 +1,4 @@
-"""Which rank of a multi-rank run died, and of what, read from its launcher's summary.
+"""Which rank of a multi-rank run died, and of what: read from its launcher's summary, or seen by the harness.
 
 torchrun and DeepSpeed's launcher exit 1 whatever killed a rank, and stop the other ranks
 themselves; the rank that was killed (the kernel's OOM killer, a segfault in a kernel, a `kill -9`)
@@ -7,7 +7,8 @@ writes no report. What they print names it: torchrun a block per failed rank wit
 exits with return code = -9", with the command of its last rank whichever failed, so the rank is
 the one without a report (the others write theirs when the launcher stops them). A case that fails
 this way is reported as that rank and its signal, not as the error the surviving ranks saw once
-their peer was gone ("Connection closed by peer").
+their peer was gone ("Connection closed by peer"). Ranks the harness starts itself (CPU hosts,
+`harness.runtime.ranks`) need no summary: their exit status names the rank.
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def deaths(log: str) -> list[RankDeath]:
     return sorted(found.values(), key=lambda d: d.rank != root)
 
 
-def unreported_death(log: str, reported_ranks: set[int], world: int) -> RankDeath | None:
+def unreported_death(found: list[RankDeath], reported_ranks: set[int], world: int) -> RankDeath | None:
     """The rank to blame for a run its launcher stopped: one that died without writing its report,
     of a signal other than the SIGTERM the launcher stops the others with. torchrun's "Root Cause"
     is the earliest exit it saw, which is not always the cause: a rank that reported its peer's
     death and aborted in gloo's shutdown (SIGABRT) was once stamped in the same second as the peer
-    the kernel had killed."""
-    candidates = [d for d in deaths(log) if d.rank not in reported_ranks]
+    the kernel had killed. `found`: the failed ranks (`deaths` of a launcher's summary, and those
+    the harness saw fail itself)."""
+    candidates = [d for d in found if d.rank not in reported_ranks]
     candidates.sort(key=lambda d: (d.signal_name is None, d.signal_name == "SIGTERM"))
     if not candidates:
         return None

@@ -28,6 +28,12 @@ a resource-tracker process as well; and the exit status comes back only through 
 
 If the harness dies, the zygote's socket closes and it exits; its children are workers that exit
 with their owner (`harness.runtime.process_tree.exit_with_owner`).
+
+Other harness processes can use a running zygote instead of starting their own (its imports are
+6-7 CPU-s): it also listens on a Unix socket in a private folder (`address`), and a harness started
+with `SOCKET_ENV` naming it connects there. Each job's exit code goes back to the harness that asked
+for it, and each job still gets that harness's environment, folder and log, and exits with it; the
+zygote stays the process of the harness that started it, and exits with it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import gc
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +63,7 @@ PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "deepspeed", "fla", 
            "harness.runtime.measurement", "harness.runtime.probe", "harness.runtime.data",
            "harness.spec.dsconfig", "harness.measure.flops")
 ENABLE_ENV = "HARNESS_ZYGOTE"  # "0": every worker in a fresh interpreter
+SOCKET_ENV = "HARNESS_ZYGOTE_SOCKET"  # the address of a running zygote to use instead of starting one
 PRELOAD_ENV = "HARNESS_ZYGOTE_PRELOAD"  # comma-separated modules instead of PRELOAD
 EXIT_LOST = 255  # a job whose exit code was lost with the zygote
 _MESSAGE = 1 << 20  # bytes: a job's environment fits many times over
@@ -99,15 +107,26 @@ class Zygote:
     """One zygote process and the jobs it forked. Start it early (`warm`): its imports run in the
     background, and `start` waits for them only if they have not finished."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_timeout_s: float = 300):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = ours
-        self._errors = tempfile.TemporaryFile()  # what the zygote itself prints (import warnings)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(preload)],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._errors, stderr=subprocess.STDOUT,
-            start_new_session=True)  # a Ctrl-C at the terminal is for the harness, which then stops the jobs
-        theirs.close()
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_timeout_s: float = 300, address: str | None = None):
+        """Start a zygote, or with `address` connect to one another harness started (OSError if
+        nothing listens there)."""
+        self._proc = self._errors = None
+        if address:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self._sock.connect(address)
+            except OSError:
+                self._sock.close()
+                raise
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._sock = ours
+            self._errors = tempfile.TemporaryFile()  # what the zygote itself prints (import warnings)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(preload)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._errors, stderr=subprocess.STDOUT,
+                start_new_session=True)  # a Ctrl-C at the terminal is for the harness, which then stops the jobs
+            theirs.close()
         self._lock = threading.Lock()  # the children and early exits
         self._send_lock = threading.Lock()  # one request at a time: the zygote answers them in order
         self._started: list[int] = []
@@ -122,8 +141,14 @@ class Zygote:
         self._reader.start()
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else self.info.get("ready")
+
+    def address(self) -> str | None:
+        """Where other harness processes reach this zygote (`SOCKET_ENV`), once it is ready."""
+        if not self._ready.wait(self.ready_timeout_s) or self._gone.is_set():
+            return None
+        return self.info.get("socket")
 
     def _read(self) -> None:
         while True:
@@ -164,6 +189,8 @@ class Zygote:
             child._exited(EXIT_LOST)
 
     def _said(self) -> str:
+        if self._errors is None:  # another harness's zygote: what it printed is in that harness's file
+            return ""
         with contextlib.suppress(OSError):
             self._errors.seek(0)
             lines = self._errors.read().decode(errors="replace").strip().splitlines()
@@ -199,10 +226,12 @@ class Zygote:
         return child
 
     def close(self) -> None:
-        """Stop the zygote (its running children are the launcher's to stop)."""
+        """Stop the zygote, or let go of another harness's (running children are the launcher's to stop)."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        if self._proc is None:
+            return
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -216,12 +245,18 @@ _shared_lock = threading.Lock()
 
 
 def shared() -> Zygote:
-    """This harness process's zygote, started on first use (and again if it died)."""
+    """This harness process's zygote, started on first use (and again if it died): the one
+    `SOCKET_ENV` names where it answers, else one of its own."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared._gone.is_set():
-            names = os.environ.get(PRELOAD_ENV)
-            _shared = Zygote(tuple(names.split(",")) if names else PRELOAD)
+            _shared = None
+            if os.environ.get(SOCKET_ENV):
+                with contextlib.suppress(OSError):
+                    _shared = Zygote(address=os.environ[SOCKET_ENV])
+            if _shared is None:
+                names = os.environ.get(PRELOAD_ENV)
+                _shared = Zygote(tuple(names.split(",")) if names else PRELOAD)
         return _shared
 
 
@@ -261,8 +296,9 @@ def _preload(names: list[str]) -> tuple[list[str], dict[str, str]]:
     return loaded, failed
 
 
-def _serve(sock: socket.socket) -> tuple[dict, int] | None:
-    """Fork a child per request until the harness closes the socket. Returns only in a child: its
+def _serve(owner: socket.socket, listener: socket.socket, ready: dict) -> tuple[dict, int] | None:
+    """Fork a child per request, from the harness that started the zygote (`owner`) or one that
+    connected to `listener`, until the owner closes its socket. Returns only in a child: its
     request and the log's file descriptor."""
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
@@ -271,8 +307,11 @@ def _serve(sock: socket.socket) -> tuple[dict, int] | None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(sig_w)
     selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ)
+    selector.register(owner, selectors.EVENT_READ)
+    selector.register(listener, selectors.EVENT_READ)
     selector.register(sig_r, selectors.EVENT_READ)
+    clients = [owner]
+    asked_by: dict[int, socket.socket] = {}  # a child's pid: the harness its exit code goes to
     while True:
         for key, _ in selector.select():
             if key.fileobj is sig_r:
@@ -286,14 +325,28 @@ def _serve(sock: socket.socket) -> tuple[dict, int] | None:
                     if pid == 0:
                         break
                     with contextlib.suppress(OSError):
-                        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+                        asked_by.pop(pid, owner).send(
+                            json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
                 continue
+            if key.fileobj is listener:
+                with contextlib.suppress(OSError):
+                    conn, _ = listener.accept()
+                    selector.register(conn, selectors.EVENT_READ)
+                    clients.append(conn)
+                    conn.send(json.dumps(ready).encode())
+                continue
+            conn = key.fileobj
             try:
-                data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 1)
+                data, fds, _, _ = socket.recv_fds(conn, _MESSAGE, 1)
             except OSError:
                 data, fds = b"", []
-            if not data:  # the harness closed the socket or died
-                return None
+            if not data:  # that harness closed the socket or died
+                if conn is owner:
+                    return None
+                selector.unregister(conn)
+                clients.remove(conn)
+                conn.close()
+                continue
             request = json.loads(data)
             pid = os.fork()
             if pid == 0:
@@ -303,11 +356,14 @@ def _serve(sock: socket.socket) -> tuple[dict, int] | None:
                 selector.close()
                 os.close(sig_r)
                 os.close(sig_w)
-                sock.close()
+                for sock in (*clients, listener):
+                    sock.close()
                 return request, fds[0]
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"started": pid}).encode())
+            asked_by[pid] = conn
+            with contextlib.suppress(OSError):
+                conn.send(json.dumps({"started": pid}).encode())
 
 
 def _become(request: dict, log_fd: int) -> None:
@@ -339,9 +395,19 @@ def main(argv: list[str]) -> None:
     # what the imports made stays out of the children's garbage collections: a collection writes to
     # every object it visits, and each page it writes is copied into the child (copy-on-write)
     gc.freeze()
-    sock.send(json.dumps({"ready": os.getpid(), "loaded": loaded, "failed": failed,
-                          "threads": threading.active_count(), "at": time.time()}).encode())
-    job = _serve(sock)
+    folder = tempfile.mkdtemp(prefix="oom-harness-zygote-")  # 0700: only this user's harnesses connect
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(os.path.join(folder, "socket"))
+    listener.listen()
+    ready = {"ready": os.getpid(), "loaded": loaded, "failed": failed, "threads": threading.active_count(),
+             "at": time.time(), "socket": listener.getsockname()}
+    sock.send(json.dumps(ready).encode())
+    try:
+        job = _serve(sock, listener, ready)
+    finally:
+        if os.getpid() == ready["ready"]:  # the zygote, not a child leaving to run its job
+            listener.close()
+            shutil.rmtree(folder, ignore_errors=True)
     if job is None:
         return
     request, log_fd = job

@@ -1,0 +1,32 @@
+"""pytest-xdist's `--dist loadgroup` with the case items as one group, on any pytest.
+
+The case items must run in one worker: the session that runs them starts the selected tiny runs
+in the background and lends one case's run to another case's claims, and in two workers each
+would run every case. xdist groups by the `xdist_group` mark, which its worker writes into the
+item's node id; pytest 9.2 keeps node ids where xdist 3.8 no longer writes, so the marks are lost
+and the groups with them. This scheduler puts every item collected from the case folder into one
+group from its node id alone, and keeps xdist's groups for the other items.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xdist.scheduler import LoadGroupScheduling
+
+GROUP = "oom-harness-cases"  # also the case items' xdist_group mark
+
+
+class CaseGroupScheduling(LoadGroupScheduling):
+    """xdist's load-group scheduling, with every item of the case folder in `GROUP`."""
+
+    def __init__(self, config, log=None, case_dir: Path | None = None):
+        super().__init__(config, log)
+        self._root = Path(config.rootpath)
+        self._case_dir = case_dir
+
+    def _split_scope(self, nodeid: str) -> str:
+        file = nodeid.split("::", 1)[0]
+        if self._case_dir is not None and (self._root / file).resolve().parent == self._case_dir:
+            return GROUP
+        return super()._split_scope(nodeid)
