@@ -95,7 +95,11 @@ def test_kind_of_the_bundled_cases():
     kind = ConfigKind.of(load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"))
     assert kind == ConfigKind("lora", 3, "optimizer+param", "non-reentrant")
     assert ConfigKind.of(load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")) == ConfigKind(
-        "qlora", 0, "none", "reentrant")
+        "qlora", 0, "none", "reentrant", path="peft")
+    # the two stacks' QLoRA paths are apart in memory, and so in their margins' groups
+    lf = ConfigKind.of(load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc-llamafactory.yaml"))
+    assert lf.path == "llamafactory" and lf.method_path != ConfigKind.of(
+        load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")).method_path
     assert ConfigKind.of(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml")).offload == "optimizer"
 
 
@@ -115,8 +119,8 @@ def test_every_prediction_carries_its_margin():
     case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
     p = predict(case, platform="nvidia-h100-80gb-hbm3-x1")
     assert p.margin == margin_for(case)
-    assert p.margin.kind == ConfigKind("qlora", 0, "none", "reentrant")
-    said = f"margin {p.margin.fraction:.1%} (QLoRA, no DeepSpeed, reentrant checkpointing"
+    assert p.margin.kind == ConfigKind("qlora", 0, "none", "reentrant", path="peft")
+    said = f"margin {p.margin.fraction:.1%} (QLoRA (peft's k-bit path), no DeepSpeed, reentrant checkpointing"
     assert any(n.startswith(said) for n in p.notes)
 
 

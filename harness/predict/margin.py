@@ -56,6 +56,13 @@ class ConfigKind:
     zero: int  # ZeRO stage, 0 without DeepSpeed
     offload: str  # none, optimizer, optimizer+param
     checkpointing: str  # off, reentrant, non-reentrant
+    # QLoRA only: the stack's k-bit path (peft's preparation upcasts what is not 4-bit to fp32,
+    # LLaMA-Factory's keeps it in the compute dtype: GiBs apart on a 7B, and so are their errors)
+    path: str = ""
+
+    @property
+    def method_path(self) -> str:
+        return f"{self.method}/{self.path}" if self.path else self.method
 
     @classmethod
     def of(cls, case: Case) -> ConfigKind:
@@ -70,10 +77,13 @@ class ConfigKind:
         gc = "off"
         if case.train.gradient_checkpointing:
             gc = "reentrant" if reentrant_checkpointing(case) else "non-reentrant"
-        return cls(method=case.method.kind, zero=0 if ds is None else ds.stage, offload=offload, checkpointing=gc)
+        path = case.stack.value if case.method.kind == "qlora" else ""
+        return cls(method=case.method.kind, zero=0 if ds is None else ds.stage, offload=offload, checkpointing=gc,
+                   path=path)
 
     def label(self) -> str:
         method = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune"}.get(self.method, self.method)
+        method += {"peft": " (peft's k-bit path)", "llamafactory": " (LLaMA-Factory's path)"}.get(self.path, "")
         zero = "no DeepSpeed" if self.zero == 0 else f"ZeRO-{self.zero}"
         offload = "" if self.offload == "none" else f", {self.offload} offload"
         gc = "no checkpointing" if self.checkpointing == "off" else f"{self.checkpointing} checkpointing"
@@ -82,8 +92,8 @@ class ConfigKind:
 
 # From the narrowest group to every run: (its name, what of a kind it matches on).
 LEVELS: tuple[tuple[str, Callable[[ConfigKind], tuple]], ...] = (
-    ("this kind", lambda k: (k.method, k.zero, k.offload, k.checkpointing)),
-    ("same method, ZeRO stage and offload", lambda k: (k.method, k.zero, k.offload)),
+    ("this kind", lambda k: (k.method_path, k.zero, k.offload, k.checkpointing)),
+    ("same method, ZeRO stage and offload", lambda k: (k.method_path, k.zero, k.offload)),
     ("same method and ZeRO stage", lambda k: (k.method, k.zero)),
     ("same method", lambda k: (k.method,)),
     ("every config", lambda k: ()),
