@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from harness.models.registry import TINY_HEAD_DIM, TINY_VOCAB, Architecture, tiny_config
+from harness.models.registry import TINY_HEAD_DIM, TINY_VOCAB, Architecture, hf_config, tiny_config
 from harness.models.source import load_model, model_label
-from harness.runtime.build import _hf_config, model_config_dict
+from harness.runtime.build import model_config_dict
 from harness.spec.cases import CASES_DIR, CaseError, load_case
 from harness.spec.shape import run_shape
 from harness.spec.variants import parse_variant
@@ -107,7 +107,7 @@ def test_gemma2_keeps_its_attention_wider_than_the_hidden_size():
 
 @pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-1b"])
 def test_tiny_models_keep_both_sliding_and_global_attention(name):
-    hf = _hf_config(tiny_config(_arch(name), 64))
+    hf = hf_config(tiny_config(_arch(name), 64))
     assert set(hf.layer_types) == {"sliding_attention", "full_attention"}
 
 
@@ -121,7 +121,7 @@ def test_phi3_longrope_keeps_one_factor_per_tiny_frequency():
 def test_tiny_models_of_every_family_build_and_train_a_step(name):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(_hf_config(tiny_config(_arch(name), 32)))
+    model = AutoModelForCausalLM.from_config(hf_config(tiny_config(_arch(name), 32)))
     assert type(model).__name__ == FAMILIES[name]["architectures"][0]
     ids = torch.randint(0, TINY_VOCAB, (2, 32))
     out = model(input_ids=ids, labels=ids)
@@ -216,7 +216,7 @@ def test_model_flops_count_the_experts_a_token_is_routed_to(name):
     from harness.measure.flops import linear_weight_count
 
     cfg = tiny_config(_arch(name), 32)
-    model = AutoModelForCausalLM.from_config(_hf_config(cfg))
+    model = AutoModelForCausalLM.from_config(hf_config(cfg))
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
     stacked = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.shape[0] == experts)
     assert stacked > 0  # the experts' projections are 3-D parameters, not nn.Linear

@@ -13,9 +13,9 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from harness.models.registry import load_architecture, tiny_config
+from harness.models.registry import hf_config, load_architecture, tiny_config
 from harness.predict.reference import estimator_errors, reference_estimates
-from harness.predict.reference.counts import config_counts, hf_config, model_counts
+from harness.predict.reference.counts import config_counts, model_counts
 from harness.predict.reference.llamafactory_table import GB, TABLE, row_for
 from harness.spec.schema import Case
 

@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from harness.models.registry import TINY_VOCAB, known_architectures, load_architecture, tiny_config, truncated_config
-from harness.runtime.build import _hf_config
+from harness.models.registry import (
+    TINY_VOCAB,
+    hf_config,
+    known_architectures,
+    load_architecture,
+    tiny_config,
+    truncated_config,
+)
 
 ARCHS = known_architectures()
 
@@ -66,7 +72,7 @@ def test_tiny_models_build_and_compute_a_loss(name):
         from harness.models import fla_cpu
 
         fla_cpu.apply()
-    model = AutoModelForCausalLM.from_config(_hf_config(cfg))
+    model = AutoModelForCausalLM.from_config(hf_config(cfg))
     ids = torch.randint(0, TINY_VOCAB, (2, 32))
     out = model(input_ids=ids, labels=ids)
     assert torch.isfinite(out.loss)

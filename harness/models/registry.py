@@ -51,6 +51,19 @@ def load_architecture(name: str) -> Architecture:
     return Architecture(name=name, source=data["_source"], config=config)
 
 
+
+def hf_config(config: dict):
+    """A transformers config object from a config dict (the registry's, a config.json's, a tiny or
+    truncated one): what every model the harness builds, traces or sizes is made from."""
+    from transformers import AutoConfig
+
+    if config["model_type"] == "gla":
+        import fla  # noqa: F401  registers GLA with the transformers Auto classes
+    cfg = dict(config)
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
 # --- The tiny rule ------------------------------------------------------------------------------
 # Same model class and code path, shrunk: GQA kept as GQA (same query/key-value head ratio where it
 # fits), tied embeddings kept tied, explicit head_dim kept explicit, every kind of layer (sliding and

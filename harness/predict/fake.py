@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from harness.measure.trackers import LiveTensorTracker
-from harness.models.registry import Architecture, truncated_config
+from harness.models.registry import Architecture, hf_config, truncated_config
 from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.spec.schema import Precision, Stack
 
@@ -24,16 +24,10 @@ DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precisi
 
 
 def _hf_model(config: dict, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = dict(config)
-    if cfg["model_type"] == "gla":
-        import fla  # noqa: F401  registers GLA with the Auto classes
-    cfg.pop("architectures", None)
-    cfg.pop("torch_dtype", None)
-    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf, dtype=dtype)
+        return AutoModelForCausalLM.from_config(hf_config(config), dtype=dtype)
 
 
 def _dequantize(shape, dtype, device):

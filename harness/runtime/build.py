@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from harness.models.registry import tiny_config, truncated_config
+from harness.models.registry import hf_config, tiny_config, truncated_config
 from harness.models.source import load_model
 from harness.spec.schema import Case, Precision, Stack
 
@@ -54,17 +54,6 @@ def model_config_dict(case: Case, fidelity: str, seq_len: int, layers: int | Non
     return dict(arch.config)
 
 
-def _hf_config(config_dict: dict):
-    from transformers import AutoConfig
-
-    if config_dict["model_type"] == "gla":
-        import fla  # noqa: F401  registers GLA with the transformers Auto classes
-    cfg = dict(config_dict)
-    cfg.pop("architectures", None)
-    cfg.pop("torch_dtype", None)
-    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-
-
 def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.device) -> Path:
     """A folder holding config.json and random weights of this config, written once and cached."""
     from transformers import AutoModelForCausalLM
@@ -89,7 +78,7 @@ def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.devi
             tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
             torch.manual_seed(0)
             with torch.device(device):  # random init is fast on an accelerator
-                model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype)
             model.save_pretrained(tmp)
             del model
             if device.type == "cuda":
@@ -203,13 +192,13 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             _enable_checkpointing(model, reentrant=_reentrant(case))
     else:
         if hf_ds_config is not None:  # built inside zero.Init: each rank holds its partition
-            model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype)
         else:
             # Built where it trains. Random init of a 7-8B model on one CPU thread takes minutes; on
             # the card it takes a second and allocates the same tensors in the same order as
             # `.to(device)` would (the initialisers write in place).
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(_hf_config(config_dict), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype)
         if case.train.gradient_checkpointing:
             _enable_checkpointing(model, reentrant=_reentrant(case))
     if checkpointing_active(model) != case.train.gradient_checkpointing:

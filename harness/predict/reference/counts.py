@@ -22,7 +22,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from harness.models.registry import truncated_config
+from harness.models.registry import hf_config, truncated_config
 from harness.models.source import load_model
 from harness.spec.schema import Case
 
@@ -75,14 +75,3 @@ def _counts(config_json: str) -> ModelCounts:
     return ModelCounts(total_params=total, largest_layer_params=largest,
                        accelerate_total_bytes=int(acc_total), accelerate_largest_layer_bytes=int(acc_largest))
 
-
-def hf_config(config: dict):
-    """A transformers config object from a config dict, as the predictor builds models from it."""
-    from transformers import AutoConfig
-
-    cfg = dict(config)
-    if cfg["model_type"] == "gla":
-        import fla  # noqa: F401  registers GLA with the Auto classes
-    cfg.pop("architectures", None)
-    cfg.pop("torch_dtype", None)
-    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
