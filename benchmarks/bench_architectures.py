@@ -52,13 +52,12 @@ def arch_of(case) -> str:
 
 def collect() -> list[Row]:
     from harness.baselines.store import load_baselines
+    from harness.predict.errors import SOURCES  # the runs the margins are drawn from
     from harness.predict.predictor import predict
     from harness.spec.cases import load_case
-    from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR, BASELINES_DIR, CASES_DIR
 
     found = []
-    for suite, baselines_dir, case_dir in (("guides", BASELINES_DIR, CASES_DIR),
-                                           ("architectures", ARCH_BASELINES_DIR, ARCH_CASES_DIR)):
+    for suite, (baselines_dir, case_dir) in zip(("guides", "architectures"), SOURCES, strict=True):
         cases = {p.stem: load_case(p) for p in sorted(case_dir.glob("*.yaml"))}
         for b in load_baselines(baselines_dir):
             case = cases[b.case_id]
