@@ -129,21 +129,21 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
     return jobs
 
 
+def _pids(proc) -> list[int]:
+    return proc.pids if isinstance(proc, RankGroup) else [proc.pid]
+
+
 def _kill_group(proc) -> None:
     """Kill a job and everything it started (torchrun's ranks, and the launcher's own, live in
     sessions of their own)."""
     if isinstance(proc, RankGroup):
         proc.mark_killed()
-    for pid in proc.pids if isinstance(proc, RankGroup) else [proc.pid]:
+    for pid in _pids(proc):
         process_tree.kill(process_tree.tree(pid))
         try:
             os.killpg(pid, signal.SIGKILL)  # the tree walk misses what is already reparented
         except ProcessLookupError:
             pass
-
-
-def _pids(proc) -> list[int]:
-    return proc.pids if isinstance(proc, RankGroup) else [proc.pid]
 
 
 @contextlib.contextmanager
@@ -222,16 +222,9 @@ def _start(job: Job, env: dict[str, str], log):
         return _start_one(job, env, log)
     port = env.get("MASTER_PORT") or str(free_port())
     ranks = []
-    try:
+    with _reaped(ranks):  # a rank that fails to start takes the ones started before it down
         for rank in range(job.ranks):
             ranks.append(_start_one(job, {**env, **rank_env(rank, job.ranks, port)}, log))
-    except BaseException:
-        for proc in ranks:
-            _kill_group(proc)
-            proc.wait()
-        with _running_lock:
-            _running.difference_update(p.pid for p in ranks)
-        raise
     return RankGroup(ranks, say=lambda line: _note(log, line))
 
 
