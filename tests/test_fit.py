@@ -189,3 +189,20 @@ def test_when_nothing_fits_the_hint_offers_only_what_was_not_searched(capsys, al
     _report_none(found, False, allowed)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(hint)
+
+
+def test_guide_004s_jobs_get_a_config_that_survives_compiling_their_kernels(tmp_path, capsys):
+    """Two jobs per 23.52 GiB card: as written they fit only once fla's Triton kernels are compiled on
+    the host; judged on a first launch (the default), fit turns checkpointing on and keeps the batch."""
+    job = ["--gpu-memory", "23.52GiB", "--gpus", "7", "--procs-per-gpu", "2"]
+    config = DATA / "fit" / "004-gla-failing.json"
+    code, out = _fit(capsys, config, *job, "--out", tmp_path / "cold")
+    assert code == 0 and not out["input"]["fits"] and out["fits"]
+    written = json.loads(next(Path(f) for f in out["files"] if f.endswith(".json")).read_text())
+    assert written["gradient_checkpointing"] is True
+    assert written["per_device_train_batch_size"] * written["gradient_accumulation_steps"] == 4
+    assert run_check(Path(out["files"][0]), JobSpec(gpus=7, gpu_memory=int(23.52 * GIB), procs_per_gpu=2)).fits
+
+    code, out = _fit(capsys, config, *job, "--triton-cache", "warm", "--out", tmp_path / "warm")
+    assert code == 0 and out["input"]["fits"]  # a host that has compiled them: the config as written
+    assert {c[0] for c in out["changes"]} == {"launch.sh: PYTORCH_CUDA_ALLOC_CONF"}

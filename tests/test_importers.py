@@ -418,3 +418,42 @@ def test_scan_accepts_deepspeed_first(tmp_path):
         "dschf = HfDeepSpeedConfig('ds.json')\n"
         "model = AutoModelForCausalLM.from_pretrained('m')\n")
     assert scan_init_order(script).order == "deepspeed_first"
+
+
+# --- The Triton kernel cache a job starts with ------------------------------------------------------
+
+FIT_DATA = ROOT / "tests" / "data" / "fit"
+
+
+def test_a_training_config_is_judged_on_its_first_launch_unless_told_warm():
+    """Guide 004's jobs ran out of memory compiling fla's kernels on their first launch; an imported
+    config does not say whether the host has them, so it is predicted cold, and the note says how to
+    ask for a warm cache."""
+    spec = JobSpec(gpus=7, gpu_memory=parse_size("23.52GiB"), procs_per_gpu=2)
+    cold = import_config(FIT_DATA / "004-gla-failing.json", spec)
+    assert cold.case.launch.triton_cache == "cold"
+    assert any("cold Triton cache" in n and "--triton-cache warm" in n for n in cold.notes)
+    warm = import_config(FIT_DATA / "004-gla-failing.json", JobSpec(**{**spec.__dict__, "triton_cache": "warm"}))
+    assert warm.case.launch.triton_cache == "shared"
+    assert any("warm Triton cache" in n and "--triton-cache" in n for n in warm.notes)
+
+
+def test_a_case_file_keeps_its_triton_cache_unless_the_flag_says():
+    path = ROOT / "cases" / "004-gla-plan-b-bs2.yaml"
+    assert import_config(path, JobSpec()).case.launch.triton_cache == "shared"
+    assert import_config(path, JobSpec(triton_cache="cold")).case.launch.triton_cache == "cold"
+    failing = ROOT / "cases" / "004-gla-failing-bs4-2procs.yaml"
+    assert import_config(failing, JobSpec()).case.launch.triton_cache == "cold"
+    assert import_config(failing, JobSpec(triton_cache="warm")).case.launch.triton_cache == "shared"
+
+
+def test_a_model_without_triton_kernels_gets_no_cache_note(tmp_path):
+    imported = import_config(write(tmp_path, "ta.json", TA_MIN), ONE)
+    assert not any("Triton" in n for n in imported.notes)
+
+
+def test_an_unknown_triton_cache_state_names_the_flag():
+    with pytest.raises(ConfigError) as err:
+        import_config(FIT_DATA / "004-gla-failing.json", JobSpec(gpus=1, gpu_memory=parse_size("24GiB"),
+                                                                  triton_cache="lukewarm"))
+    assert "--triton-cache" in str(err.value) and "cold, warm" in str(err.value)

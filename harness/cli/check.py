@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.cli.arguments import fraction, positive_int
 from harness.models.inputs import InputError
 from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
-from harness.premerge.importers import LAUNCHERS, ConfigError, JobSpec, parse_size_arg
+from harness.premerge.importers import LAUNCHERS, TRITON_CACHES, ConfigError, JobSpec, parse_size_arg
 
 
 def add_parser(subparsers) -> None:
@@ -47,6 +47,9 @@ def add_job_arguments(parser) -> None:
     parser.add_argument("--stack", choices=["peft", "llamafactory", "plain"], help="the training stack (see README)")
     parser.add_argument("--script", help="the training script, scanned for building the model before DeepSpeed")
     parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines")
+    parser.add_argument("--triton-cache", choices=list(TRITON_CACHES),
+                        help="Triton kernels (flash-linear-attention models) compiled at the start (cold: a job's "
+                             "first launch on a host, the default for a training config) or loaded (warm)")
 
 
 def spec_from_args(args) -> JobSpec:
@@ -62,6 +65,7 @@ def spec_from_args(args) -> JobSpec:
         deepspeed=None if args.deepspeed is None else Path(args.deepspeed),
         stack=args.stack,
         script=None if args.script is None else Path(args.script),
+        triton_cache=args.triton_cache,
     )
 
 

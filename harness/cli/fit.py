@@ -190,10 +190,16 @@ def _runners_table(found: Search) -> list[str]:
     return lines
 
 
+def _verdict_word(verdict: str) -> str:
+    """check's verdict inside a sentence: its capitalised head lowered, the figures (GiB) as they are."""
+    head, sep, rest = verdict.partition(" (")
+    return head.lower() + sep + rest
+
+
 def _table(found: Search, written: Written) -> str:
     base, best = found.base, found.best
     lines = [
-        f"{base.config.training.path}: {base.verdict.lower()}, {fmt_gib(base.card_peak)} per card predicted, "
+        f"{base.config.training.path}: {_verdict_word(base.verdict)}, {fmt_gib(base.card_peak)} per card predicted, "
         f"budget {fmt_gib(base.budget)}, about {found.base_tokens_per_s:.0f} tokens/s per card",
         f"fitted: {fmt_gib(best.result.card_peak)} per card predicted (budget {fmt_gib(best.result.budget)}), "
         f"about {best.tokens_per_s:.0f} tokens/s per card",

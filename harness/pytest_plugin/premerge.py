@@ -56,6 +56,7 @@ class PremergeSettings(BaseModel):
     stack: Literal["peft", "llamafactory", "plain"] | None = None
     script: str | None = None
     platform: str | None = None
+    triton_cache: Literal["cold", "warm"] | None = None
     expect: Literal["fits", "oom"] | None = None
     lints: list[str] | None = None  # error lints this config is expected to raise
 
@@ -157,7 +158,7 @@ def spec_of(entry: PremergeEntry) -> JobSpec:
     return JobSpec(gpus=s.gpus, gpu_memory=s.gpu_memory, procs_per_gpu=s.procs_per_gpu, headroom=s.headroom,
                    host_ram=s.host_ram, vendor=s.vendor, launcher=s.launcher, model=s.model,
                    deepspeed=None if s.deepspeed is None else base / s.deepspeed, stack=s.stack,
-                   script=None if s.script is None else base / s.script)
+                   script=None if s.script is None else base / s.script, triton_cache=s.triton_cache)
 
 
 def judge(entry: PremergeEntry, result: CheckResult) -> list[str]:

@@ -33,6 +33,7 @@ from harness.premerge.importers.llamafactory import import_llamafactory
 from harness.premerge.importers.reading import read_mapping, resolve_path
 from harness.premerge.importers.records import (
     LAUNCHERS,
+    TRITON_CACHES,
     ConfigFormat,
     DeepSpeedFile,
     ImportedConfig,
@@ -44,7 +45,7 @@ from harness.premerge.importers.training_args import import_training_args
 from harness.spec.units import parse_size
 
 __all__ = [
-    "LAUNCHERS", "ConfigError", "ConfigFormat", "DeepSpeedFile", "ImportedConfig", "InitOrder",
+    "LAUNCHERS", "TRITON_CACHES", "ConfigError", "ConfigFormat", "DeepSpeedFile", "ImportedConfig", "InitOrder",
     "JobSpec", "TrainingFile", "detect_format", "import_config", "parse_size_arg", "read_deepspeed", "read_mapping",
     "resolve_path", "scan_init_order",
 ]

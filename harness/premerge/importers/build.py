@@ -69,7 +69,7 @@ def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precisi
         "train": train,
         "deepspeed": None if ds is None else {k: v for k, v in ds.zero.items() if v is not None},
         "launch": {"launcher": case_launcher(launcher, ds is not None), "ranks": ranks,
-                   "procs_per_card": job.procs_per_gpu,
+                   "procs_per_card": job.procs_per_gpu, "triton_cache": job.triton_cache,
                    "init_order": init_order if ds is not None and ds.stage == 3 else "deepspeed_first"},
         "target": job.target(),
         "expect": {"outcome": "fits"},
@@ -85,6 +85,15 @@ def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precisi
         problems = "; ".join(_describe(e) for e in exc.errors())
         raise ConfigError(path, None, f"the settings do not make a consistent job: {problems}",
                           "change the settings named above") from None
+
+
+def triton_notes(arch, job: Job) -> list[str]:
+    """Which kernel cache a model with Triton kernels is predicted on, and where that came from."""
+    if arch is None or arch.model_type != "gla":
+        return []
+    state = "a cold Triton cache (compiling fla's kernels)" if job.triton_cache == "cold" else "a warm Triton cache"
+    other = "warm" if job.triton_cache == "cold" else "cold"
+    return [f"predicted on {state}: {job.triton_cache_from}; --triton-cache {other} predicts the other"]
 
 
 def assemble(case: Case | None, model: ModelRef, training: TrainingFile, ds: DeepSpeedFile | None, *, launcher: str,
@@ -104,6 +113,7 @@ def finish(path: Path, fmt: ConfigFormat, training: TrainingFile, model: ModelRe
     """A training format's settings, read, as an ImportedConfig (its case left out where unpredictable)."""
     if model.note:
         notes.append(model.note)
+    notes += triton_notes(model.arch, job)
     ranks = job.ranks(launcher, ds is not None, notes)
     unpredictable = None
     case = None

@@ -47,6 +47,7 @@ def import_case(path: Path, spec: JobSpec) -> ImportedConfig:
     if spec.gpus is not None or spec.procs_per_gpu is not None or spec.launcher is not None:
         ranks = job.ranks(launcher, has_ds, notes)
     data["launch"].update(launcher=case_launcher(launcher, has_ds), ranks=ranks, procs_per_card=job.procs_per_gpu,
+                          triton_cache=job.triton_cache,
                           init_order=init.order if has_ds and written.deepspeed.stage == 3 else "deepspeed_first")
     data["target"] = job.target(written.target.card.name if spec.gpu_memory is None else None)
     try:

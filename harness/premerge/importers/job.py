@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.premerge.importers.errors import ConfigError
-from harness.premerge.importers.records import LAUNCHERS, JobSpec
+from harness.premerge.importers.records import LAUNCHERS, TRITON_CACHES, JobSpec
 from harness.spec.schema import Case
 from harness.spec.units import fmt_gib
 
@@ -25,6 +25,11 @@ class Job:
     headroom: float
     host_ram: int | None
     vendor: str
+    # `launch.triton_cache`: 'cold' unless told otherwise. A merge gate judges a job's first launch on a
+    # host, which compiles flash-linear-attention's Triton kernels (guide 004's OOM); a warm cache is
+    # what a host that already ran the job has (--triton-cache warm).
+    triton_cache: str = "cold"
+    triton_cache_from: str = "not stated: a first launch on a host"
 
     def ranks(self, launcher: str, has_deepspeed: bool, notes: list[str]) -> int:
         """Ranks of one job: one per GPU, except jobs sharing cards, plain python, and plain DDP."""
@@ -64,7 +69,17 @@ def job_of(spec: JobSpec, path: Path, case: Case | None = None) -> Job:
         raise ConfigError(None, "--headroom", f"must be in (0, 1], got {headroom}", "e.g. --headroom 0.9")
     host_ram = spec.host_ram if spec.host_ram is not None else (case.target.host_ram if case else None)
     vendor = spec.vendor or (case.target.card.vendor if case else "nvidia")
-    return Job(gpus=gpus, gpu_memory=memory, procs_per_gpu=procs, headroom=headroom, host_ram=host_ram, vendor=vendor)
+    if spec.triton_cache is not None:
+        if spec.triton_cache not in TRITON_CACHES:
+            raise ConfigError(None, "--triton-cache", f"'{spec.triton_cache}' is not a cache state",
+                              f"use one of: {', '.join(TRITON_CACHES)}")
+        cache, cache_from = TRITON_CACHES[spec.triton_cache], "--triton-cache"
+    elif case is not None:
+        cache, cache_from = case.launch.triton_cache, "the case file's launch.triton_cache"
+    else:
+        cache, cache_from = Job.triton_cache, Job.triton_cache_from
+    return Job(gpus=gpus, gpu_memory=memory, procs_per_gpu=procs, headroom=headroom, host_ram=host_ram, vendor=vendor,
+               triton_cache=cache, triton_cache_from=cache_from)
 
 
 def launcher_of(spec: JobSpec, default: str, default_from: str) -> tuple[str, str]:

@@ -10,6 +10,8 @@ from typing import Any
 from harness.models.registry import Architecture
 from harness.spec.schema import Case
 
+# Triton kernel cache states a job can start with, as the command line names them, and as `launch.triton_cache`.
+TRITON_CACHES = {"cold": "cold", "warm": "shared"}
 LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate", "llamafactory-cli")
 
 
@@ -35,6 +37,7 @@ class JobSpec:
     deepspeed: Path | None = None  # overrides the config's `deepspeed`
     stack: str | None = None  # peft | llamafactory | plain
     script: Path | None = None  # the training script, scanned for the order of model load and DeepSpeed
+    triton_cache: str | None = None  # 'cold' or 'warm' (TRITON_CACHES); None: the case file's, else cold
 
 
 @dataclass(frozen=True)
