@@ -27,8 +27,10 @@ def test_the_cache_state_is_read_from_the_files_the_run_started_with(tmp_path):
     (tmp_path / "abc" / "kernel.cubin").write_bytes(b"x")
     (tmp_path / "abc" / "kernel.json").write_text("{}")
     assert compile_cache.entries(tmp_path) == 2
-    assert compile_cache.state(0, used=True) == "cold" and compile_cache.state(2, used=True) == "warm"
-    assert compile_cache.state(0, used=False) is None  # a run without Triton kernels has no such state
+    assert compile_cache.state(0, 2, used=True) == "cold" and compile_cache.state(2, 2, used=True) == "warm"
+    assert compile_cache.state(0, 0, used=False) is None  # a run without Triton kernels has no such state
+    # a cache another job had begun to fill, which this run added to: its kernels compiled in this run
+    assert compile_cache.state(2, 40, used=True) == "cold"
 
 
 def test_triton_kernels_count_as_used_once_flash_linear_attention_is_imported(monkeypatch):

@@ -62,8 +62,12 @@ def uses_triton_kernels() -> bool:
     return any(name == "fla" or name.startswith("fla.") for name in sys.modules)
 
 
-def state(entries_at_start: int, used: bool) -> str | None:
-    """'cold' or 'warm' for a run that used Triton kernels on an accelerator; None otherwise."""
+def state(entries_at_start: int, entries_at_end: int, used: bool) -> str | None:
+    """'cold' or 'warm' for a run that used Triton kernels on an accelerator; None otherwise.
+
+    Warm only when the cache held files at the start and gained none during the run: kernels compiled
+    during the run (its own, or a job sharing the cache compiling the same ones) held their memory
+    in this run's steps, whatever the cache held before."""
     if not used:
         return None
-    return "warm" if entries_at_start else "cold"
+    return "warm" if entries_at_start and entries_at_end <= entries_at_start else "cold"

@@ -214,8 +214,9 @@ def run(args) -> int:
     finally:
         if history.finish() is not None:  # at an OOM too: the timeline up to it is the most telling part
             report.memory_timeline = history.path.name
-        report.triton_cache = compile_cache.state(cache_entries,
-                                                  platform != Platform.cpu and compile_cache.uses_triton_kernels())
+        used_triton = platform != Platform.cpu and compile_cache.uses_triton_kernels()
+        report.triton_cache = compile_cache.state(
+            cache_entries, compile_cache.entries(compile_cache.triton_cache_dir()) if used_triton else 0, used_triton)
         if not write_report(report, out_path):
             code = EXIT_NO_REPORT
     if report.error is not None:
