@@ -15,8 +15,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    prediction imports neither torch nor transformers.
 2. Closed-form states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3
    partitions and persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state,
-   ZeRO buckets and the gathered ZeRO-3 parameters (for LoRA/QLoRA: DeepSpeed's coordinator replayed
-   over the step, `harness.predict.zero3`), offload to host, cuBLAS workspaces.
+   ZeRO buckets and the gathered ZeRO-3 parameters (DeepSpeed's coordinator replayed over the step,
+   `harness.predict.zero3`; the closed form for a full fine-tune with parameter offload), offload to
+   host, cuBLAS workspaces.
 3. allocated = states (with what ZeRO-3 has gathered when backward starts) + max(trace peak,
    optimizer-step transient).
 4. ZeRO-3: allocated = max(step 3, states + the most parameters gathered at once + the activations a
@@ -54,7 +55,7 @@ from harness.models.registry import Architecture
 from harness.models.source import load_model
 from harness.predict.device import overhead as device_overhead
 from harness.predict.margin import Margin, margin_for
-from harness.spec.schema import Case
+from harness.spec.schema import Case, Offload
 
 GiB = 2**30
 # Priors, used only where results/ holds no baseline to fit a constant on (say so in notes).
@@ -102,18 +103,27 @@ def _inventory(r1, r2, layers: int):
                      layer_sizes=list(per_layer.elements()), layers=layers)
 
 
+def _full_with_parameter_offload(case: Case) -> bool:
+    """A full fine-tune whose ZeRO-3 parameters live on the host: its gathered set stays the closed form.
+    Guide 002 (Gemma-3 27B, the one such config measured) peaks in backward, at 4 layers and 2048 tokens
+    with 6.0 GiB gathered (results/timelines: the replay finds 6.25 GiB at most) beside the tied head's
+    weight gradient (2.63 GiB, held until the embedding's backward) and the logits (1.0 GiB); the
+    replay's gather peak is set beside the activations the forward keeps, which miss that gradient, and
+    allocated came out -10% at 2048 tokens (0% at 4096) against +2% (+8%) with the closed form, whose
+    offload staging stands in for the in-flight copies."""
+    ds = case.deepspeed
+    return case.method.kind == "full" and ds is not None and ds.offload_param == Offload.cpu
+
+
 def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str]):
-    """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3); None where the case
-    is not ZeRO-3 or DeepSpeed is not installed (states.py then uses its closed form)."""
+    """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3), for LoRA, QLoRA and
+    full fine-tunes alike; None where the case is not ZeRO-3, is a full fine-tune with parameter offload
+    (`_full_with_parameter_offload`) or DeepSpeed is not installed (states.py then uses its closed form)."""
     if case.deepspeed is None or case.deepspeed.stage != 3:
         return None
-    if case.method.kind == "full":
-        # guide 002 (Gemma-3 27B, full fine-tune): the replay's gathered peak is the recorded one (6.25 GiB
-        # at 4 layers, results/timelines), but beside it the run holds the tied embedding's gradient
-        # (2.84 GiB) and activations the trace's figures do not place; added up, allocated came out
-        # +10% at 2048 tokens and 0% at 4096 against +2% and +8% with the closed form: no better, so the
-        # closed form stays for full fine-tuning
-        notes.append("ZeRO-3 gathered set of a full fine-tune: the closed form, not DeepSpeed's coordinator")
+    if _full_with_parameter_offload(case):
+        notes.append("ZeRO-3 gathered set of a full fine-tune with parameter offload: the closed form, not "
+                     "DeepSpeed's coordinator")
         return None
     from harness.predict import zero3
 
@@ -152,7 +162,7 @@ class _ReplayAlongside:
 
 
 def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> _ReplayAlongside | None:
-    """On a cold start, replay DeepSpeed's coordinator for a ZeRO-3 LoRA case in a forked process while
+    """On a cold start, replay DeepSpeed's coordinator for a ZeRO-3 case in a forked process while
     this one traces the step: once the model's module layout is built here, the two are independent,
     and the replay spends seconds importing DeepSpeed and running its coordinator. None where nothing
     is gained or forking is not safe: a trace this process or the disk cache already has, one CPU, or
@@ -163,8 +173,9 @@ def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -
 
     from harness.predict.trace import _load
 
-    if (case.deepspeed is None or case.deepspeed.stage != 3 or case.method.kind == "full"
-            or trace_spec in _TRACED or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
+    if (case.deepspeed is None or case.deepspeed.stage != 3 or _full_with_parameter_offload(case)
+            or trace_spec in _TRACED
+            or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods() or _load(trace_spec) is not None):
         return None
     from harness.predict import zero3
@@ -218,7 +229,6 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     from harness.predict.calibration import calibrate
     from harness.predict.states import model_states
     from harness.predict.trace import TraceSpec, extrapolate, trace_pair
-    from harness.spec.schema import Offload
 
     arch = arch or load_model(case.model)
     layers = case.layers or arch.layers

@@ -14,12 +14,13 @@ model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and 
   / W, on the device or, with optimizer offload, in host memory (with the fp32 gradient partition);
   half gradient partitions; the reduce buckets (contiguous gradients: one bucket, two with
   overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
-  persistence threshold kept whole on every rank, and the gathered parameters: for LoRA and QLoRA
-  what DeepSpeed's own coordinator, replayed over the step (`harness.predict.zero3`), holds when
-  backward starts and at most (prefetch, reuse distance, live-parameter limit, recomputation under
-  checkpointing, offload staging); for full fine-tuning, or without DeepSpeed installed, the
-  closed form (the largest of the output head and one layer's largest module plus the prefetch
-  bucket, capped by stage3_max_live_parameters, and `zero3_reentrant_retention`).
+  persistence threshold kept whole on every rank, and the gathered parameters: what DeepSpeed's own
+  coordinator, replayed over the step (`harness.predict.zero3`), holds when backward starts and at
+  most (prefetch, reuse distance, live-parameter limit, recomputation under checkpointing, offload
+  staging); for a full fine-tune with parameter offload (`harness.predict.predictor`), or without
+  DeepSpeed installed, the closed form (the largest of the output head and one layer's largest
+  module plus the prefetch bucket, capped by stage3_max_live_parameters, and
+  `zero3_reentrant_retention`).
 * cuBLAS workspaces allocated through the caching allocator (torch's default size on Hopper for
   the forward and the autograd threads): an assumption, not fitted.
 
