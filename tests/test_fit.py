@@ -206,3 +206,38 @@ def test_guide_004s_jobs_get_a_config_that_survives_compiling_their_kernels(tmp_
     code, out = _fit(capsys, config, *job, "--triton-cache", "warm", "--out", tmp_path / "warm")
     assert code == 0 and out["input"]["fits"]  # a host that has compiled them: the config as written
     assert {c[0] for c in out["changes"]} == {"launch.sh: PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def test_verify_sets_the_measurement_against_the_prediction_and_keeps_stdout_one_json(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """--verify on a GPU host: the run (here: guide 001's rung 1 as measured on an H200, standing in for
+    `oom-harness run`) prints its table aside, and fit's JSON says measured against predicted."""
+    from harness.cli import fit as fit_command
+    from harness.cli import run as run_command
+
+    measured = ROOT / "results" / "runs" / "2026-11-27-h200-fit-001-rung1-verify.json"
+    monkeypatch.setattr(fit_command, "_require_gpu", lambda: None)
+
+    def fake_run(args):
+        Path(args.json).write_bytes(measured.read_bytes())
+        print("case  fid  procs  peak/card  (the run's table)")
+        return 0
+
+    monkeypatch.setattr(run_command, "run", fake_run)
+    code, out = _fit(capsys, DATA / "fit" / "001-rung1-zero2.json", "--gpu-memory", "12GiB", "--gpus", "1",
+                     "--out", tmp_path / "out", "--verify")  # _fit parses stdout as one JSON object
+    assert code == 0
+    v = out["verified"]
+    assert v["outcome"] == "ok" and v["measured_card_peak_gib"] == pytest.approx(10.615, abs=1e-3)
+    assert v["predicted_card_peak_gib"] == out["predicted"]["card_peak_gib"]
+    assert v["peak_error"] == pytest.approx(v["predicted_card_peak_gib"] / v["measured_card_peak_gib"] - 1, abs=1e-3)
+    assert v["within_margin"] == (v["measured_card_peak_gib"]
+                                  <= v["predicted_card_peak_gib"] * (1 + v["margin_fraction"]) + 1e-3)
+    assert v["measured_tokens_per_s"] == pytest.approx(6908, rel=0.01)  # the median step
+    assert (tmp_path / "out" / "case").is_dir()  # the fitted config, written as the case that ran
+
+    code = main(["fit", str(DATA / "fit" / "001-rung1-zero2.json"), "--gpu-memory", "12GiB", "--gpus", "1",
+                 "--out", str(tmp_path / "again"), "--verify"])
+    table = capsys.readouterr().out
+    assert code == 0 and "(the run's table)" in table
+    assert "per card: measured 10.62 GiB" in table and "tokens/s per card: measured 6,908" in table

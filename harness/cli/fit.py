@@ -8,12 +8,14 @@ the candidates `check`'s verdict says fit, ranks them by predicted tokens/s, wri
 --out in the input's own format and checks the written files again as `check` would. Exit codes: 0 a
 fitting config was written; 1 none fits (the closest is named, with how far it is over); 2 bad input;
 3 an internal error. `--verify` runs the written config at full size on this host's GPU through
-`oom-harness run` (a GPU host only).
+`oom-harness run` (a GPU host only) and sets what it measured against the prediction
+(`harness.fit.verified`; `--json`: `verified`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import replace
@@ -110,10 +112,16 @@ def _fit(args, predict: PredictFn | None) -> int:
                            f"{fmt_gib(recheck.card_peak)} per card, but the search predicted "
                            f"{fmt_gib(found.best.result.card_peak)}")
     verified = _verify(written, spec, out, args) if args.verify else None
+    measured = None
+    if verified is not None and (out / "verify.json").is_file():
+        from harness.fit.verified import read_verified
+
+        measured = read_verified(out / "verify.json", recheck, found.best.tokens_per_s)
     if args.json:
-        print(json.dumps(_as_json(found, written, recheck), indent=1))
+        print(json.dumps(_as_json(found, written, recheck) | ({"verified": measured.as_json()} if measured else {}),
+                         indent=1))
     else:
-        print(_table(found, written))
+        print("\n".join([_table(found, written), *(["", *measured.lines()] if measured else [])]))
     return EXIT_OK if verified in (None, 0) else verified
 
 
@@ -129,7 +137,10 @@ def _verify(written: Written, spec, out: Path, args) -> int:
     run_command.add_parser(parser.add_subparsers(dest="command"))
     run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir),
                                   "--out", str(out / "runs"), "--json", str(out / "verify.json")])
-    return run_command.run(run_args)
+    if not args.json:
+        return run_command.run(run_args)
+    with contextlib.redirect_stdout(sys.stderr):  # --json: stdout holds the one JSON object, the run's table goes aside
+        return run_command.run(run_args)
 
 
 # --- output -----------------------------------------------------------------------------------------
