@@ -447,9 +447,15 @@ def test_a_case_file_keeps_its_triton_cache_unless_the_flag_says():
     assert import_config(failing, JobSpec(triton_cache="warm")).case.launch.triton_cache == "shared"
 
 
-def test_a_model_without_triton_kernels_gets_no_cache_note(tmp_path):
-    imported = import_config(write(tmp_path, "ta.json", TA_MIN), ONE)
+def test_a_model_without_triton_kernels_is_untouched_by_the_cache_state(tmp_path):
+    """Its case is the one it was before the cache state existed (the same digest, so runs of it still
+    bless), whatever --triton-cache says."""
+    path = write(tmp_path, "ta.json", TA_MIN)
+    imported = import_config(path, ONE)
     assert not any("Triton" in n for n in imported.notes)
+    assert imported.case.launch.triton_cache == "shared"
+    told = import_config(path, JobSpec(**{**ONE.__dict__, "triton_cache": "cold"}))
+    assert told.case.launch.triton_cache == "shared"
 
 
 def test_an_unknown_triton_cache_state_names_the_flag():

@@ -32,6 +32,12 @@ class Architecture:
     def layers(self) -> int:
         return int(self.config["num_hidden_layers"])
 
+    @property
+    def uses_triton_kernels(self) -> bool:
+        """Trains through Triton kernels compiled on the host (flash-linear-attention's GLA), whose first
+        compilation holds device memory outside PyTorch's allocator."""
+        return self.model_type == "gla"
+
 
 class UnknownArchitecture(KeyError):
     def __str__(self) -> str:

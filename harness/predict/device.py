@@ -39,7 +39,7 @@ class Overhead:
 def parts_used(case: Case, arch: Architecture) -> list[str]:
     """The probe's parts a training process of this case loads."""
     used = ["cuda_context", "cublas"]
-    used.append("triton" if arch.model_type == "gla" else "attention")
+    used.append("triton" if arch.uses_triton_kernels else "attention")
     if case.method.kind == "qlora":
         used.append("bitsandbytes")
     if case.deepspeed is not None or case.launch.ranks > 1:

@@ -314,7 +314,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     notes += beside.notes
     overhead = beside.total
     terms.update(beside.terms)
-    fla = arch.model_type == "gla"
+    fla = arch.uses_triton_kernels
     if fla and case.launch.triton_cache == "cold":
         cold = cal.values.get("triton_cold_overhead")
         if cold is None:

@@ -54,7 +54,7 @@ def _source_key(fmt: ConfigFormat, loc: tuple) -> str | None:
 
 def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precision: str,
                method: dict, train: dict, ds: DeepSpeedFile | None, launcher: str, ranks: int,
-               init_order: str, job: Job) -> Case:
+               init_order: str, job: Job, triton_cache: str = "shared") -> Case:
     data = {
         "id": _slug(path),
         "source": {"title": f"{_FORMAT_TITLES.get(fmt, 'training config')} {path.name}", "config": str(path)}
@@ -69,7 +69,7 @@ def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precisi
         "train": train,
         "deepspeed": None if ds is None else {k: v for k, v in ds.zero.items() if v is not None},
         "launch": {"launcher": case_launcher(launcher, ds is not None), "ranks": ranks,
-                   "procs_per_card": job.procs_per_gpu, "triton_cache": job.triton_cache,
+                   "procs_per_card": job.procs_per_gpu, "triton_cache": triton_cache,
                    "init_order": init_order if ds is not None and ds.stage == 3 else "deepspeed_first"},
         "target": job.target(),
         "expect": {"outcome": "fits"},
@@ -87,9 +87,15 @@ def build_case(path: Path, fmt: ConfigFormat, *, model: str, stack: str, precisi
                           "change the settings named above") from None
 
 
+def case_triton_cache(arch, job: Job) -> str:
+    """`launch.triton_cache` of the case: the job's for a model with Triton kernels; 'shared' (the
+    schema's default, which changes nothing) for every other model."""
+    return job.triton_cache if arch is not None and arch.uses_triton_kernels else "shared"
+
+
 def triton_notes(arch, job: Job) -> list[str]:
     """Which kernel cache a model with Triton kernels is predicted on, and where that came from."""
-    if arch is None or arch.model_type != "gla":
+    if arch is None or not arch.uses_triton_kernels:
         return []
     state = "a cold Triton cache (compiling fla's kernels)" if job.triton_cache == "cold" else "a warm Triton cache"
     other = "warm" if job.triton_cache == "cold" else "cold"
@@ -121,6 +127,7 @@ def finish(path: Path, fmt: ConfigFormat, training: TrainingFile, model: ModelRe
         unpredictable = "4-bit weights under ZeRO-3 are outside what the predictor models (see the lint)"
     else:
         case = build_case(path, fmt, model=model.case_model, stack=stack, precision=precision, method=method,
-                          train=train, ds=ds, launcher=launcher, ranks=ranks, init_order=init.order, job=job)
+                          train=train, ds=ds, launcher=launcher, ranks=ranks, init_order=init.order, job=job,
+                          triton_cache=case_triton_cache(model.arch, job))
     return assemble(case, model, training, ds, launcher=launcher, launcher_from=launcher_from, ranks=ranks, job=job,
                     init=init, notes=notes, unpredictable=unpredictable)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from harness.premerge.importers.build import assemble
+from harness.premerge.importers.build import assemble, case_triton_cache
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import case_launcher, job_of, launcher_of
@@ -47,7 +47,8 @@ def import_case(path: Path, spec: JobSpec) -> ImportedConfig:
     if spec.gpus is not None or spec.procs_per_gpu is not None or spec.launcher is not None:
         ranks = job.ranks(launcher, has_ds, notes)
     data["launch"].update(launcher=case_launcher(launcher, has_ds), ranks=ranks, procs_per_card=job.procs_per_gpu,
-                          triton_cache=job.triton_cache,
+                          triton_cache=written.launch.triton_cache if spec.triton_cache is None
+                          else case_triton_cache(model.arch, job),
                           init_order=init.order if has_ds and written.deepspeed.stage == 3 else "deepspeed_first")
     data["target"] = job.target(written.target.card.name if spec.gpu_memory is None else None)
     try:
