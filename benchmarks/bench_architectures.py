@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bench_architectures.py
 
-Every finished baseline of the bundled suite (results/baselines) and of the architecture benchmark
-(results/architectures/baselines: models in none of the guides, benchmarks/architectures) is
+Every finished baseline of the bundled suite (results/baselines), of the architecture benchmark
+(results/architectures/baselines: models in none of the guides, benchmarks/architectures) and of fit's
+verified configs (results/fitted/baselines: what `fit --verify` measured, benchmarks/fitted) is
 predicted as it was measured (its variant applied) on its platform's constants, fitted with every
 case of the same model left out (the benchmark's models are never in the fit: the constants come
 from the bundled suite only). Peaks that ended in an OOM are only lower bounds and are not counted.
@@ -34,7 +35,7 @@ TOLERANCE = {"allocated": 0.05, "reserved": 0.05, "device": 0.07}  # issue #21's
 
 @dataclass(frozen=True)
 class Row:
-    suite: str  # "guides" or "architectures"
+    suite: str  # "guides", "architectures" or "fitted" (harness.predict.errors.SUITES)
     arch: str
     name: str  # case@variant
     case: object  # the case as measured
@@ -52,12 +53,12 @@ def arch_of(case) -> str:
 
 def collect() -> list[Row]:
     from harness.baselines.store import load_baselines
-    from harness.predict.errors import SOURCES  # the runs the margins are drawn from
+    from harness.predict.errors import SUITES  # the runs the margins are drawn from
     from harness.predict.predictor import predict
     from harness.spec.cases import load_case
 
     found = []
-    for suite, (baselines_dir, case_dir) in zip(("guides", "architectures"), SOURCES, strict=True):
+    for suite, (baselines_dir, case_dir) in SUITES.items():
         cases = {p.stem: load_case(p) for p in sorted(case_dir.glob("*.yaml"))}
         for b in load_baselines(baselines_dir):
             case = cases[b.case_id]
@@ -126,10 +127,12 @@ def main() -> int:
     for r in rows:
         groups[(r.suite, r.arch)].append(r)
     for (suite, arch), rs in sorted(groups.items()):
-        print(f"  {arch + (' *' if suite == 'architectures' else ''):34s} {len(rs):4d}  "
+        mark = {"architectures": " *", "fitted": " (fit's config)"}.get(suite, "")
+        print(f"  {arch + mark:34s} {len(rs):4d}  "
               + " ".join(f"{summary(rs, f):24s}" for f in ("allocated", "reserved", "device")))
     for label, rs in (("the architecture benchmark (*)", [r for r in rows if r.suite == "architectures"]),
-                      ("the guides' models", [r for r in rows if r.suite == "guides"]), ("every run", rows)):
+                      ("the guides' models", [r for r in rows if r.suite == "guides"]),
+                      ("fit's configs, verified", [r for r in rows if r.suite == "fitted"]), ("every run", rows)):
         if rs:
             print(f"  {label:34s} {len(rs):4d}  " + " ".join(f"{summary(rs, f):24s}"
                                                               for f in ("allocated", "reserved", "device")))

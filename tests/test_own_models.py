@@ -247,3 +247,26 @@ def test_the_architecture_benchmark_covers_unseen_models_and_its_baselines_match
         measured = b.case_as_measured(cases[b.case_id])
         assert b.platform.device_count == measured.launch.ranks
         assert all(r.outcome == "ok" for r in b.runs), b.case_id
+
+
+def test_fits_verified_configs_are_cases_of_what_fit_wrote_and_their_baselines_are_in_the_errors():
+    """benchmarks/fitted: each case is what `fit --verify` ran (written by case-from, with the
+    prediction it was written with, beside the config fit wrote), each has a baseline that trained,
+    and the error table the margins are drawn from holds every one of them."""
+    from harness.baselines.store import load_baselines
+    from harness.predict.margin import ERRORS_FILE, ErrorTable, inputs_digest
+    from harness.spec.suite import FITTED_BASELINES_DIR, FITTED_CASES_DIR
+
+    cases = {p.stem: load_case(p) for p in sorted(FITTED_CASES_DIR.glob("*.yaml"))}
+    assert cases and all(cid.endswith(".fitted") and c.predicted is not None for cid, c in cases.items())
+    for c in cases.values():
+        assert (FITTED_CASES_DIR / c.source.config).resolve().is_file()  # the config fit wrote, kept beside
+    baselines = load_baselines(FITTED_BASELINES_DIR)
+    assert {b.case_id for b in baselines} == set(cases)
+    for b in baselines:
+        measured = b.case_as_measured(cases[b.case_id])
+        assert b.platform.device_count == measured.launch.ranks
+        assert all(r.outcome == "ok" for r in b.runs), b.case_id
+    table = ErrorTable.read(ERRORS_FILE)
+    assert table.digest == inputs_digest()  # the fitted suite's files are among what the table depends on
+    assert {b.case_id for b in baselines} <= {r.case_id for r in table.records}

@@ -32,7 +32,7 @@ from harness.predict.margin import (
 )
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.files import write_atomic
-from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR, FITTED_BASELINES_DIR, FITTED_CASES_DIR
 from harness.spec.units import fmt_gib
 
 
@@ -44,9 +44,12 @@ class Measured:
     record: ErrorRecord
 
 
-# (baselines, their cases): the bundled suite, and the architecture benchmark (models the constants are
-# never fitted on: harness.predict.calibration reads the bundled baselines only)
-SOURCES = ((RESULTS_DIR, CASES_DIR), (ARCH_BASELINES_DIR, ARCH_CASES_DIR))
+# (baselines, their cases) by suite: the bundled suite, the architecture benchmark (models the constants
+# are never fitted on: harness.predict.calibration reads the bundled baselines only), and fit's configs
+# measured through --verify (also out of the constants' sample)
+SUITES = {"guides": (RESULTS_DIR, CASES_DIR), "architectures": (ARCH_BASELINES_DIR, ARCH_CASES_DIR),
+          "fitted": (FITTED_BASELINES_DIR, FITTED_CASES_DIR)}
+SOURCES = tuple(SUITES.values())
 
 
 def measure_errors(sources: tuple[tuple[Path, Path], ...] = SOURCES) -> list[Measured]:

@@ -191,13 +191,15 @@ def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozen
 
 
 def source_files(root: Path = ROOT) -> list[Path]:
-    """What the error table depends on: the baselines, the cases (the bundled suite's and the architecture
-    benchmark's, with its models), the device records, the predictor's code."""
+    """What the error table depends on: the baselines, the cases (the bundled suite's, the architecture
+    benchmark's with its models, and fit's verified configs'), the device records, the predictor's code."""
     files = sorted((root / "results" / "baselines").glob("*/*.json"))
     files += sorted((root / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "architectures" / "baselines").glob("*/*.json"))
     files += sorted((root / "benchmarks" / "architectures" / "cases").glob("*.yaml"))
     files += sorted((root / "benchmarks" / "architectures" / "models").glob("*/config.json"))
+    files += sorted((root / "results" / "fitted" / "baselines").glob("*/*.json"))
+    files += sorted((root / "benchmarks" / "fitted" / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "device").glob("*.json"))
     files += sorted(p for p in PREDICTOR_CODE.glob("*.py") if p.name not in _NOT_PREDICTOR)
     return files

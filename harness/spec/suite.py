@@ -35,3 +35,7 @@ EXAMPLE_CONFIGS_DIR = ROOT / "configs" / "examples"
 # so its margins) cover architectures its constants were never fitted on (benchmarks/architectures).
 ARCH_CASES_DIR = ROOT / "benchmarks" / "architectures" / "cases"
 ARCH_BASELINES_DIR = ROOT / "results" / "architectures" / "baselines"
+# Configs `oom-harness fit` wrote for the guides' failing configs, measured through `fit --verify`:
+# the predictor's errors on what fit proposes draw the margins too (benchmarks/fitted).
+FITTED_CASES_DIR = ROOT / "benchmarks" / "fitted" / "cases"
+FITTED_BASELINES_DIR = ROOT / "results" / "fitted" / "baselines"
