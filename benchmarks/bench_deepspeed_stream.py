@@ -1,0 +1,194 @@
+"""What DeepSpeed adds to the caching allocator's stream, read from the recorded DeepSpeed timelines.
+
+    .venv/bin/python benchmarks/bench_deepspeed_stream.py [results/timelines]
+
+A DeepSpeed config's reserved figure is allocated times a fitted ratio: the stream the allocator model
+replays for the other configs (`harness.predict.stream`) is built from the fake-tensor trace, which does
+not see DeepSpeed's own device allocations. This prints, for every recorded timeline of a DeepSpeed
+run, what a stream built for DeepSpeed would have to reproduce:
+
+1. **Share.** The allocations made from DeepSpeed's ZeRO and communication code (their call sites;
+   `zero/linear.py`, which computes the model's own matmuls under ZeRO-3, is the model's), and the
+   reserved peak of the timeline replayed through the allocator model with and without them (under the
+   run's memory cap, as `benchmarks/bench_allocator.py` replays it).
+2. **Order.** The reserved peak when each of DeepSpeed's allocations comes k allocator actions earlier
+   and its free k actions later (k = 1, 2, 3, 5, 10), beside the allocated peak, which moves only when
+   the shift lengthens a lifetime across it.
+3. **ZeRO-3's gathers.** The allocations and frees of DeepSpeed's coordinator replayed over the case's
+   step (`harness.predict.zero3.replay(spec, stream=[])`) beside the recorded gather allocations
+   (`partition_parameters.py`) of the timeline's second-to-last forward and backward (a step after
+   the one in which DeepSpeed records the module order): how many, how
+   many bytes, and the largest sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GiB, MiB = 2**30, 2**20
+# Call sites of DeepSpeed's own buffers (gathers, partitions, reduce buffers, norms, collectives)
+DEEPSPEED_SITES = ("zero/partition_parameters.py", "zero/stage3.py", "zero/stage_1_and_2.py", "zero/utils.py",
+                   "comm/", "runtime/utils.py")
+GATHER_SITE = "zero/partition_parameters.py"
+SHIFTS = (1, 2, 3, 5, 10)
+
+
+def _site(timeline, i: int) -> str:
+    return timeline.sites[timeline.site[i]] if timeline.site[i] >= 0 else "?"
+
+
+def _is_deepspeed(site: str) -> bool:
+    return any(part in site for part in DEEPSPEED_SITES)
+
+
+def _unique(timeline):
+    """The timeline with each allocation at an address of its own (its frees follow it), so that
+    reordered actions still pair each free with its allocation."""
+    from harness.measure.timeline import ALLOC, FREE_COMPLETED, FREE_REQUESTED
+
+    current: dict[int, int] = {}
+    addrs = []
+    for i, (act, addr) in enumerate(zip(timeline.action, timeline.addr, strict=True)):
+        if act == ALLOC:
+            current[addr] = i + 1
+            addrs.append(current[addr])
+        elif act in (FREE_REQUESTED, FREE_COMPLETED):
+            addrs.append(current.get(addr, -1))
+        else:
+            addrs.append(-2 - i)
+    return timeline.model_copy(update={"addr": addrs})
+
+
+def _reordered(timeline, keys: list[float], keep=None):
+    order = sorted((i for i in range(len(keys)) if keep is None or keep[i]), key=keys.__getitem__)
+    columns = {name: [getattr(timeline, name)[i] for i in order]
+               for name in ("t_us", "action", "addr", "size", "stream", "site", "phase")}
+    return timeline.model_copy(update=columns)
+
+
+def _deepspeed_actions(timeline) -> list[bool]:
+    """Whether each action belongs to an allocation made from DeepSpeed's code (on a `_unique` timeline)."""
+    from harness.measure.timeline import ALLOC, FREE_COMPLETED, FREE_REQUESTED
+
+    ours: set[int] = set()
+    out = []
+    for i, (act, addr) in enumerate(zip(timeline.action, timeline.addr, strict=True)):
+        if act == ALLOC and _is_deepspeed(_site(timeline, i)):
+            ours.add(addr)
+        out.append(act in (ALLOC, FREE_REQUESTED, FREE_COMPLETED) and addr in ours)
+    return out
+
+
+def _shifted(timeline, flags: list[bool], k: int):
+    from harness.measure.timeline import ALLOC
+
+    keys = [float(i) if not flag else (i - k - 0.5 if act == ALLOC else i + k + 0.5)
+            for i, (act, flag) in enumerate(zip(timeline.action, flags, strict=True))]
+    return _reordered(timeline, keys)
+
+
+def _gathers(timeline) -> Counter | None:
+    """Sizes of the recorded gather allocations over the second-to-last forward and backward; None where
+    the timeline holds no complete forward and backward (the run ran out of memory in its first step)."""
+    from harness.measure.timeline import ALLOC
+
+    spans = [s for s in timeline.phase_spans() if s[0] in ("forward", "backward")]
+    pairs = [(a, b) for a, b in itertools.pairwise(spans) if (a[0], b[0]) == ("forward", "backward")]
+    if not pairs:
+        return None
+    forward, backward = pairs[-2] if len(pairs) > 1 else pairs[-1]
+    return Counter(timeline.size[i] for i in range(forward[1], backward[2])
+                   if timeline.action[i] == ALLOC and GATHER_SITE in _site(timeline, i))
+
+
+def _replayed_gathers(timeline) -> Counter | None:
+    from harness.models.source import load_model
+    from harness.predict import zero3
+    from harness.spec.cases import load_case
+    from harness.spec.variants import parse_variant
+
+    found = sorted((ROOT / "cases").glob(f"{timeline.case_id}.yaml"))
+    if not found:
+        return None
+    case = load_case(found[0])
+    case = parse_variant(timeline.variant).apply(case) if timeline.variant else case
+    if case.deepspeed is None or case.deepspeed.stage != 3:
+        return None
+    arch = load_model(case.model)
+    events: list = []
+    zero3.replay(zero3.spec_for(case, arch, case.layers or arch.layers), record=events, stream=events)
+    return Counter(e.nbytes for e in events if isinstance(e, zero3.StreamEvent) and e.kind == "alloc")
+
+
+def _sizes(counter: Counter, n: int = 6) -> str:
+    return ", ".join(f"{size / MiB:.2f} x{count}" for size, count in sorted(counter.items(), reverse=True)[:n])
+
+
+def main(argv: list[str]) -> int:
+    from harness.measure.timeline import ALLOC, MemoryTimeline
+    from harness.predict.replay import recorded_limit, replay
+
+    folder = Path(argv[0]) if argv else ROOT / "results" / "timelines"
+    timelines = [(p, MemoryTimeline.load(p)) for p in sorted(folder.glob("*/*.json.gz"))]
+    timelines = [(p, t) for p, t in timelines if any(_is_deepspeed(s) for s in t.sites)]
+    if not timelines:
+        print(f"no timeline of a DeepSpeed run under {folder}")
+        return 1
+    print("1. DeepSpeed's own allocations: share of the bytes allocated, and the reserved peak (GiB) replayed "
+          "with and without them")
+    head = (f"{'platform/timeline':<78} {'DS allocs':>9} {'DS bytes':>8} {'alloc pk':>8} {'reserved':>8} "
+            f"{'alloc w/o':>9} {'res w/o':>8}")
+    print(head)
+    print("-" * len(head))
+    prepared = []
+    for path, timeline in timelines:
+        name = path.parent.name + "/" + path.name.removesuffix(".json.gz")
+        cap = recorded_limit(timeline, ROOT / "results" / "runs")
+        timeline = _unique(timeline)
+        flags = _deepspeed_actions(timeline)
+        prepared.append((name, timeline, flags, cap))
+        allocs = [i for i, a in enumerate(timeline.action) if a == ALLOC]
+        ours = [i for i in allocs if flags[i]]
+        share = sum(timeline.size[i] for i in ours) / max(1, sum(timeline.size[i] for i in allocs))
+        without = _reordered(timeline, list(range(len(flags))), [not f for f in flags])
+        print(f"{name:<78} {len(ours):>9} {100 * share:>7.1f}% {timeline.curve().peak()[1] / GiB:>8.3f} "
+              f"{replay(timeline, limit=cap).peak_reserved / GiB:>8.3f} {without.curve().peak()[1] / GiB:>9.3f} "
+              f"{replay(without, limit=cap).peak_reserved / GiB:>8.3f}")
+
+    print(f"\n2. Each DeepSpeed allocation k actions earlier, its free k later: allocated / reserved peak change "
+          f"(k = {', '.join(map(str, SHIFTS))})")
+    for name, timeline, flags, cap in prepared:
+        allocated, reserved = timeline.curve().peak()[1], replay(timeline, limit=cap).peak_reserved
+        cells = []
+        for k in SHIFTS:
+            moved = _shifted(timeline, flags, k)
+            cells.append(f"{100 * (moved.curve().peak()[1] / allocated - 1):+.1f}/"
+                         f"{100 * (replay(moved, limit=cap).peak_reserved / reserved - 1):+.1f}%")
+        print(f"{name:<78} " + "  ".join(f"{c:>14}" for c in cells))
+
+    print("\n3. ZeRO-3 gathers over one steady-state forward and backward: recorded against DeepSpeed's "
+          "coordinator replayed (harness.predict.zero3); sizes in MiB")
+    for name, timeline, _, _ in prepared:
+        replayed = _replayed_gathers(timeline)
+        if replayed is None:
+            continue
+        recorded = _gathers(timeline)
+        if recorded is None:
+            print(f"{name}\n  no complete forward and backward recorded")
+            continue
+        print(f"{name}\n  recorded: {sum(recorded.values())} allocations, "
+              f"{sum(s * c for s, c in recorded.items()) / GiB:.3f} GiB, {len(recorded)} sizes; largest "
+              f"{_sizes(recorded)}\n  replayed: {sum(replayed.values())} allocations, "
+              f"{sum(s * c for s, c in replayed.items()) / GiB:.3f} GiB, {len(replayed)} sizes; largest "
+              f"{_sizes(replayed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
