@@ -125,6 +125,7 @@ def test_a_training_arguments_json_with_a_registry_model(team):
     (["--gpu-memory", "24GiB"], "--gpus"),
     (["--gpus", "1", "--gpu-memory", "24 parsecs"], "--gpu-memory"),
     (["--gpus", "1", "--gpu-memory", "24GiB", "--id", "../escape"], "--id"),
+    (["--gpus", "1", "--gpu-memory", "24GiB", "--depth-points", "8,32"], "--depth-points"),  # Llama-3.1-8B: 32 layers
 ])
 def test_bad_input_is_one_line_naming_the_key_and_the_fix(team, capsys, args, where):
     assert _case_from(team, *args) == 2
@@ -214,3 +215,19 @@ def test_the_written_case_runs_green_at_tiny_size(team, shared_zygote):
     assert used["num_attention_heads"] == 4 * used["num_key_value_heads"] and used["hidden_size"] < 4096
     assert rank["losses"][-1] < rank["losses"][0]
     assert rank["attn_implementation"] == "sdpa"  # what transformers picked for Llama, recorded with the run
+
+
+def test_depth_points_make_a_case_measured_shallow_and_extrapolated(team, capsys):
+    """--depth-points: the case's full-size runs measure at those depths (on as many ranks as the host
+    has) and extrapolate to the full depth, as the bundled suite's 32B cases do."""
+    from harness.judge.session import plan
+
+    (team / "configs" / "ds_z3.json").write_text(json.dumps(ZERO3))
+    assert _case_from(team, "--gpu-memory", "80GiB", "--gpus", "8", "--deepspeed", str(team / "configs" / "ds_z3.json"),
+                      "--depth-points", "8,4") == 0
+    case = load_case(team / "cases" / "llama3_lora_sft.yaml")
+    assert case.depth_points == [4, 8] and case.launch.ranks == 8
+    assert [v.suffix for v in plan(case, "real", accelerators=2)] == ["@2r4L", "@2r8L"]
+    assert main(["case-from", str(team / "configs" / "llama3_lora_sft.yaml"), "--out", str(team / "more"),
+                 "--gpu-memory", "80GiB", "--gpus", "1", "--depth-points", "4"]) == 2  # one depth fits no line
+    assert "two or more distinct layer counts" in capsys.readouterr().err

@@ -241,3 +241,26 @@ def test_verify_sets_the_measurement_against_the_prediction_and_keeps_stdout_one
     table = capsys.readouterr().out
     assert code == 0 and "(the run's table)" in table
     assert "per card: measured 10.62 GiB" in table and "tokens/s per card: measured 6,908" in table
+
+
+def test_verify_measures_a_config_too_big_for_the_host_at_its_depth_points(tmp_path, capsys, monkeypatch):
+    """Guide 000's 64-layer, 8-card config: --verify --depth-points 4,8 writes the case to be measured at
+    4 and 8 layers (on as many ranks as the host has) and extrapolated; without --verify it is refused."""
+    from harness.cli import fit as fit_command
+    from harness.cli import run as run_command
+    from harness.spec.cases import load_case
+
+    job = [str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8"]
+    assert main(["fit", *job, "--out", str(tmp_path / "no"), "--depth-points", "4,8"]) == 2
+    assert "--depth-points" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+    monkeypatch.setattr(fit_command, "_require_gpu", lambda: None)
+    ran = []
+    monkeypatch.setattr(run_command, "run", lambda args: ran.append(args) or 0)
+    assert main(["fit", *job, "--out", str(tmp_path / "deep"), "--verify", "--depth-points", "4,64"]) == 2
+    assert "64 is not below the model's 64 layers" in capsys.readouterr().err and not ran
+    assert main(["fit", *job, "--out", str(tmp_path / "out"), "--verify", "--depth-points", "4,8"]) == 0
+    (case_file,) = (tmp_path / "out" / "case").glob("*.yaml")
+    case = load_case(case_file)
+    assert case.depth_points == [4, 8] and case.launch.ranks == 8
+    assert ran and ran[0].case_dir == str(tmp_path / "out" / "case") and ran[0].fidelity == "real"

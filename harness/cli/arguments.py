@@ -23,6 +23,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def layer_counts(text: str) -> list[int]:
+    """Layer counts as `4,8`: the depths a full-size run measures at, to extrapolate to the full depth."""
+    parts = [p.strip() for p in text.split(",")]
+    counts = [positive_int(p) for p in parts]
+    if len(counts) < 2 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"'{text}': write two or more distinct layer counts, e.g. 4,8")
+    return sorted(counts)
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

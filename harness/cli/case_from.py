@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.cli.arguments import layer_counts
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.models.source import model_label
 from harness.spec.units import fmt_gib
@@ -26,6 +27,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--id", help="the case id and file name (default: the config's file name)")
     p.add_argument("--card-name", help="the card's name in the case, e.g. 'RTX 4090' (default: its memory)")
     p.add_argument("--force", action="store_true", help="replace a case file of the same id")
+    p.add_argument("--depth-points", type=layer_counts, metavar="L1,L2",
+                   help="full-size runs measure at these layer counts and extrapolate to the full depth (a model "
+                        "the GPU host cannot hold, or not in reasonable time), e.g. 4,8")
     p.set_defaults(func=run)
 
 
@@ -36,7 +40,8 @@ def run(args) -> int:
 
     try:
         written = write_case(args.config, spec_from_args(args), Path(args.out), case_id=args.id,
-                             card_name=args.card_name, platform=args.platform, force=args.force)
+                             card_name=args.card_name, platform=args.platform, force=args.force,
+                             depth_points=args.depth_points)
     except WriteError as exc:  # the case file could not be written: name the option that chose its folder
         raise InputError(None, "--out", str(exc)) from None
     case, result = written.case, written.check

@@ -21,6 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from harness.cli.arguments import layer_counts
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.fit.knobs import ALLOWABLE, knobs_of
 from harness.fit.search import Candidate, Search, search
@@ -42,6 +43,10 @@ def add_parser(subparsers) -> None:
                         "(4-bit base weights, a shorter cutoff, a lower LoRA rank)")
     p.add_argument("--verify", action="store_true",
                    help="run the fitted config at full size on this host's GPU (oom-harness run --fidelity real)")
+    p.add_argument("--depth-points", type=layer_counts, metavar="L1,L2",
+                   help="with --verify: measure at these layer counts and extrapolate to the full depth (a model "
+                        "this host cannot hold, or not in reasonable time; on fewer GPUs than the config's, the "
+                        "ranks are capped too), e.g. 4,8")
     p.set_defaults(func=run)
 
 
@@ -68,6 +73,9 @@ def _require_gpu() -> None:
 
 def run(args, predict: PredictFn | None = None) -> int:
     try:
+        if args.depth_points and not args.verify:
+            raise ConfigError(None, "--depth-points", "is what --verify measures at, and --verify is not given",
+                              "add --verify, or leave --depth-points out")
         if args.verify:
             _require_gpu()
         return _fit(args, predict)
@@ -99,6 +107,9 @@ def _fit(args, predict: PredictFn | None) -> int:
     if base.prediction is None:
         raise ConfigError(imported.training.path, None, f"cannot be predicted: {imported.unpredictable}",
                           "change the settings the lint names, then run fit again")
+    if args.depth_points and max(args.depth_points) >= imported.arch.layers:
+        raise ConfigError(None, "--depth-points", f"{max(args.depth_points)} is not below the model's "
+                          f"{imported.arch.layers} layers", "measure at a few shallow depths, e.g. 4,8")
     found = search(base, args.allow, _predictor(predict), platform=args.platform)
     if found.best is None:
         _report_none(found, args.json, args.allow)
@@ -132,7 +143,7 @@ def _verify(written: Written, spec, out: Path, args) -> int:
 
     case_dir = out / "case"
     write_case(written.config, replace(spec, deepspeed=written.deepspeed if spec.deepspeed else None), case_dir,
-               force=True, platform=args.platform)
+               force=True, platform=args.platform, depth_points=args.depth_points)
     parser = argparse.ArgumentParser(prog="oom-harness")
     run_command.add_parser(parser.add_subparsers(dest="command"))
     run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir),

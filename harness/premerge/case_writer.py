@@ -159,10 +159,28 @@ def default_case_id(config: Path) -> str:
     return slug[:MAX_CASE_ID].strip("-._") or "config"
 
 
+def _with_depth_points(data: dict[str, Any], depth_points: list[int], result: CheckResult) -> dict[str, Any]:
+    """The case's data with `depth_points` in the schema's place (after `model`), each below the full depth."""
+    depth = result.config.arch.layers
+    if any(d >= depth for d in depth_points):
+        raise ConfigError(None, "--depth-points", f"{','.join(map(str, depth_points))}: each must be below the model's "
+                          f"{depth} layers", "measure at a few shallow depths, e.g. 4,8")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out[key] = value
+        if key == "model":
+            out["depth_points"] = list(depth_points)
+    return out
+
+
 def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_id: str | None = None,
                card_name: str | None = None, platform: str | None = None, force: bool = False,
-               predict: PredictFn | None = None, today: str | None = None) -> WrittenCase:
-    """Import, predict and write `out_dir/<case_id>.yaml`. Raises ConfigError on bad input."""
+               predict: PredictFn | None = None, today: str | None = None,
+               depth_points: list[int] | None = None) -> WrittenCase:
+    """Import, predict and write `out_dir/<case_id>.yaml`. Raises ConfigError on bad input.
+
+    `depth_points`: layer counts its full-size runs measure at, extrapolating to the full depth (a
+    config whose full depth the GPU host at hand cannot hold, or not in reasonable time)."""
     config, out_dir = Path(config), Path(out_dir)
     case_id = case_id or default_case_id(config)
     if not re.fullmatch(CASE_ID_PATTERN, case_id) or ".." in case_id or len(case_id) > MAX_CASE_ID:
@@ -179,6 +197,8 @@ def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_i
         raise ConfigError(config, None, f"no expected outcome can be predicted: {result.config.unpredictable}",
                           "change the settings the lint names, then run case-from again")
     data = case_data(result, out_dir, case_id, card_name, today)
+    if depth_points:
+        data = _with_depth_points(data, depth_points, result)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
