@@ -144,3 +144,17 @@ def test_without_matplotlib_the_html_report_is_refused_with_the_install_line(tmp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main(["report", "--html", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_the_bundled_suites_accuracy_includes_the_other_measured_suites_and_a_teams_does_not(tmp_path):
+    """Reporting the bundled baselines, the accuracy figure also draws the architecture benchmark's and
+    fit's verified configs' runs from the error table; a team's own baselines are drawn alone."""
+    from harness.predict.margin import ERRORS_FILE, ErrorTable
+    from harness.report.html.inputs import other_suites_of
+
+    others = other_suites_of(BASELINES_DIR)
+    assert {o.suite for o in others} == {"architectures", "fitted"}
+    table = {(r.case_id, r.variant, r.platform) for r in ErrorTable.read(ERRORS_FILE).records}
+    assert all((o.record.case_id, o.record.variant, o.record.platform) in table for o in others)
+    assert any(o.name == "phi3-mini-full-z3-offload-mb2-s2048-gc@2ga" for o in others)
+    assert other_suites_of(_small_suite(tmp_path)) == []

@@ -3,11 +3,17 @@ every blessed run (and the runs given), out of sample (each case left out of its
 
 from __future__ import annotations
 
+import statistics
+
 from harness.report.html.captions import PREDICTED, measured_where
 from harness.report.html.inputs import ReportInputs
 from harness.report.html.page import Section, Table
 from harness.report.html.svg import Figure, gib, new_figure, to_svg
 from harness.spec.units import fmt_gib
+
+# The other suites the predictor's errors are measured on, drawn beside the bundled suite's baselines.
+SUITE_LABELS = {"architectures": "architecture benchmark", "fitted": "fit's verified configs"}
+SUITE_MARKERS = {"architectures": "D", "fitted": "P"}
 
 
 def section(inputs: ReportInputs) -> Section:
@@ -37,6 +43,14 @@ def section(inputs: ReportInputs) -> Section:
                                                              if mistake else "")
         rows.append((e.name, e.baseline.platform.key, e.source, e.outcome, fmt_gib(measured), fmt_gib(predicted),
                      verdict))
+    other = [o for o in inputs.other_suites if o.record.outcome == "ok"]
+    for o in other:
+        r = o.record
+        top = max(top, gib(r.measured), gib(r.predicted))
+        ax.plot([gib(r.measured)], [gib(r.predicted)], marker=SUITE_MARKERS.get(o.suite, "s"), ls="none", alpha=0.8,
+                mfc="none", color="dimgray", label=SUITE_LABELS.get(o.suite, o.suite))
+        rows.append((o.name, r.platform, SUITE_LABELS.get(o.suite, o.suite), r.outcome, fmt_gib(r.measured),
+                     fmt_gib(r.predicted), f"{r.predicted / r.measured - 1:+.1%}"))
     ax.plot([0, top * 1.05], [0, top * 1.05], color="black", lw=1, label="prediction = measurement")
     ax.fill_between([0, top * 1.05], [0, top * 0.95], [0, top * 1.155], color="grey", alpha=0.15, lw=0,
                     label="within 10%")
@@ -50,8 +64,13 @@ def section(inputs: ReportInputs) -> Section:
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
     errors = sorted(abs(e.predicted_per_card / e.median("per_card_peak") - 1) for e in entries
                     if e.outcome == "ok" and e.case.expect.outcome != "detected")
-    summary = (f" Over the {len(errors)} finished runs the median error is {errors[len(errors) // 2]:.1%} and the "
+    summary = (f" Over the {len(errors)} finished runs the median error is {statistics.median(errors):.1%} and the "
                f"worst {errors[-1]:.1%}." if errors else "")
+    for suite in dict.fromkeys(o.suite for o in other):
+        errs = sorted(abs(o.record.predicted / o.record.measured - 1) for o in other if o.suite == suite)
+        summary += (f" Open markers: {SUITE_LABELS.get(suite, suite)}, {len(errs)} runs from the predictor's "
+                    f"error table (results/predictor/errors.json), median error {statistics.median(errs):.1%}, "
+                    f"worst {errs[-1]:.1%}.")
     where = measured_where([e.baseline for e in entries])
     caption = (f"Measured: the per-card device peak, median over repetitions, {where}. "
                f"{PREDICTED[0].upper() + PREDICTED[1:]}. Triangles: runs that ran out of memory (measured at the "

@@ -58,6 +58,20 @@ class Entry:
         return self.baseline.case_as_measured(self.case)
 
 
+@dataclass(frozen=True)
+class SuiteRecord:
+    """A blessed run of another measured suite than the one reported (the architecture benchmark, fit's
+    verified configs), as the predictor's error table holds it: predicted leave-one-out and measured."""
+
+    suite: str  # harness.predict.errors.SUITES
+    record: object  # harness.predict.margin.ErrorRecord
+
+    @property
+    def name(self) -> str:
+        r = self.record
+        return r.case_id + (f"@{r.variant}" if r.variant else "")
+
+
 @dataclass
 class ReportInputs:
     entries: list[Entry]
@@ -67,6 +81,7 @@ class ReportInputs:
     skipped: list[str] = field(default_factory=list)  # inputs left out, each with why
     run_paths: list[Path] = field(default_factory=list)
     case_dir: Path | None = None
+    other_suites: list[SuiteRecord] = field(default_factory=list)
 
     @property
     def baselines(self) -> list[Baseline]:
@@ -150,7 +165,31 @@ def read_inputs(baselines_dir: Path, case_dir: Path, run_paths: list[Path], time
             timelines.append((path, MemoryTimeline.load(path)))
         except (InputError, OSError, ValueError) as exc:
             skipped.append(f"{path}: not a memory timeline ({str(exc).splitlines()[0][:120]})")
-    return ReportInputs(entries, cases, timelines, verdicts_of(run_paths), skipped, run_paths, Path(case_dir))
+    return ReportInputs(entries, cases, timelines, verdicts_of(run_paths), skipped, run_paths, Path(case_dir),
+                        other_suites_of(Path(baselines_dir)) if predict else [])
+
+
+def other_suites_of(baselines_dir: Path) -> list[SuiteRecord]:
+    """Where the bundled suite is reported: the other suites the predictor's errors are measured on, from
+    its error table (already predicted, each case left out), matched to their baselines. Elsewhere (a
+    team's own suite) none: those suites are the bundled suite's evidence, not the team's."""
+    from harness.baselines.store import RESULTS_DIR, load_baselines
+    from harness.predict.errors import SUITES
+    from harness.predict.margin import ERRORS_FILE, ErrorTable
+
+    if Path(baselines_dir).resolve() != RESULTS_DIR.resolve() or not ERRORS_FILE.is_file():
+        return []
+    try:
+        records = ErrorTable.read(ERRORS_FILE).records
+    except (OSError, ValueError, KeyError, TypeError):  # the margins say so; the report draws without it
+        return []
+    out = []
+    for suite, (suite_baselines, _) in SUITES.items():
+        if Path(suite_baselines).resolve() == RESULTS_DIR.resolve() or not Path(suite_baselines).is_dir():
+            continue
+        keys = {(b.case_id, b.variant, b.platform.key) for b in load_baselines(Path(suite_baselines))}
+        out += [SuiteRecord(suite, r) for r in records if (r.case_id, r.variant, r.platform) in keys]
+    return out
 
 
 def verdicts_of(paths: list[Path]) -> list[tuple[str, object]]:
