@@ -41,11 +41,22 @@ def test_nesting_at_the_limit_reads_and_one_deeper_is_refused():
     ('{"claims": [{"low": 1}, {"low": -Infinity}]}', "claims[1].low"),
     ('{"a": [[1e999]]}', "a[0][0]"),
     ('{"n": 9223372036854775808}', "n"),
+    # long columns of one kind (a timeline's) are checked whole; a bad item is still named
+    ('{"size": [' + "1," * 70_000 + '9223372036854775808]}', "size[70000]"),
+    ('{"size": [-9223372036854775809, 1]}', "size[0]"),
+    ('{"t_us": [0.5, 1.5, NaN, 2.5]}', "t_us[2]"),
+    ('{"t_us": [0.5, 1e999]}', "t_us[1]"),
+    ('{"x": [1, 2.0, "a", null, Infinity]}', "x[4]"),
 ])
 def test_a_number_that_is_not_finite_or_beyond_64_bits_is_named_by_its_key(text, key):
     with pytest.raises(InputError) as caught:
         parse_json(text, "x.json")
     assert caught.value.key == key and str(caught.value).startswith(f"x.json: {key}: ")
+
+
+def test_columns_of_plain_numbers_at_the_64_bit_limits_read():
+    text = '{"size": [-9223372036854775808, 0, 9223372036854775807], "t_us": [0.0, 1.5], "s": ["a", true, null]}'
+    assert parse_json(text, "x.json")["size"] == [-2**63, 0, 2**63 - 1]
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):

@@ -129,21 +129,17 @@ def test_a_malformed_case_fails_alone_naming_file_field_and_allowed_values(pytes
     assert "train.seq_len: Input should be greater than 0" in out
 
 
-def test_full_size_cases_skip_with_a_reason_without_a_gpu(pytester):
-    cases = _case_dir(pytester)
-    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-m", "gpu", "-rs", "-p", "no:cacheprovider")
-    result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(["*no GPU: full-size runs need CUDA or ROCm (tiny mode covers this case on CPU)*"])
-
-
-def test_deselected_tiny_cases_are_not_started_in_the_background(pytester, tmp_path):
-    """`pytest -m gpu` must not prefetch the tiny runs it deselected: on a GPU host they would
-    share the card and the CPUs with the full-size runs being measured."""
+def test_full_size_cases_skip_with_a_reason_and_deselected_tiny_cases_are_not_started_without_a_gpu(pytester,
+                                                                                                       tmp_path):
+    """Without a GPU, `pytest -m gpu` skips every full-size case, saying why. And it must not prefetch
+    the tiny runs it deselected: on a GPU host they would share the card and the CPUs with the
+    full-size runs being measured. (One pytest process checks both.)"""
     cases = _case_dir(pytester)
     runs = tmp_path / "runs"
-    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-m", "gpu", "--harness-run-dir", str(runs),
+    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-m", "gpu", "-rs", "--harness-run-dir", str(runs),
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["*no GPU: full-size runs need CUDA or ROCm (tiny mode covers this case on CPU)*"])
     assert not (runs / "tiny").exists()
 
 

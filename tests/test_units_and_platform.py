@@ -62,3 +62,34 @@ def test_other_errors_are_not_ooms():
 def test_a_cublas_handle_that_cannot_be_allocated_is_an_oom():
     oom = parse_oom("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert oom is not None and oom.platform == "cuda" and oom.tried_to_allocate is None
+
+
+def test_a_host_without_a_gpu_drivers_device_files_is_the_cpu_and_torch_is_not_imported():
+    """Found without torch, whose import costs each harness process that runs only tiny cases 1.8 s."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom harness.runtime import platform\n"
+            "platform.DEVICE_FILES = (sys.argv[1] + '/nvidia*',)\n"
+            "print(platform.detect().value, platform.accelerator_count(), 'torch' in sys.modules)\n")
+    with_none = subprocess.run([sys.executable, "-c", code, "/nonexistent-dev"], capture_output=True, text=True,
+                               check=True)
+    assert with_none.stdout.split() == ["cpu", "0", "False"]
+
+
+def test_a_host_with_a_gpu_drivers_device_file_asks_torch(tmp_path, monkeypatch):
+    """A device file is no card: torch decides (here, where it finds none, the CPU)."""
+    import torch
+
+    from harness.runtime import platform
+
+    (tmp_path / "kfd").touch()
+    monkeypatch.setattr(platform, "DEVICE_FILES", (str(tmp_path / "nvidia*"), str(tmp_path / "kfd")))
+    assert not platform.no_device_files()
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or False)
+    assert platform.detect() == platform.Platform.cpu and platform.accelerator_count() == 0
+    assert len(asked) == 2
+    monkeypatch.setattr(platform, "DEVICE_FILES", (str(tmp_path / "nvidia*"),))
+    assert platform.no_device_files()
+    assert platform.detect() == platform.Platform.cpu and len(asked) == 2
