@@ -28,7 +28,7 @@ from harness.fit.search import Candidate, Search, search
 from harness.fit.writer import ALLOC_ENV, OverwriteError, Written, write_fitted
 from harness.premerge.check import CheckResult, PredictFn, as_json, run_check
 from harness.premerge.importers import ConfigError, ConfigFormat
-from harness.spec.units import GIB, fmt_gib
+from harness.spec.units import fmt_gib, gib_rounded
 
 EXIT_OK, EXIT_NONE_FITS, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -157,10 +157,6 @@ def _verify(written: Written, spec, out: Path, args) -> int:
 # --- output -----------------------------------------------------------------------------------------
 
 
-def _gib(n: int | float | None) -> float | None:
-    return None if n is None else round(n / GIB, 3)
-
-
 def _knobs_text(c: Candidate) -> str:
     k = c.knobs
     gc = ("GC " + ("reentrant" if k.reentrant else "non-reentrant")) if k.checkpointing else "no GC"
@@ -173,9 +169,9 @@ def _knobs_text(c: Candidate) -> str:
 def _candidate_json(c: Candidate) -> dict:
     p = c.result.prediction
     return {"knobs": _knobs_text(c), "tokens_per_s": round(c.tokens_per_s, 1),
-            "card_peak_gib": _gib(c.result.card_peak), "budget_gib": _gib(c.result.budget),
-            "peak_allocated_gib": _gib(p.allocated), "peak_reserved_gib": _gib(p.reserved),
-            "device_peak_gib": _gib(p.device)}
+            "card_peak_gib": gib_rounded(c.result.card_peak), "budget_gib": gib_rounded(c.result.budget),
+            "peak_allocated_gib": gib_rounded(p.allocated), "peak_reserved_gib": gib_rounded(p.reserved),
+            "device_peak_gib": gib_rounded(p.device)}
 
 
 def _search_json(found: Search) -> dict:
@@ -194,7 +190,7 @@ def _as_json(found: Search, written: Written, recheck: CheckResult) -> dict:
         "changes": [c.as_list() for c in written.changes],
         "predicted": _candidate_json(best),
         "predicted_tokens_per_s": round(best.tokens_per_s, 1),
-        "input": {"fits": found.base.fits, "card_peak_gib": _gib(found.base.card_peak),
+        "input": {"fits": found.base.fits, "card_peak_gib": gib_rounded(found.base.card_peak),
                   "predicted_tokens_per_s": round(found.base_tokens_per_s, 1)},
         "files": [str(f) for f in written.files],
         "runners_up": [_candidate_json(c) for c in found.runners_up],
@@ -247,8 +243,8 @@ def _report_none(found: Search, as_json_output: bool, allowed: frozenset[str]) -
     over = None if c is None else c.result.card_peak - c.result.budget
     if as_json_output:
         print(json.dumps({"fits": False, "changes": [], "files": [],
-                          "closest": None if c is None else _candidate_json(c) | {"over_gib": _gib(over)},
-                          "input": {"fits": found.base.fits, "card_peak_gib": _gib(found.base.card_peak)},
+                          "closest": None if c is None else _candidate_json(c) | {"over_gib": gib_rounded(over)},
+                          "input": {"fits": found.base.fits, "card_peak_gib": gib_rounded(found.base.card_peak)},
                           "search": _search_json(found)}, indent=1))
         return
     lines = [f"{found.base.config.training.path}: no config fits "

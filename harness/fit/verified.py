@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.baselines.store import read_runs
 from harness.premerge.check import CheckResult
-from harness.spec.units import GIB, fmt_gib
+from harness.spec.units import fmt_gib, gib_rounded
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,12 @@ class Verified:
         return out
 
     def as_json(self) -> dict:
-        def gib(n):
-            return None if n is None else round(n / GIB, 3)
-
         return {"run_json": str(self.run_json), "outcome": self.outcome,
-                "measured_card_peak_gib": gib(self.measured_card_peak),
-                "predicted_card_peak_gib": gib(self.predicted_card_peak),
+                "measured_card_peak_gib": gib_rounded(self.measured_card_peak),
+                "predicted_card_peak_gib": gib_rounded(self.predicted_card_peak),
                 "peak_error": None if self.peak_error is None else round(self.peak_error, 4),
                 "margin_fraction": round(self.margin_fraction, 4), "within_margin": self.within_margin,
-                "budget_gib": gib(self.budget),
+                "budget_gib": gib_rounded(self.budget),
                 "measured_tokens_per_s": None if self.measured_tokens_per_s is None
                 else round(self.measured_tokens_per_s, 1),
                 "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 1),

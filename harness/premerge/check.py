@@ -22,7 +22,7 @@ from typing import Any
 from harness.predict.margin import FitVerdict, fit_verdict
 from harness.premerge.importers import ConfigError, ImportedConfig, JobSpec, import_config
 from harness.premerge.lints import Lint, lint
-from harness.spec.units import GIB, fmt_gib
+from harness.spec.units import fmt_gib, gib_rounded
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -133,32 +133,28 @@ def run_check(path: Path | str, spec: JobSpec, *, platform: str | None = None,
 # --- Rendering ----------------------------------------------------------------------------------
 
 
-def _gib(nbytes: int | float | None) -> float | None:
-    return None if nbytes is None else round(nbytes / GIB, 3)
-
-
 def as_json(result: CheckResult) -> dict[str, Any]:
     c, p = result.config, result.prediction
     return {
         "fits": result.fits,
         "ok": result.ok,
         "verdict": result.verdict,
-        "peak_allocated_gib": _gib(p.allocated if p else None),
-        "peak_reserved_gib": _gib(p.reserved if p else None),
-        "device_peak_gib": _gib(p.device if p else None),
-        "card_peak_gib": _gib(result.card_peak),
-        "margin_gib": _gib(result.fit.margin if result.fit else None),
+        "peak_allocated_gib": gib_rounded(p.allocated if p else None),
+        "peak_reserved_gib": gib_rounded(p.reserved if p else None),
+        "device_peak_gib": gib_rounded(p.device if p else None),
+        "card_peak_gib": gib_rounded(result.card_peak),
+        "margin_gib": gib_rounded(result.fit.margin if result.fit else None),
         "margin_fraction": round(p.margin.fraction, 4) if p else None,
         "margin_basis": p.margin.describe() if p else None,
-        "card_peak_with_margin_gib": _gib(result.fit.needed if result.fit else None),
-        "host_ram_gib": _gib(p.host_ram if p else None),
-        "host_ram_node_gib": _gib(result.node_host_ram),
+        "card_peak_with_margin_gib": gib_rounded(result.fit.needed if result.fit else None),
+        "host_ram_gib": gib_rounded(p.host_ram if p else None),
+        "host_ram_node_gib": gib_rounded(result.node_host_ram),
         "node_processes": result.config.node_processes,
-        "host_ram_available_gib": _gib(c.host_ram),
+        "host_ram_available_gib": gib_rounded(c.host_ram),
         "host_ram_fits": result.host_fits,
-        "gpu_memory_gib": _gib(c.gpu_memory),
-        "budget_gib": _gib(result.budget),
-        "headroom_gib": _gib(result.fit.headroom if result.fit else None),
+        "gpu_memory_gib": gib_rounded(c.gpu_memory),
+        "budget_gib": gib_rounded(result.budget),
+        "headroom_gib": gib_rounded(result.fit.headroom if result.fit else None),
         "headroom_fraction": c.headroom,
         "gpus": c.gpus,
         "procs_per_gpu": c.procs_per_gpu,

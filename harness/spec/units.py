@@ -70,6 +70,11 @@ def gib(nbytes: int | float | None) -> float | None:
     return None if nbytes is None else nbytes / GIB
 
 
+def gib_rounded(nbytes: int | float | None) -> float | None:
+    """Bytes to GiB to three decimals, as the commands' `--json` records give them (None stays None)."""
+    return None if nbytes is None else round(nbytes / GIB, 3)
+
+
 def fmt_gib(nbytes: int | float | None, digits: int = 2) -> str:
     return "-" if nbytes is None else f"{nbytes / GIB:.{digits}f} GiB"
 
