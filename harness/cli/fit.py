@@ -107,9 +107,10 @@ def _fit(args, predict: PredictFn | None) -> int:
     if base.prediction is None:
         raise ConfigError(imported.training.path, None, f"cannot be predicted: {imported.unpredictable}",
                           "change the settings the lint names, then run fit again")
-    if args.depth_points and max(args.depth_points) >= imported.arch.layers:
-        raise ConfigError(None, "--depth-points", f"{max(args.depth_points)} is not below the model's "
-                          f"{imported.arch.layers} layers", "measure at a few shallow depths, e.g. 4,8")
+    if args.depth_points:  # before the search, not after it when --verify writes the case
+        from harness.premerge.case_writer import check_depth_points
+
+        check_depth_points(args.depth_points, imported.arch.layers)
     found = search(base, args.allow, _predictor(predict), platform=args.platform)
     if found.best is None:
         _report_none(found, args.json, args.allow)
@@ -148,9 +149,8 @@ def _verify(written: Written, spec, out: Path, args) -> int:
     run_command.add_parser(parser.add_subparsers(dest="command"))
     run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir),
                                   "--out", str(out / "runs"), "--json", str(out / "verify.json")])
-    if not args.json:
-        return run_command.run(run_args)
-    with contextlib.redirect_stdout(sys.stderr):  # --json: stdout holds the one JSON object, the run's table goes aside
+    # --json: stdout holds the one JSON object, so the run's table goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         return run_command.run(run_args)
 
 

@@ -23,6 +23,7 @@ class Verified:
     outcome: str  # "ok", or the run's failure kind ("oom", "timeout", ...)
     measured_card_peak: int | None  # bytes; None where the run measured no step
     predicted_card_peak: int
+    margin: int  # bytes added to the prediction before the verdict (FitVerdict.margin)
     margin_fraction: float
     budget: int
     measured_tokens_per_s: float | None  # per card
@@ -36,11 +37,16 @@ class Verified:
         return self.predicted_card_peak / self.measured_card_peak - 1
 
     @property
+    def predicted_with_margin(self) -> int:
+        """What the verdict compared with the budget (FitVerdict.needed)."""
+        return self.predicted_card_peak + self.margin
+
+    @property
     def within_margin(self) -> bool | None:
         """The measured peak within the prediction plus its margin (None: nothing measured)."""
         if self.measured_card_peak is None:
             return None
-        return self.measured_card_peak <= self.predicted_card_peak * (1 + self.margin_fraction)
+        return self.measured_card_peak <= self.predicted_with_margin
 
     @property
     def tokens_error(self) -> float | None:
@@ -51,10 +57,10 @@ class Verified:
     def lines(self) -> list[str]:
         out = [f"verified ({self.run_json}): {self.outcome}"]
         if self.measured_card_peak is not None:
-            with_margin = self.predicted_card_peak * (1 + self.margin_fraction)
             out.append(f"  per card: measured {fmt_gib(self.measured_card_peak)}, predicted "
                        f"{fmt_gib(self.predicted_card_peak)} ({self.peak_error:+.1%}), with its margin "
-                       f"{fmt_gib(with_margin)} ({self.margin_fraction:.1%}), budget {fmt_gib(self.budget)}")
+                       f"{fmt_gib(self.predicted_with_margin)} ({self.margin_fraction:.1%}), budget "
+                       f"{fmt_gib(self.budget)}")
             if not self.within_margin:
                 out.append("  the measured peak is above the prediction plus its margin: the margin did not "
                            "cover this config" + (", the card's headroom did" if self.outcome == "ok" else ""))
@@ -85,5 +91,5 @@ def read_verified(run_json: Path, predicted: CheckResult, predicted_tokens_per_s
     return Verified(
         run_json=Path(run_json), outcome="ok" if error is None else error.kind.value,
         measured_card_peak=run.per_card_peak(procs), predicted_card_peak=fit.predicted,
-        margin_fraction=fit.margin_of.fraction, budget=fit.budget,
+        margin=fit.margin, margin_fraction=fit.margin_of.fraction, budget=fit.budget,
         measured_tokens_per_s=run.per_card_rate(procs), predicted_tokens_per_s=predicted_tokens_per_s)

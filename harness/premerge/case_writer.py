@@ -159,12 +159,16 @@ def default_case_id(config: Path) -> str:
     return slug[:MAX_CASE_ID].strip("-._") or "config"
 
 
+def check_depth_points(depth_points: list[int], layers: int) -> None:
+    """--depth-points for a model of `layers` layers: each below the full depth (ConfigError naming the flag)."""
+    if max(depth_points) >= layers:
+        raise ConfigError(None, "--depth-points", f"{max(depth_points)} is not below the model's {layers} layers",
+                          "measure at a few shallow depths, e.g. 4,8")
+
+
 def _with_depth_points(data: dict[str, Any], depth_points: list[int], result: CheckResult) -> dict[str, Any]:
     """The case's data with `depth_points` in the schema's place (after `model`), each below the full depth."""
-    depth = result.config.arch.layers
-    if any(d >= depth for d in depth_points):
-        raise ConfigError(None, "--depth-points", f"{','.join(map(str, depth_points))}: each must be below the model's "
-                          f"{depth} layers", "measure at a few shallow depths, e.g. 4,8")
+    check_depth_points(depth_points, result.config.arch.layers)
     out: dict[str, Any] = {}
     for key, value in data.items():
         out[key] = value
