@@ -264,3 +264,30 @@ def test_verify_measures_a_config_too_big_for_the_host_at_its_depth_points(tmp_p
     case = load_case(case_file)
     assert case.depth_points == [4, 8] and case.launch.ranks == 8
     assert ran and ran[0].case_dir == str(tmp_path / "out" / "case") and ran[0].fidelity == "real"
+
+
+def test_verify_at_depth_points_sets_each_measured_shape_against_its_own_prediction(tmp_path, capsys, monkeypatch):
+    """Guide 000's fitted 8-card config as two H200s measured it at 4 and 8 layers: the full-size peak is
+    not measured, so the output sets each measured shape against the prediction for that shape (a
+    depth fit carried from 2 ranks would not be the 8-rank job's peak), and says the margin missed."""
+    from harness.cli import fit as fit_command
+    from harness.cli import run as run_command
+
+    measured = ROOT / "results" / "runs" / "2026-11-27-h200x2-fit-000-verify.json"
+    monkeypatch.setattr(fit_command, "_require_gpu", lambda: None)
+    monkeypatch.setattr(run_command, "run", lambda args: Path(args.json).write_bytes(measured.read_bytes()) and 0)
+    job = [EXAMPLES / "000-ds32b-failing.yaml", "--gpu-memory", "64GiB", "--gpus", "8"]
+    code, out = _fit(capsys, *job, "--out", tmp_path / "out", "--verify", "--depth-points", "4,8")
+    v = out["verified"]
+    assert code == 0 and v["outcome"] == "ok" and v["measured_card_peak_gib"] is None
+    shapes = {p["shape"]: p for p in v["depth_points"]}
+    assert set(shapes) == {"2 of 8 ranks, 4 of 64 layers", "2 of 8 ranks, 8 of 64 layers"}
+    four = shapes["2 of 8 ranks, 4 of 64 layers"]
+    assert four["measured_gib"] == pytest.approx(31.53, abs=0.01)  # the device figure of the worse rank
+    assert four["error"] == pytest.approx(four["predicted_gib"] / four["measured_gib"] - 1, abs=1e-3)
+    missed = any(p["measured_gib"] > p["predicted_gib"] * (1 + v["margin_fraction"]) for p in shapes.values())
+    assert v["within_margin"] is (not missed)
+
+    assert main(["fit", *map(str, job), "--out", str(tmp_path / "again"), "--verify", "--depth-points", "4,8"]) == 0
+    text = capsys.readouterr().out
+    assert "measured at smaller shapes" in text and "2 of 8 ranks, 8 of 64 layers: measured 32.78 GiB" in text

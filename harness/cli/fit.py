@@ -128,7 +128,7 @@ def _fit(args, predict: PredictFn | None) -> int:
     if verified is not None and (out / "verify.json").is_file():
         from harness.fit.verified import read_verified
 
-        measured = read_verified(out / "verify.json", recheck, found.best.tokens_per_s)
+        measured = read_verified(out / "verify.json", recheck, found.best.tokens_per_s, out / "case")
     if args.json:
         print(json.dumps(_as_json(found, written, recheck) | ({"verified": measured.as_json()} if measured else {}),
                          indent=1))
