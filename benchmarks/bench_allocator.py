@@ -1,6 +1,9 @@
 """The allocator model against the allocator: every recorded timeline in results/timelines replayed.
 
-    .venv/bin/python benchmarks/bench_allocator.py [results/timelines]
+    .venv/bin/python benchmarks/bench_allocator.py [results/timelines ...]
+
+(results/architectures/timelines holds the architecture benchmark's; a case is looked up in every
+bundled suite.)
 
 For each timeline (one rank's recorded allocator history, `oom-harness run --memory-history`) the
 allocations and frees are replayed through `harness.predict.allocator` under the run's
@@ -30,10 +33,10 @@ def main(argv: list[str]) -> int:
     from harness.measure.timeline import MemoryTimeline
     from harness.predict.replay import recorded_limit, replay
 
-    folder = Path(argv[0]) if argv else ROOT / "results" / "timelines"
-    paths = sorted(folder.glob("*/*.json.gz"))
+    folders = [Path(a) for a in argv] or [ROOT / "results" / "timelines"]
+    paths = sorted(p for folder in folders for p in folder.glob("*/*.json.gz"))
     if not paths:
-        print(f"no timelines under {folder}")
+        print(f"no timelines under {', '.join(map(str, folders))}")
         return 1
     head = (f"{'platform/timeline':<78} {'actions':>8} {'conf':<12} {'cap GiB':>8} {'recorded':>9} "
             f"{'simulated':>9} {'diff MiB':>9} {'error':>7} {'OOM rec/sim':>13} {'actions/s':>10}")
@@ -67,7 +70,8 @@ def built(paths: list[Path]) -> None:
     from harness.predict.allocator import CachingAllocator
     from harness.predict.stream import RunShape, run_stream, simulate
     from harness.predict.trace import TraceSpec, trace_pair
-    from harness.spec.cases import CASES_DIR, load_case
+    from harness.predict.errors import SUITES
+    from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB:")
@@ -77,7 +81,8 @@ def built(paths: list[Path]) -> None:
     print("-" * len(head))
     for path in paths:
         timeline = MemoryTimeline.load(path)
-        case = load_case(CASES_DIR / f"{timeline.case_id}.yaml")
+        case = load_case(next((d / f"{timeline.case_id}.yaml" for _, d in SUITES.values()
+                               if (d / f"{timeline.case_id}.yaml").is_file()), Path(f"{timeline.case_id}.yaml")))
         if case.deepspeed is not None:
             continue
         if timeline.variant:

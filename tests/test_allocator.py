@@ -12,7 +12,8 @@ from harness.predict.replay import recorded_limit, replay
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
-TIMELINES = sorted((ROOT / "results" / "timelines").glob("*/*.json.gz"))
+TIMELINES = sorted(p for d in ("results/timelines", "results/architectures/timelines")
+                   for p in (ROOT / d).glob("*/*.json.gz"))
 
 
 def test_sizes_round_to_512_bytes_or_a_power_of_two_division():
@@ -181,3 +182,33 @@ def test_recorded_timelines_replay_to_the_recorded_reserved_peak_and_oom(path):
     result = replay(timeline, limit=recorded_limit(timeline, ROOT / "results" / "runs"))
     assert abs(result.peak_reserved - recorded) <= 0.01 * recorded, (result.peak_reserved, recorded)
     assert result.oom_index == result.recorded_oom_index  # both None without a cap that was hit
+
+
+def _timeline(actions: list[tuple[str, int, int]], card: int | None = None) -> MemoryTimeline:
+    """A recording from (action, address, size) triples on stream 0."""
+    from harness.measure.timeline import ACTIONS
+
+    n = len(actions)
+    return MemoryTimeline(case_id="c", fidelity="real", platform="cuda", device_name="card", torch_version="2.11",
+                          recorded="2026-11-27T00:00:00+00:00", emulated_card_bytes=card, t_us=list(range(n)),
+                          action=[ACTIONS.index(a) for a, _, _ in actions], addr=[a for _, a, _ in actions],
+                          size=[s for _, _, s in actions], stream=[0] * n, site=[-1] * n, phase=[0] * n)
+
+
+def test_a_programs_empty_cache_is_read_from_the_segments_it_released_and_the_allocators_own_is_not():
+    """Two 100 MiB tensors freed, their segments released by empty_cache(), then one 200 MiB tensor:
+    the replay must release them too (200 MiB reserved at the peak, not 400). Under a 300 MiB cap the
+    same releases are the allocator's own, made to fit the 200 MiB: the model makes them itself."""
+    a, b, c = 0x1000_0000, 0x2000_0000, 0x3000_0000
+    seg = 100 * MiB
+    actions = [("segment_alloc", a, seg), ("alloc", a, seg), ("segment_alloc", b, seg), ("alloc", b, seg),
+               ("free_requested", a, seg), ("free_completed", a, seg), ("free_requested", b, seg),
+               ("free_completed", b, seg), ("segment_free", a, seg), ("segment_free", b, seg),
+               ("segment_alloc", c, 2 * seg), ("alloc", c, 2 * seg)]
+    timeline = _timeline(actions)
+    assert timeline.curve().peak("reserved")[1] == 2 * seg
+    assert replay(timeline).peak_reserved == 2 * seg
+    capped = replay(_timeline(actions, card=300 * MiB), limit=300 * MiB)
+    assert capped.oom_index is None and capped.peak_reserved == 2 * seg
+    # the same releases, the allocation after them fitting under the cap: the program's call again
+    assert replay(_timeline(actions, card=500 * MiB), limit=500 * MiB).peak_reserved == 2 * seg

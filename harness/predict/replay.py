@@ -3,8 +3,14 @@
 `replay(timeline)` feeds a rank's recorded allocations and frees (`harness.measure.timeline`), in
 order, with their sizes and streams, to `harness.predict.allocator.CachingAllocator` under the run's
 PYTORCH_CUDA_ALLOC_CONF and memory cap, and gives the simulated reserved memory after each action.
-The recorded `segment_*` actions are not read: they are the truth the simulation is compared with
+The recorded `segment_*` actions are the truth the simulation is compared with
 (`MemoryTimeline.curve()`), and recorded addresses serve only to pair a free with its allocation.
+One thing is read from them: where the program called `torch.cuda.empty_cache()` (transformers does
+before its `caching_allocator_warmup`), which is an input to the allocator, not its decision. A
+trace has no entry for the call itself, only the segments it gave back; a run of those is the
+allocator's own release on the way to running out of memory when the allocation after it would not
+have fitted under the cap beside what was reserved (`_cache_emptied`), and the program's call
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,8 +20,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.measure.timeline import ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, MemoryTimeline
-from harness.predict.allocator import AllocatorConf, CachingAllocator, Segment, Stats
+from harness.measure.timeline import (
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    OOM,
+    SEGMENT_FREE,
+    SEGMENT_UNMAP,
+    MemoryTimeline,
+)
+from harness.predict.allocator import AllocatorConf, CachingAllocator, Segment, Stats, round_size, segment_size
 
 
 @dataclass
@@ -51,6 +65,7 @@ def replay(timeline: MemoryTimeline, *, conf: AllocatorConf | None = None, limit
     oom_index = None
     recorded_oom = next((i for i, a in enumerate(timeline.action) if a == OOM), None)
     malloc, free_requested, free_completed = sim.malloc, sim.free_requested, sim.free_completed
+    emptied = _cache_emptied(timeline, conf, limit)
     for i, (act, addr, size, stream) in enumerate(zip(timeline.action, timeline.addr, timeline.size,
                                                      timeline.stream, strict=True)):
         if act == ALLOC:
@@ -68,6 +83,8 @@ def replay(timeline: MemoryTimeline, *, conf: AllocatorConf | None = None, limit
             block = pending.pop(addr, None)
             if block is not None:
                 free_completed(block)
+        elif i in emptied:
+            sim.empty_cache()
         elif act == OOM:  # the recorded allocation that failed: the model must fail it too
             block = malloc(size, stream)
             if block is None:
@@ -81,6 +98,26 @@ def replay(timeline: MemoryTimeline, *, conf: AllocatorConf | None = None, limit
             break
     return Replay(reserved, peak_index, max(peak, 0), at_peak, oom_index, recorded_oom, limit, stats,
                   time.perf_counter() - t0)
+
+
+def _cache_emptied(timeline: MemoryTimeline, conf: AllocatorConf, limit: int | None) -> set[int]:
+    """The first action of each run of recorded segment releases that was the program's
+    `empty_cache()`: not followed by an allocation that needed a new segment the cap had no room for."""
+    out: set[int] = set()
+    actions, sizes = timeline.action, timeline.size
+    released = (SEGMENT_FREE, SEGMENT_UNMAP)
+    reserved = None
+    for i, act in enumerate(actions):
+        if act not in released or (i and actions[i - 1] in released):
+            continue
+        if limit is not None:
+            reserved = reserved or timeline.curve().reserved
+            j = next((k for k in range(i, len(actions)) if actions[k] in (ALLOC, OOM)), None)
+            before = reserved[i - 1] if i else 0
+            if j is not None and before + segment_size(round_size(sizes[j], conf)) > limit:
+                continue  # the allocator freeing its cache to make room under the cap
+        out.add(i)
+    return out
 
 
 def recorded_limit(timeline: MemoryTimeline, runs_dir: Path) -> int | None:
