@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_allocator.py [results/timelines ...]
 
-(results/architectures/timelines holds the architecture benchmark's; a case is looked up in every
-bundled suite.)
+(default: the timelines of every bundled suite, results/timelines, results/architectures/timelines and
+results/fitted/timelines; a case is looked up in every suite.)
 
 For each timeline (one rank's recorded allocator history, `oom-harness run --memory-history`) the
 allocations and frees are replayed through `harness.predict.allocator` under the run's
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     from harness.measure.timeline import MemoryTimeline
     from harness.predict.replay import recorded_limit, replay
 
-    folders = [Path(a) for a in argv] or [ROOT / "results" / "timelines"]
+    folders = [Path(a) for a in argv] or [ROOT / "results" / d / "timelines" for d in (".", "architectures", "fitted")]
     paths = sorted(p for folder in folders for p in folder.glob("*/*.json.gz"))
     if not paths:
         print(f"no timelines under {', '.join(map(str, folders))}")
@@ -68,9 +68,9 @@ def built(paths: list[Path]) -> None:
     from harness.measure.timeline import ALLOC, MemoryTimeline
     from harness.models.source import load_model
     from harness.predict.allocator import CachingAllocator
+    from harness.predict.errors import SUITES
     from harness.predict.stream import RunShape, run_stream, simulate
     from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.errors import SUITES
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 

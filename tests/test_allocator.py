@@ -12,7 +12,7 @@ from harness.predict.replay import recorded_limit, replay
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
-TIMELINES = sorted(p for d in ("results/timelines", "results/architectures/timelines")
+TIMELINES = sorted(p for d in ("results/timelines", "results/architectures/timelines", "results/fitted/timelines")
                    for p in (ROOT / d).glob("*/*.json.gz"))
 
 
