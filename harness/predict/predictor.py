@@ -100,7 +100,8 @@ def _inventory(r1, r2, layers: int):
     return Inventory(quantizable=ex(p1.quantizable, p2.quantizable), other=ex(p1.other, p2.other),
                      trainable=ex(p1.trainable, p2.trainable), head=p1.head,
                      largest_layer_module=p1.largest_layer_module, sizes=sizes,
-                     layer_sizes=list(per_layer.elements()), layers=layers)
+                     layer_sizes=list(per_layer.elements()), layers=layers,
+                     largest_trainable=max((row[0] for row in (*r1.layout, *r2.layout) if row[3]), default=0))
 
 
 def _full_with_parameter_offload(case: Case) -> bool:
