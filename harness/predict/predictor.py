@@ -284,7 +284,20 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
     conf = _alloc_conf(case)
-    if case.deepspeed is not None:
+    from harness.predict import zero2_stream
+
+    if zero2_stream.applies(case) and conf.backend == "native":
+        # ZeRO-2 with optimizer offload: the allocator model over the run's stream with DeepSpeed's
+        # buffers in it (harness.predict.zero2_stream)
+        run = zero2_stream.simulated(trace_spec, zero2_stream.Zero2Shape.of(case, layers, inv.trainable))
+        terms["reserved_by_ratio"] = reserved
+        terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
+        reserved = max(run.peak_reserved, allocated)
+        notes.append(f"reserved: the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps, "
+                     f"the boundary's fp64/fp32 gradient casts on the reduction stream (rank {run.rank}: "
+                     f"{run.reduction_stream_reserved / GiB:.2f} GiB there), not allocated x "
+                     f"reserved_over_allocated ({ratio:.3f})")
+    elif case.deepspeed is not None:
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
                      "see DeepSpeed's buckets, gathers and offload buffers")
     elif conf.backend != "native":
