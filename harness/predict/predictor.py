@@ -26,7 +26,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.states.zero3_reentrant_retention`).
 5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
    the run's allocation stream built from the traces (`harness.predict.stream`: the load, two
-   optimizer steps); with DeepSpeed, calibrated (`harness.predict.calibration`, fitted on
+   optimizer steps); a full fine-tune under ZeRO-2 with optimizer offload the same, over a stream with
+   DeepSpeed's buffers in it (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated
+   (`harness.predict.calibration`, fitted on
    results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
    lacks DeepSpeed's buckets and offload buffers; device = reserved + what the process holds

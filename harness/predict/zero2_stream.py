@@ -51,6 +51,7 @@ DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
 NORM_BYTES = 8  # get_norm_dtype(): torch.double where the device has fp64
 FP32_BYTES = 4
 NCCL_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
+EMPTY_CACHE = None  # an op of its own in `Stream.ops`: DeepSpeed's empty_cache() before flattening
 
 
 @dataclass(frozen=True)
@@ -188,9 +189,6 @@ def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tup
         for ident in left:
             stream.free(ident)
     return stream, side
-
-
-EMPTY_CACHE = None  # an op of its own: DeepSpeed's empty_cache() before flattening
 
 
 def simulate(stream: Stream, side: set[int], conf: AllocatorConf | None = None) -> tuple[int, int, str, int]:
