@@ -309,3 +309,29 @@ def test_a_cold_zero3_prediction_replays_deepspeed_alongside_the_trace(tmp_path)
     proc = subprocess.run([sys.executable, "-c", ALONGSIDE], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def _architecture_run(case_id: str):
+    """(the case as measured, its measured median allocated and reserved peaks) of an architecture-benchmark run."""
+    import statistics
+
+    from harness.predict.errors import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+
+    b = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == case_id)
+    ok = [r for r in b.runs if r.outcome == "ok"]
+    measured = {k: statistics.median(getattr(r, f"{k}_peak") for r in ok) for k in ("allocated", "reserved")}
+    return b.case_as_measured(load_case(ARCH_CASES_DIR / f"{case_id}.yaml")), b.platform.key, measured
+
+
+def test_zero2_with_optimizer_offload_keeps_one_largest_parameter_buffer_not_a_gradient_partition():
+    # DeepSpeed 0.19.8's ZeRO-2 under cpu_offload copies each reduced gradient to the host and keeps on
+    # the device only temp_grad_buffer_for_gpu_offload, the largest trainable parameter's size
+    full, platform, measured = _architecture_run("qwen25-1.5b-full-z2-offload-mb4-s1024-gc")
+    p = predict(full, platform=platform, exclude={full.id})
+    assert "grad_partition" not in p.terms
+    assert p.terms["zero2_offload_grad_buffer"] == 151936 * 1536 * 2  # Qwen2.5-1.5B's tied embedding, bf16
+    assert p.allocated == pytest.approx(measured["allocated"], rel=0.02)  # measured 11.87 GiB (2 x H200)
+    on_card = predict(changed(full, **{"deepspeed.offload_optimizer": "none"}), platform=platform, exclude={full.id})
+    assert "zero2_offload_grad_buffer" not in on_card.terms and on_card.terms["grad_partition"] > 0
+    lora = predict(case("001-ladder-rung2-zero2-offload"))  # LoRA: the buffer is the largest adapter's
+    assert 0 < lora.terms["zero2_offload_grad_buffer"] < 2**20 * 8

@@ -26,7 +26,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.states.zero3_reentrant_retention`).
 5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
    the run's allocation stream built from the traces (`harness.predict.stream`: the load, two
-   optimizer steps); with DeepSpeed, calibrated (`harness.predict.calibration`, fitted on
+   optimizer steps); a full fine-tune under ZeRO-2 with optimizer offload the same, over a stream with
+   DeepSpeed's buffers in it (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated
+   (`harness.predict.calibration`, fitted on
    results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
    lacks DeepSpeed's buckets and offload buffers; device = reserved + what the process holds
@@ -100,7 +102,8 @@ def _inventory(r1, r2, layers: int):
     return Inventory(quantizable=ex(p1.quantizable, p2.quantizable), other=ex(p1.other, p2.other),
                      trainable=ex(p1.trainable, p2.trainable), head=p1.head,
                      largest_layer_module=p1.largest_layer_module, sizes=sizes,
-                     layer_sizes=list(per_layer.elements()), layers=layers)
+                     layer_sizes=list(per_layer.elements()), layers=layers,
+                     largest_trainable=max((row[0] for row in (*r1.layout, *r2.layout) if row[3]), default=0))
 
 
 def _full_with_parameter_offload(case: Case) -> bool:
@@ -283,7 +286,20 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     ratio = values["reserved_over_allocated"]
     reserved = int(allocated * ratio)
     conf = _alloc_conf(case)
-    if case.deepspeed is not None:
+    from harness.predict import zero2_stream
+
+    if zero2_stream.applies(case) and conf.backend == "native":
+        # ZeRO-2 with optimizer offload: the allocator model over the run's stream with DeepSpeed's
+        # buffers in it (harness.predict.zero2_stream)
+        run = zero2_stream.simulated(trace_spec, zero2_stream.Zero2Shape.of(case, layers, inv.trainable))
+        terms["reserved_by_ratio"] = reserved
+        terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
+        reserved = max(run.peak_reserved, allocated)
+        notes.append(f"reserved: the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps, "
+                     f"the boundary's fp64/fp32 gradient casts on the reduction stream (rank {run.rank}: "
+                     f"{run.reduction_stream_reserved / GiB:.2f} GiB there), not allocated x "
+                     f"reserved_over_allocated ({ratio:.3f})")
+    elif case.deepspeed is not None:
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
                      "see DeepSpeed's buckets, gathers and offload buffers")
     elif conf.backend != "native":

@@ -12,7 +12,8 @@ model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and 
   moments in the parameter dtype (torch AdamW keeps state like its parameter).
 * DeepSpeed ZeRO-1/2/3 over W ranks: fp32 master + two fp32 moments (12 B per trainable element)
   / W, on the device or, with optimizer offload, in host memory (with the fp32 gradient partition);
-  half gradient partitions; the reduce buckets (contiguous gradients: one bucket, two with
+  half gradient partitions (ZeRO-2 with optimizer offload: one buffer of the largest trainable
+  parameter instead, `zero2_offload_grad_buffer`); the reduce buckets (contiguous gradients: one bucket, two with
   overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
   persistence threshold kept whole on every rank, and the gathered parameters: what DeepSpeed's own
   coordinator, replayed over the step (`harness.predict.zero3`), holds when backward starts and at
@@ -58,6 +59,7 @@ class Inventory:
     sizes: list[int] = field(default_factory=list)  # element counts of every base parameter
     layer_sizes: list[int] = field(default_factory=list)  # element counts of one decoder layer's base parameters
     layers: int = 0  # decoder layers at the case's depth
+    largest_trainable: int = 0  # element count of the largest trainable parameter (adapter or base)
 
     @property
     def total(self) -> int:
@@ -161,8 +163,9 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
             # ZeRO-3 puts its gradient partitions in a buffer on the optimizer's device: the host
             # (DeepSpeed 0.19 stage3.py, grad_partitions_flat_buffer on self.device), counted above.
             # Guide 002's full fine-tune on 2 H200s shows it: allocated 11.15 GiB at 6 and 12 layers.
-            # ZeRO-2's offload path may keep a compact partition on the device: left counted there.
             pass
+        elif ds.stage == 2 and ds.offload_optimizer == Offload.cpu:
+            dev["zero2_offload_grad_buffer"] = zero2_offload_grad_buffer(inv, tbytes)
         elif ds.stage >= 2:
             dev["grad_partition"] = tbytes * T // shard
         else:
@@ -203,6 +206,20 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
     resident = sum(dev.values())
     return States(device=dev, host=host, resident=resident, optimizer_step_extra=step_extra, notes=notes,
                   step_only=step_only)
+
+
+def zero2_offload_grad_buffer(inv: Inventory, tbytes: int) -> int:
+    """Device bytes ZeRO-2 with optimizer offload keeps for gradients between micro-steps, in place of
+    a gradient partition: DeepSpeed 0.19.8's `DeepSpeedZeroOptimizer.__init__`
+    (runtime/zero/stage_1_and_2.py), under `cpu_offload`, allocates `temp_grad_buffer_for_gpu_offload`,
+    `largest_param_numel` elements of the trainable dtype on the device (the largest parameter of its
+    bit16 groups, which hold the trainable parameters only), and keeps the fp32 gradient partition on
+    the host (`single_partition_of_fp32_groups[i].grad`). Each reduced gradient is copied there
+    (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`, or through the pinned
+    `accumulated_grads_in_cpu` under gradient accumulation, staged through that device buffer by
+    `async_accumulate_grad_in_cpu_via_gpu`) and its device gradient cleared (`clear_grad_attribute`):
+    no gradient partition stays on the device."""
+    return max(inv.largest_trainable, 0) * tbytes
 
 
 def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
