@@ -90,9 +90,12 @@ def _cuda_sdpa():
     original = functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if query.dtype != torch.float32 or query.dim() != 4 or key.shape[1] != query.shape[1]:
+        if query.dtype != torch.float32 or query.dim() != 4:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
+        if key.shape[1] != query.shape[1]:  # grouped-query heads: the math path
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA converts a boolean mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 attn_mask.logical_not(), float("-inf"))
@@ -105,6 +108,36 @@ def _cuda_sdpa():
         yield
     finally:
         functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _unpacked_rows():
+    """transformers' `find_packed_sequence_indices` as it answers on the device for the harness's
+    batches (one sequence per row, positions 0..n-1): None, no packed sequences. On fake tensors it
+    cannot read the positions (`is_tracing` is true of a fake tensor, transformers/masking_utils.py)
+    and returns its index tensor, so the causal mask is never skipped: a boolean mask is built and
+    passed to SDPA, and a model with grouped-query heads repeats its keys and values (`repeat_kv`)
+    instead of passing `enable_gqa` (`use_gqa_in_sdpa` requires no mask), which on CUDA decides the
+    kernel and what it keeps. The function still runs, so its allocations stay in the trace."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def unpacked(position_ids):
+        original(position_ids)
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
@@ -209,7 +242,8 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
 
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
-    with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa():
+    with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
+            _unpacked_rows():
         return _trace_patched(spec, layers, config, t0)
 
 
