@@ -14,7 +14,8 @@ and the replay's speed in actions per second.
 Then, for each timeline of a case without DeepSpeed (whose predicted reserved figure is the allocator
 model's), the stream the predictor builds from the fake-tensor trace (`harness.predict.stream`, the
 case at the timeline's variant) beside the recording: bytes allocated during the load, allocated and
-reserved at its end, and the allocated and reserved peaks.
+reserved at its end, and the allocated and reserved peaks after the load (the run's step figures: a
+recorded load may also build the random-weight checkpoint on the card, then empty the cache).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def built(paths: list[Path]) -> None:
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
-    print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB:")
+    print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB; peaks after "
+          "the load:")
     head = (f"{'platform/timeline':<60} {'load MiB':>17} {'alloc after load':>17} {'reserved after load':>19} "
             f"{'allocated peak':>15} {'reserved peak':>15} {'error':>7}")
     print(head)
@@ -105,8 +107,10 @@ def built(paths: list[Path]) -> None:
             else:
                 model.free(blocks.pop(-op - 1))
         alloc, reserved = model.stats.allocated, model.stats.reserved
-        _, rec_alloc_peak = curve.peak("allocated")
-        _, rec_res_peak = curve.peak("reserved")
+        # the run's own figures: from the end of the load on (its `step` peaks; the load may also have built
+        # the checkpoint on the card, then emptied the cache)
+        rec_alloc_peak = max(curve.allocated[end:], default=0)
+        rec_res_peak = max(curve.reserved[end:], default=0)
         print(f"{path.parent.name + '/' + path.name.removesuffix('.json.gz'):<60} "
               f"{built_load / 2**20:>8.0f}/{rec_load / 2**20:<8.0f} "
               f"{alloc / GiB:>8.3f}/{curve.allocated[end - 1] / GiB:<8.3f} "

@@ -70,6 +70,77 @@ class _Fake4bitLinear(torch.nn.Linear):
 
 
 @contextlib.contextmanager
+def _cuda_sdpa():
+    """`scaled_dot_product_attention` with the memory layout of the CUDA kernel that takes it.
+
+    The trace runs on fake `cpu` tensors, where SDPA dispatches to the CPU flash kernel, whose output
+    is laid out like the query (`meta__scaled_dot_product_flash_attention_for_cpu`: `empty_like(query)`).
+    On CUDA, fp32 inputs (the residual stream after peft's `prepare_model_for_kbit_training`) cannot
+    take the flash kernel (fp16/bf16 only) and go to the memory-efficient one, which allocates its
+    output as (batch, sequence, heads, dim) and returns it transposed
+    (`meta__scaled_dot_product_efficient_attention` in torch/_meta_registrations.py: `torch.empty(B,
+    M, num_heads, Kv)`, then `res.transpose(1, 2)`). transformers' `sdpa_attention_forward` then
+    calls `attn_output.transpose(1, 2).contiguous()`: a no-op on CUDA, a copy of the output on the CPU
+    kernel's layout whenever the query is contiguous (Phi-3's rotary embedding concatenates the rotated
+    and the passed-through halves), and that copy, the input of `o_proj`'s LoRA, is kept to the
+    backward. fp32 inputs without grouped-query heads go to the efficient kernel here too; the rest
+    (the half dtypes: flash, whose output is `empty_like` of the query on CUDA as on the CPU) is left
+    as it is."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.dtype != torch.float32 or query.dim() != 4:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if key.shape[1] != query.shape[1]:  # grouped-query heads: the math path
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA converts a boolean mask
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                attn_mask.logical_not(), float("-inf"))
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
+
+    functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _unpacked_rows():
+    """transformers' `find_packed_sequence_indices` as it answers on the device for the harness's
+    batches (one sequence per row, positions 0..n-1): None, no packed sequences. On fake tensors it
+    cannot read the positions (`is_tracing` is true of a fake tensor, transformers/masking_utils.py)
+    and returns its index tensor, so the causal mask is never skipped: a boolean mask is built and
+    passed to SDPA, and a model with grouped-query heads repeats its keys and values (`repeat_kv`)
+    instead of passing `enable_gqa` (`use_gqa_in_sdpa` requires no mask), which on CUDA decides the
+    kernel and what it keeps. The function still runs, so its allocations stay in the trace."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def unpacked(position_ids):
+        original(position_ids)
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
 def _without_bitsandbytes():
     """peft without bitsandbytes' import (it pulls in torch's compiler stack: seconds of CPU). The
     adapters traced here wrap plain `nn.Linear` layers; no bitsandbytes class is needed. While the
@@ -171,7 +242,8 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
 
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
-    with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes():
+    with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
+            _unpacked_rows():
         return _trace_patched(spec, layers, config, t0)
 
 
