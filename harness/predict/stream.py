@@ -19,7 +19,8 @@ its layer's backward). This module builds from them the stream of a run:
    chunk aligned with layer 1's by size; layer 0 may differ, its input needs no grad); one of layer 1
    freed after the layers is the last copy's; one of layer 1 freed in layer 0's backward (the
    gradient handed down) is freed in every copy's backward, of the copy above it, at the same
-   relative position.
+   relative position; one of layer 1 freed after the layers whose layer-0 counterpart is freed there
+   too (a tensor every layer keeps to the end of the forward) is freed in every copy.
 3. **The run** (`run_stream`): load, `min(grad_accum, 2)` micro-steps, the optimizer's first step
    (AdamW's two moments per trainable parameter, a foreach temporary per parameter, then the
    gradients freed by `zero_grad`), and the same again: the second step reuses what the first cached.
@@ -136,7 +137,17 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
             plan += [(ph, layer, evs, k) for k in copies]
         else:
             plan.append((ph, layer, evs, 0))
-    return _emit(plan, where, _counterparts(chunks), layers, stream, on_backward, _handed_down(chunks, where))
+    counterpart = _counterparts(chunks)
+    return _emit(plan, where, counterpart, layers, stream, on_backward, _handed_down(chunks, where),
+                 _kept_by_every_layer(chunks, counterpart))
+
+
+def _kept_by_every_layer(chunks, counterpart: dict[int, int]) -> set[int]:
+    """Layer 1's allocations freed after the layers whose layer-0 counterpart is freed after them too:
+    what every layer keeps to the end of its pass (not what it hands to the next layer, which the
+    next layer frees). At full depth every copy's is freed there, not only the last one's."""
+    after = {e[1] for _, layer, evs in chunks if layer not in (0, 1) for e in evs if e[0] == 0}
+    return {one for zero, one in counterpart.items() if zero in after and one in after}
 
 
 def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
@@ -155,7 +166,8 @@ def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None) -> list[int]:
+def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None,
+          every_copy=frozenset()) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
 
@@ -179,6 +191,10 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
                 live.add(ident)
                 continue
             la = where.get(tid, (0, layer))[1] if where else layer
+            if la == 1 and layer not in (0, 1) and tid in every_copy:
+                for copy in range(1, layers):
+                    release((copy, tid))
+                continue
             if la == 1:
                 target = (k if layer == 1 else 1 if layer == 0 else layers - 1, tid)
             elif la == 0 and layer == 1 and k > 1:
