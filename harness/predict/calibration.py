@@ -12,7 +12,10 @@ needs no prediction and costs milliseconds):
   buffers of the largest parameters are freed and reallocated every micro-step; the caching
   allocator keeps their blocks (about two of them on guide 000's 32B). Median over finished
   ZeRO-3 runs; fitted on one model so far (guide 000's 32B on nvidia-h200-x2), so its transfer to
-  other vocabularies is an assumption.
+  other vocabularies is an assumption. The optimizer step's fp32 gradient segment that the predictor
+  adds under ZeRO-3 without optimizer offload (harness.predict.zero3_step) is not subtracted: it needs
+  the trace's parameters, and none of the bundled guides' ZeRO-3 runs adds it (their sub-groups are
+  LoRA adapters, or the optimizer is offloaded).
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
   OOM outcomes included (the overhead does not depend on where the run stopped), runs on a cold
