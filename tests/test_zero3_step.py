@@ -95,3 +95,54 @@ def test_nothing_is_added_with_optimizer_offload_or_where_a_step_block_holds_the
     assert "(3.77 GiB" in on_device and "takes a segment of its own" in on_device
     (small,) = note(predict(with_ds(offload_optimizer=Offload.none, sub_group_size=100_000_000)))
     assert "nothing added" in small
+
+
+def _stream_reserve_peak(timeline: MemoryTimeline, site: str) -> int:
+    """The most the recorded run reserved for the stream on which `site` allocated."""
+    from harness.measure.timeline import SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
+
+    stream = next(t for i, t in enumerate(timeline.stream)
+                  if timeline.action[i] == ALLOC and site in timeline.sites[timeline.site[i]])
+    current = peak = 0
+    for act, size, s in zip(timeline.action, timeline.size, timeline.stream, strict=True):
+        if s != stream:
+            continue
+        if act in (SEGMENT_ALLOC, SEGMENT_MAP):
+            current += size
+        elif act in (SEGMENT_FREE, SEGMENT_UNMAP):
+            current -= size
+        peak = max(peak, current)
+    return peak
+
+
+def test_the_reduce_streams_pool_under_optimizer_offload_is_the_recorded_one():
+    """Under ZeRO-3 with optimizer offload, DeepSpeed's reduce stream keeps a pool of its own: the largest
+    parameter's device copy, fp64 norm and fp32 cast at the accumulation boundary. Replayed from
+    stage3.py's sequence, it is the recorded pool to the byte: Phi-3-mini's 0.461 GiB (default
+    segments) and guide 002's 3.947 GiB (expandable segments, by the calibration's closed form)."""
+    from harness.predict.calibration import reduce_pool_bytes
+    from harness.spec.cases import CASES_DIR
+    from harness.spec.variants import parse_variant
+
+    phi3 = "phi3-mini-full-z3-offload-mb2-s2048-gc"
+    recorded = _stream_reserve_peak(MemoryTimeline.load(GEMMA2_TIMELINE.with_name(f"{phi3}@2ga.json.gz")),
+                                    "_constant_buffered_norm2")
+    pred = predict(parse_variant("2ga").apply(load_case(ARCH_CASES_DIR / f"{phi3}.yaml")))
+    assert pred.terms["zero3_reduce_stream_pool"] == recorded
+    assert round(recorded / GiB, 3) == 0.461
+
+    guide = "002-gemma27b-full-z3-offload-len2048"
+    timeline = MemoryTimeline.load(ROOT / "results/timelines/nvidia-h200-x2" / f"{guide}@2r4L2ga.json.gz")
+    recorded = _stream_reserve_peak(timeline, "_constant_buffered_norm2")
+    case = parse_variant("2r4L2ga").apply(load_case(CASES_DIR / f"{guide}.yaml"))
+    assert reduce_pool_bytes(case) == recorded
+    assert round(recorded / GiB, 3) == 3.947
+
+
+def test_lora_adapters_add_a_small_pool_and_no_offload_none():
+    from harness.spec.variants import parse_variant
+
+    mistral = parse_variant("2ga").apply(load_case(ARCH_CASES_DIR / "mistral-7b-lora-z3-offload-mb2-s1024-gc.yaml"))
+    assert predict(mistral).terms["zero3_reduce_stream_pool"] < 32 * MiB
+    gemma = parse_variant("2ga").apply(load_case(ARCH_CASES_DIR / f"{GEMMA2}.yaml"))
+    assert "zero3_reduce_stream_pool" not in predict(gemma).terms

@@ -206,15 +206,45 @@ def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
         send.close()
 
 
+def _trainable_sizes(case: Case, r1, layers: int, r2=None) -> list[int]:
+    """The trainable parameters' elements in module order at the case's depth: every parameter of a full
+    fine-tune (from the 1- and 2-layer models), the adapters of a LoRA or QLoRA one (layer 0's
+    repeated)."""
+    from harness.predict.step import LAYER_POST, LAYER_PRE
+    from harness.predict.zero3_step import full_depth_sizes
+
+    if case.method.kind == "full":
+        return full_depth_sizes(r1.params.sizes, r2.params.sizes, layers)
+    rows = [r for r in r1.layout if r[3]]
+    before = [r[0] for r in rows if r[4] == LAYER_PRE]
+    after = [r[0] for r in rows if r[4] == LAYER_POST]
+    return before + [r[0] for r in rows if r[4] not in (LAYER_PRE, LAYER_POST)] * layers + after
+
+
+def _zero3_reduce_stream(case: Case, r1, r2, layers: int, notes: list[str]) -> int:
+    """ZeRO-3 with optimizer offload: what DeepSpeed's reduce stream reserves beside the model's pool
+    (harness.predict.zero3_step.reduce_stream_reserve), 0 elsewhere."""
+    from harness.predict.zero3_step import reduce_stream_reserve
+
+    ranks = case.launch.ranks
+    partitions = [-(-n // ranks) for n in reversed(_trainable_sizes(case, r1, layers, r2))]
+    pool = reduce_stream_reserve(case, partitions, _alloc_conf(case))
+    if pool is None:
+        return 0
+    notes.append(f"ZeRO-3 optimizer offload: DeepSpeed's reduce stream reserves {pool / GiB:.2f} GiB of its own "
+                 "(partition_grads' device copies, the boundary's fp64 norm and fp32 cast, stage3.py)")
+    return pool
+
+
 def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) -> int:
     """ZeRO-3 without optimizer offload: the segment the optimizer step's fp32 gradient of the largest
     sub-group takes beyond the forward and backward's reserve (harness.predict.zero3_step), 0 elsewhere."""
     from harness.predict.calibration import largest_gather_bytes
     from harness.predict.trace import extrapolate
-    from harness.predict.zero3_step import fp32_grad_segment, full_depth_sizes
+    from harness.predict.zero3_step import fp32_grad_segment
 
     full = case.method.kind == "full"
-    sizes = full_depth_sizes(r1.params.sizes, r2.params.sizes, layers) if full else None
+    sizes = _trainable_sizes(case, r1, layers, r2) if full else None
     trainable = sum(sizes) if sizes else round(extrapolate(r1.params.trainable, r2.params.trainable, layers))
     largest = max([e[2] for r in (r1, r2) for e in r.events if e[0] == 1] + [largest_gather_bytes(case)])
     seg = fp32_grad_segment(case, sizes, trainable, largest)
@@ -340,6 +370,10 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             if not extra:
                 notes.append("the optimizer step's fp32 gradient segment is within allocated x "
                              "reserved_over_allocated: the optimizer step is the allocated peak")
+        pool = _zero3_reduce_stream(case, r1, r2, layers, notes)
+        if pool:
+            reserved += pool
+            terms["zero3_reduce_stream_pool"] = pool
     beside = device_overhead(case, arch, platform, values)
     notes += beside.notes
     overhead = beside.total
@@ -357,7 +391,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      "during the first step (launch.triton_cache: cold predicts that)")
     device = reserved + overhead
     terms["allocator_fragmentation"] = (reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
-                                        - terms.get("zero3_fp32_grad_segment", 0))
+                                        - terms.get("zero3_fp32_grad_segment", 0)
+                                        - terms.get("zero3_reduce_stream_pool", 0))
 
     # --- host memory of the whole job on this node ---
     ranks = case.launch.ranks * case.launch.procs_per_card

@@ -28,6 +28,20 @@ of the same size holding sub-group 1's `exp_avg_sq` (1,170 MiB) and 2,648 MiB fr
 Where the forward and backward allocate a block at least that large (long sequences' logits), the
 gradient can take its freed segment, and nothing is added. With optimizer offload the fp32 gradient
 is built in host memory and nothing is added either.
+
+With optimizer offload, the gradient partitions live in a host buffer, and DeepSpeed's
+`partition_grads` works on its own CUDA stream (`reduce_and_partition_stream`), whose blocks the
+caching allocator keeps in a pool of that stream, apart from the model's. For each parameter of a
+reduce bucket, one after another, it copies the partition to the device (`grad_buffer.to(device)`, or
+`cuda_grad_buffer` when accumulating: the gradient dtype), and at the accumulation boundary
+`_offload_grad_partition_at_boundary` takes its norm (`_constant_buffered_norm2`: chunks of up to
+250M elements cast to fp64, `get_norm_dtype`) and casts it to fp32 for the host's fp32 gradient.
+`reduce_stream_reserve` replays that sequence through the allocator model: on the recorded runs the
+stream's pool is the largest parameter's copy and norm, 0.461 GiB on Phi-3-mini (49.2M elements per
+rank: 94 + 376 MiB, and a small segment for the per-parameter norms) and 3.947 GiB on guide 002's
+Gemma-3-27B (704.8M elements, expandable segments: 1,344 + 2,689 MiB in 20 MiB pages, and a small
+page), reserved beside the model's pool. It is not in allocated's peak (the boundary comes after
+backward's peak) nor in what the ratio sees.
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ from dataclasses import dataclass
 from harness.spec.schema import Case, Offload
 
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # deepspeed/runtime/zero/config.py: sub_group_size
+NORM_CHUNK = 250_000_000  # stage3.py _constant_buffered_norm2(buffer_size=250000000)
+NORM_BYTES = 8  # get_norm_dtype(): fp64 where the device has it (CUDA, ROCm)
 _ROUND_LARGE = 2 << 20  # the caching allocator rounds a large segment to 2 MiB
 
 
@@ -107,3 +123,31 @@ def fp32_grad_segment(case: Case, trainable_sizes: list[int] | None, trainable: 
     return Fp32GradSegment(segment, groups, largest_step_block,
                            where + " takes a segment of its own beyond the forward and backward's reserve "
                            f"(their largest block {largest_step_block / 2**30:.2f} GiB)")
+
+
+def reduce_stream_reserve(case: Case, partitions: list[int], conf=None) -> int | None:
+    """What the caching allocator reserves for DeepSpeed's reduce stream under ZeRO-3 with optimizer
+    offload, over one optimizer step's micro-steps (the last at the accumulation boundary);
+    `partitions`: the trainable parameters' partition elements in the order backward reduces them
+    (reverse module order). None where the case is not ZeRO-3 with optimizer offload. `conf`: the
+    case's `harness.predict.allocator.AllocatorConf`."""
+    from harness.predict.allocator import AllocatorConf, CachingAllocator
+
+    ds = case.deepspeed
+    if ds is None or ds.stage != 3 or ds.offload_optimizer == Offload.none or not partitions:
+        return None
+    grad = 4 if case.precision.value == "fp32" else 2  # the gradient accumulation dtype: the training dtype
+    sim = CachingAllocator(conf or AllocatorConf())
+    steps = max(1, case.train.grad_accum)
+    norms = []  # norm_for_param_grads: one fp64 scalar per parameter, kept for the step's clipping
+    for micro in range(steps):
+        boundary = micro == steps - 1
+        for n in partitions:
+            copy = sim.malloc(grad * n)  # partition_grads: the partition copied to the device
+            if boundary:  # _offload_grad_partition_at_boundary
+                for start in range(0, n, NORM_CHUNK):
+                    sim.free(sim.malloc(NORM_BYTES * min(NORM_CHUNK, n - start)))
+                norms.append(sim.malloc(NORM_BYTES))
+                sim.free(sim.malloc(4 * n))  # cast to fp32 for the host's fp32 gradient
+            sim.free(copy)
+    return sim.stats.peak_reserved
