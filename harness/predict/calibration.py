@@ -11,11 +11,11 @@ needs no prediction and costs milliseconds):
   largest parameter gathered whole (`largest_gather_bytes`: the embedding / head). The all-gather
   buffers of the largest parameters are freed and reallocated every micro-step; the caching
   allocator keeps their blocks (about two of them on guide 000's 32B). Median over finished
-  ZeRO-3 runs; fitted on one model so far (guide 000's 32B on nvidia-h200-x2), so its transfer to
-  other vocabularies is an assumption. What the predictor adds from DeepSpeed's code is taken out
-  first: under ZeRO-3 with optimizer offload, the reduce stream's pool of a full fine-tune
-  (harness.predict.zero3_step.reduce_stream_reserve over its largest parameter, `reduce_pool_bytes`:
-  3.95 GiB of guide 002's 20.4 GiB; a LoRA run's is a few MiB and is left in). The optimizer step's
+  ZeRO-3 runs; on two cards fitted on two models (guide 000's 32B, guide 002's Gemma-3 27B). What the
+  predictor adds from DeepSpeed's code is taken out first: under ZeRO-3 with optimizer offload, the
+  reduce stream's pool of a full fine-tune (harness.predict.zero3_step.reduce_stream_reserve over its
+  largest parameter, `reduce_pool_bytes`: 3.95 GiB of guide 002's 20.4 GiB, which leaves it 1.6-1.9
+  units beside guide 000's 1.7-2.6; a LoRA run's is a few MiB and is left in). The optimizer step's
   fp32 gradient segment without offload is not subtracted: none of the bundled guides' ZeRO-3 runs
   adds it (their sub-groups are LoRA adapters, or the optimizer is offloaded).
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
