@@ -138,7 +138,8 @@ def reduce_stream_reserve(case: Case, partitions: list[int], conf=None) -> int |
         return None
     grad = 4 if case.precision.value == "fp32" else 2  # the gradient accumulation dtype: the training dtype
     sim = CachingAllocator(conf or AllocatorConf())
-    steps = max(1, case.train.grad_accum)
+    # micro-steps before the boundary free all they allocate and repeat one another: one stands for them
+    steps = min(2, max(1, case.train.grad_accum))
     norms = []  # norm_for_param_grads: one fp64 scalar per parameter, kept for the step's clipping
     for micro in range(steps):
         boundary = micro == steps - 1
