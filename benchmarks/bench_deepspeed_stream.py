@@ -19,12 +19,19 @@ run, what a stream built for DeepSpeed would have to reproduce:
    (`partition_parameters.py`) of the timeline's second-to-last forward and backward (a step after
    the one in which DeepSpeed records the module order): how many, how
    many bytes, and the largest sizes.
+4. **Where the reserve grows.** For each phase of the timeline in which the reserve grew: reserved
+   before and after, and the new segments by the call site of the allocation that asked for each; then
+   the reserved peak's action, its phase and the allocation it was made for, with allocated memory
+   and the largest free cached block just before it (what the allocation could not fit in).
+
+Several folders may be named; the default is results/timelines and results/architectures/timelines.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
 
@@ -126,6 +133,74 @@ def _replayed_gathers(timeline) -> Counter | None:
     return Counter(e.nbytes for e in events if isinstance(e, zero3.StreamEvent) and e.kind == "alloc")
 
 
+def _largest_free_block(timeline, before: int) -> int:
+    """The largest free gap inside the recorded segments (not expandable ones) just before action `before`."""
+    from harness.measure.timeline import ALLOC, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE
+
+    segments: dict[int, int] = {}
+    live: dict[int, int] = {}
+    for i in range(before):
+        act, addr = timeline.action[i], timeline.addr[i]
+        if act == SEGMENT_ALLOC:
+            segments[addr] = timeline.size[i]
+        elif act == SEGMENT_FREE:
+            segments.pop(addr, None)
+        elif act == ALLOC:
+            live[addr] = timeline.size[i]
+        elif act == FREE_COMPLETED:
+            live.pop(addr, None)
+    blocks = sorted(live.items())
+    best = 0
+    for start, size in segments.items():
+        cursor = start
+        for addr, n in blocks[bisect_left(blocks, (start, -1)):]:
+            if addr >= start + size:
+                break
+            best, cursor = max(best, addr - cursor), addr + n
+        best = max(best, start + size - cursor)
+    return best
+
+
+def _growth(timeline) -> list[str]:
+    """Section 4 for one timeline."""
+    from harness.measure.timeline import ALLOC, PHASES, SEGMENT_ALLOC, SEGMENT_MAP
+
+    curve = timeline.curve()
+    made = (SEGMENT_ALLOC, SEGMENT_MAP)
+
+    def asked_by(i: int) -> str:
+        j = next((k for k in range(i + 1, len(timeline)) if timeline.action[k] == ALLOC), None)
+        return "?" if j is None else _site(timeline, j)
+
+    lines = []
+    counts = Counter()
+    for phase, start, end in timeline.phase_spans():
+        counts[phase] += 1
+        before = curve.reserved[start - 1] if start else 0
+        after = max(curve.reserved[start:end])
+        if after - before < 64 * MiB:
+            continue
+        by_site: Counter = Counter()
+        n_by_site: Counter = Counter()
+        for i in range(start, end):
+            if timeline.action[i] in made:
+                by_site[asked_by(i)] += timeline.size[i]
+                n_by_site[asked_by(i)] += 1
+        top = "; ".join(f"{site} x{n_by_site[site]} {size / MiB:.0f} MiB" for site, size in by_site.most_common(4))
+        lines.append(f"  {phase} #{counts[phase]}: reserved {before / GiB:.3f} -> {after / GiB:.3f} GiB "
+                     f"(allocated at most {max(curve.allocated[start:end]) / GiB:.3f}); new segments: {top}")
+    peak, reserved = curve.peak("reserved")
+    phase = PHASES[timeline.phase[peak]] if timeline.phase[peak] >= 0 else "?"
+    nth = sum(1 for p, s, _ in timeline.phase_spans() if p == phase and s <= peak)
+    expandable = "expandable_segments:true" in timeline.alloc_conf.replace(" ", "").lower()
+    free = "" if expandable else (f"; largest free cached block before it "
+                                  f"{_largest_free_block(timeline, peak) / MiB:.0f} MiB")
+    lines.append(f"  peak {reserved / GiB:.3f} GiB at action {peak} ({phase} #{nth}): a "
+                 f"{timeline.size[peak] / MiB:.0f} MiB segment for {asked_by(peak)}; allocated "
+                 f"{curve.allocated[peak] / GiB:.3f} GiB{free}")
+    return lines
+
+
 def _sizes(counter: Counter, n: int = 6) -> str:
     return ", ".join(f"{size / MiB:.2f} x{count}" for size, count in sorted(counter.items(), reverse=True)[:n])
 
@@ -134,11 +209,11 @@ def main(argv: list[str]) -> int:
     from harness.measure.timeline import ALLOC, MemoryTimeline
     from harness.predict.replay import recorded_limit, replay
 
-    folder = Path(argv[0]) if argv else ROOT / "results" / "timelines"
-    timelines = [(p, MemoryTimeline.load(p)) for p in sorted(folder.glob("*/*.json.gz"))]
+    folders = [Path(a) for a in argv] or [ROOT / "results" / d for d in ("timelines", "architectures/timelines")]
+    timelines = [(p, MemoryTimeline.load(p)) for folder in folders for p in sorted(folder.glob("*/*.json.gz"))]
     timelines = [(p, t) for p, t in timelines if any(_is_deepspeed(s) for s in t.sites)]
     if not timelines:
-        print(f"no timeline of a DeepSpeed run under {folder}")
+        print(f"no timeline of a DeepSpeed run under {', '.join(map(str, folders))}")
         return 1
     print("1. DeepSpeed's own allocations: share of the bytes allocated, and the reserved peak (GiB) replayed "
           "with and without them")
@@ -187,6 +262,12 @@ def main(argv: list[str]) -> int:
               f"{_sizes(recorded)}\n  replayed: {sum(replayed.values())} allocations, "
               f"{sum(s * c for s, c in replayed.items()) / GiB:.3f} GiB, {len(replayed)} sizes; largest "
               f"{_sizes(replayed)}")
+
+    print("\n4. Where the reserve grows: the phases that added 64 MiB or more, their new segments by the call "
+          "site that asked for them, and the reserved peak")
+    for path, timeline in timelines:  # the recorded addresses, which `_unique` replaced
+        print(path.parent.name + "/" + path.name.removesuffix(".json.gz"))
+        print("\n".join(_growth(timeline)))
     return 0
 
 

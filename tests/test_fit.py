@@ -285,8 +285,9 @@ def test_verify_at_depth_points_sets_each_measured_shape_against_its_own_predict
     four = shapes["2 of 8 ranks, 4 of 64 layers"]
     assert four["measured_gib"] == pytest.approx(31.53, abs=0.01)  # the device figure of the worse rank
     assert four["error"] == pytest.approx(four["predicted_gib"] / four["measured_gib"] - 1, abs=1e-3)
-    missed = any(p["measured_gib"] > p["predicted_gib"] * (1 + v["margin_fraction"]) for p in shapes.values())
-    assert v["within_margin"] is (not missed)
+    # the shortfall as the margin computes it; this run sets its kind's margin, so it sits at the edge
+    within = all(p["measured_gib"] / p["predicted_gib"] - 1 <= v["margin_fraction"] + 1e-3 for p in shapes.values())
+    assert v["within_margin"] is within
 
     assert main(["fit", *map(str, job), "--out", str(tmp_path / "again"), "--verify", "--depth-points", "4,8"]) == 0
     text = capsys.readouterr().out

@@ -11,8 +11,13 @@ needs no prediction and costs milliseconds):
   largest parameter gathered whole (`largest_gather_bytes`: the embedding / head). The all-gather
   buffers of the largest parameters are freed and reallocated every micro-step; the caching
   allocator keeps their blocks (about two of them on guide 000's 32B). Median over finished
-  ZeRO-3 runs; fitted on one model so far (guide 000's 32B on nvidia-h200-x2), so its transfer to
-  other vocabularies is an assumption.
+  ZeRO-3 runs; on two cards fitted on two models (guide 000's 32B, guide 002's Gemma-3 27B). What the
+  predictor adds from DeepSpeed's code is taken out first: under ZeRO-3 with optimizer offload, the
+  reduce stream's pool of a full fine-tune (harness.predict.zero3_step.reduce_stream_reserve over its
+  largest parameter, `reduce_pool_bytes`: 3.95 GiB of guide 002's 20.4 GiB, which leaves it 1.6-1.9
+  units beside guide 000's 1.7-2.6; a LoRA run's is a few MiB and is left in). The optimizer step's
+  fp32 gradient segment without offload is not subtracted: none of the bundled guides' ZeRO-3 runs
+  adds it (their sub-groups are LoRA adapters, or the optimizer is offloaded).
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
   OOM outcomes included (the overhead does not depend on where the run stopped), runs on a cold
@@ -77,6 +82,7 @@ class _Obs:
     deepspeed: bool
     zero3: bool = False
     gather_bytes: int = 0  # ZeRO-3: bytes of the largest parameter gathered whole (largest_gather_bytes)
+    reduce_pool: int = 0  # ZeRO-3 full fine-tune with optimizer offload: the reduce stream's pool (reduce_pool_bytes)
     cold_triton: bool = False  # measured while compiling Triton kernels (harness.runtime.compile_cache)
 
 
@@ -119,11 +125,12 @@ def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list
         procs = case.launch.procs_per_card
         zero3 = case.deepspeed is not None and case.deepspeed.stage == 3
         gather = largest_gather_bytes(case) if zero3 else 0
+        pool = reduce_pool_bytes(b.case_as_measured(case)) if zero3 else 0
         for r in b.runs:
             device = None if r.per_card_peak is None else r.per_card_peak // procs
             out.append(_Obs(case_id=b.case_id, platform=b.platform.key, ok=r.outcome == "ok",
                             allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
-                            deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather,
+                            deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather, reduce_pool=pool,
                             cold_triton=r.triton_cache == "cold"))
     return tuple(out), warnings
 
@@ -184,6 +191,25 @@ def largest_gather_bytes(case) -> int:
     return max(int(cfg.get("vocab_size", 0)), inter) * hidden * half
 
 
+def reduce_pool_bytes(case) -> int:
+    """ZeRO-3 full fine-tune with optimizer offload: what DeepSpeed's reduce stream reserves, replayed
+    over the largest parameter (`largest_gather_bytes`' elements, partitioned over the ranks), which
+    sets it where that parameter's copy, norm and cast need the most; 0 for other cases. A closed form
+    of the config, so fitting stays cheap."""
+    from harness.predict.allocator import AllocatorConf, AllocConfError
+    from harness.predict.zero3_step import reduce_stream_reserve
+
+    if case.method.kind != "full":
+        return 0
+    half = 4 if case.precision.value == "fp32" else 2
+    largest = largest_gather_bytes(case) // half
+    try:
+        conf = AllocatorConf.parse(case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    except AllocConfError:
+        conf = AllocatorConf()
+    return reduce_stream_reserve(case, [-(-largest // case.launch.ranks)], conf) or 0
+
+
 def platforms(root: Path = RESULTS_DIR, case_dir: Path = CASES_DIR) -> list[str]:
     return sorted({o.platform for o in _observations(str(root), str(case_dir))})
 
@@ -226,7 +252,7 @@ def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RES
     if ratio is None:
         ratio = 1.05  # harness.predict.predictor.PRIORS
     fit("zero3_cached_gathers", lambda o: o.ok and o.zero3 and o.allocated and o.reserved and o.gather_bytes,
-        lambda o: max(0.0, o.reserved - o.allocated * ratio) / o.gather_bytes)
+        lambda o: max(0.0, o.reserved - o.allocated * ratio - o.reduce_pool) / o.gather_bytes)
     base = fit("device_overhead", lambda o: not o.deepspeed and not o.cold_triton and o.device and o.reserved,
                lambda o: o.device - o.reserved)
     if base is not None:

@@ -31,7 +31,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.calibration`, fitted on
    results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
-   lacks DeepSpeed's buckets and offload buffers; device = reserved + what the process holds
+   lacks DeepSpeed's buckets and offload buffers; under ZeRO-3 without optimizer offload, at least the
+   forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
+   sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
    beside the allocator
    (`harness.predict.device`: the parts the device probe measured on the platform where a record
    exists, else device_overhead, + device_overhead_deepspeed for DeepSpeed processes), +
@@ -207,6 +209,54 @@ def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
         send.close()
 
 
+def _trainable_sizes(case: Case, r1, layers: int, r2=None) -> list[int]:
+    """The trainable parameters' elements in module order at the case's depth: every parameter of a full
+    fine-tune (from the 1- and 2-layer models), the adapters of a LoRA or QLoRA one (layer 0's
+    repeated)."""
+    from harness.predict.step import LAYER_POST, LAYER_PRE
+    from harness.predict.zero3_step import full_depth_sizes
+
+    if case.method.kind == "full":
+        return full_depth_sizes(r1.params.sizes, r2.params.sizes, layers)
+    rows = [r for r in r1.layout if r[3]]
+    before = [r[0] for r in rows if r[4] == LAYER_PRE]
+    after = [r[0] for r in rows if r[4] == LAYER_POST]
+    return before + [r[0] for r in rows if r[4] not in (LAYER_PRE, LAYER_POST)] * layers + after
+
+
+def _zero3_reduce_stream(case: Case, r1, r2, layers: int, notes: list[str]) -> int:
+    """ZeRO-3 with optimizer offload: what DeepSpeed's reduce stream reserves beside the model's pool
+    (harness.predict.zero3_step.reduce_stream_reserve), 0 elsewhere."""
+    from harness.predict.zero3_step import reduce_stream_reserve
+
+    ranks = case.launch.ranks
+    partitions = [-(-n // ranks) for n in reversed(_trainable_sizes(case, r1, layers, r2))]
+    pool = reduce_stream_reserve(case, partitions, _alloc_conf(case))
+    if pool is None:
+        return 0
+    notes.append(f"ZeRO-3 optimizer offload: DeepSpeed's reduce stream reserves {pool / GiB:.2f} GiB of its own "
+                 "(partition_grads' device copies, the boundary's fp64 norm and fp32 cast, stage3.py)")
+    return pool
+
+
+def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) -> int:
+    """ZeRO-3 without optimizer offload: the segment the optimizer step's fp32 gradient of the largest
+    sub-group takes beyond the forward and backward's reserve (harness.predict.zero3_step), 0 elsewhere."""
+    from harness.predict.calibration import largest_gather_bytes
+    from harness.predict.trace import extrapolate
+    from harness.predict.zero3_step import fp32_grad_segment
+
+    full = case.method.kind == "full"
+    sizes = _trainable_sizes(case, r1, layers, r2) if full else None
+    trainable = sum(sizes) if sizes else round(extrapolate(r1.params.trainable, r2.params.trainable, layers))
+    largest = max([e[2] for r in (r1, r2) for e in r.events if e[0] == 1] + [largest_gather_bytes(case)])
+    seg = fp32_grad_segment(case, sizes, trainable, largest)
+    if seg is None:
+        return 0
+    notes.append(seg.note)
+    return seg.bytes
+
+
 def _alloc_conf(case: Case):
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
     read is bad input."""
@@ -326,6 +376,20 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
         reserved += cached
         terms["zero3_cached_gather_blocks"] = cached
+        # the optimizer step's fp32 gradient on top of the forward and backward's reserve
+        forward_backward = max(backward_peak, retention_peak, gather_peak)
+        segment = _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
+        if segment:
+            extra = max(0, int(forward_backward * ratio) + segment - int(allocated * ratio))
+            reserved += extra
+            terms["zero3_fp32_grad_segment"] = extra
+            if not extra:
+                notes.append("the optimizer step's fp32 gradient segment is within allocated x "
+                             "reserved_over_allocated: the optimizer step is the allocated peak")
+        pool = _zero3_reduce_stream(case, r1, r2, layers, notes)
+        if pool:
+            reserved += pool
+            terms["zero3_reduce_stream_pool"] = pool
     beside = device_overhead(case, arch, platform, values)
     notes += beside.notes
     overhead = beside.total
@@ -342,7 +406,9 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
                      "during the first step (launch.triton_cache: cold predicts that)")
     device = reserved + overhead
-    terms["allocator_fragmentation"] = reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
+    terms["allocator_fragmentation"] = (reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
+                                        - terms.get("zero3_fp32_grad_segment", 0)
+                                        - terms.get("zero3_reduce_stream_pool", 0))
 
     # --- host memory of the whole job on this node ---
     ranks = case.launch.ranks * case.launch.procs_per_card
