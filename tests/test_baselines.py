@@ -231,3 +231,51 @@ def test_report_of_a_nights_runs_shows_them_and_what_failed(tmp_path, capsys):
     assert out.rstrip().endswith("Verdicts that failed:\n- 003-qlora-fix-r32-seq1024-gc: [REFUTED] baseline_speed: "
                                  "2,341 tokens/s per GPU vs baseline 2,379 (floor 2,360)")
     assert committed.read_text() == before  # reported, not blessed
+
+
+def _with_attention(entry: dict, attn: str | None) -> dict:
+    entry["run"]["ranks"][0]["attn_implementation"] = attn
+    return entry
+
+
+def test_the_case_as_measured_takes_the_attention_kernel_its_runs_recorded(tmp_path):
+    """A case that leaves the kernel to transformers is predicted with the one its runs recorded; a
+    repetition from before the record does not contradict it; runs that disagree, a case naming its
+    own kernel and a baseline without the record are left as they are."""
+    from harness.spec.cases import CASES_DIR, load_case
+
+    case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    assert case.train.attn_implementation is None
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps([_run(10.5, 7.0)]))
+    new.write_text(json.dumps([_with_attention(_run(10.5, 7.0), "sdpa")]))
+    bless(old, root=tmp_path / "b", recorded="2026-11-25")
+    (before,) = load_baselines(tmp_path / "b")
+    assert before.runs[0].attn_implementation is None
+    assert before.case_as_measured(case).train.attn_implementation is None
+    bless(new, root=tmp_path / "b", recorded="2026-11-27", append=True)
+    (after,) = load_baselines(tmp_path / "b")
+    assert [r.attn_implementation for r in after.runs] == [None, "sdpa"]
+    measured = after.case_as_measured(case)
+    assert measured.train.attn_implementation == "sdpa"
+    assert measured.model_copy(update={"train": case.train}) == case  # nothing else changed
+    data = case.model_dump(mode="json")
+    data["train"]["attn_implementation"] = "eager"
+    own = type(case).model_validate(data)
+    assert after.case_as_measured(own).train.attn_implementation == "eager"
+    eager = tmp_path / "eager.json"
+    eager.write_text(json.dumps([_with_attention(_run(10.5, 7.0), "eager")]))
+    bless(eager, root=tmp_path / "b", recorded="2026-11-27", append=True)
+    (mixed,) = load_baselines(tmp_path / "b")
+    assert mixed.case_as_measured(case).train.attn_implementation is None
+
+
+def test_ranks_that_disagree_on_the_attention_kernel_record_none_of_them(tmp_path):
+    entry = _with_attention(_run(10.5, 7.0), "sdpa")
+    second = dict(entry["run"]["ranks"][0], rank=1, attn_implementation="eager")
+    entry["run"]["ranks"].append(second)
+    from harness.baselines.store import figures_of
+
+    run = CaseRun.model_validate(entry["run"])
+    assert figures_of(run, 1).attn_implementation == "eager+sdpa"
+    assert figures_of(CaseRun.model_validate(_run(10.5, 7.0)["run"]), 1).attn_implementation is None

@@ -231,3 +231,13 @@ def test_depth_points_make_a_case_measured_shallow_and_extrapolated(team, capsys
     assert main(["case-from", str(team / "configs" / "llama3_lora_sft.yaml"), "--out", str(team / "more"),
                  "--gpu-memory", "80GiB", "--gpus", "1", "--depth-points", "4"]) == 2  # one depth fits no line
     assert "two or more distinct layer counts" in capsys.readouterr().err
+
+
+def test_the_attention_kernel_a_config_names_is_written_into_the_case(team):
+    """LLaMA-Factory's flash_attn: disabled builds the model with eager attention: the case names it."""
+    config = team / "configs" / "llama3_lora_sft.yaml"
+    config.write_text(LLAMAFACTORY_LORA + "flash_attn: disabled\n")
+    assert _case_from(team, "--gpu-memory", "80GiB", "--gpus", "1") == 0
+    path = team / "cases" / "llama3_lora_sft.yaml"
+    assert yaml.safe_load(path.read_text())["train"]["attn_implementation"] == "eager"
+    assert load_case(path).train.attn_implementation == "eager"

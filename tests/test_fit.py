@@ -292,3 +292,19 @@ def test_verify_at_depth_points_sets_each_measured_shape_against_its_own_predict
     assert main(["fit", *map(str, job), "--out", str(tmp_path / "again"), "--verify", "--depth-points", "4,8"]) == 0
     text = capsys.readouterr().out
     assert "measured at smaller shapes" in text and "2 of 8 ranks, 8 of 64 layers: measured 32.78 GiB" in text
+
+
+def test_a_fitted_candidate_keeps_the_attention_kernel_of_the_config():
+    """Every candidate fit predicts is the config with other knobs: its attention kernel stays."""
+    import dataclasses
+
+    from harness.fit.knobs import apply, knobs_of
+    from harness.spec.cases import CASES_DIR, load_case
+
+    case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    data = case.model_dump(mode="json")
+    data["train"]["attn_implementation"] = "eager"
+    case = type(case).model_validate(data)
+    k = knobs_of(case)
+    fitted = apply(case, dataclasses.replace(k, micro_batch=k.micro_batch * 2, checkpointing=False))
+    assert fitted.train.attn_implementation == "eager" and fitted.train.micro_batch == 2 * case.train.micro_batch

@@ -93,6 +93,30 @@ def test_llamafactory_disable_gradient_checkpointing(tmp_path):
     assert import_config(write(tmp_path, "lf.yaml", data), ONE).case.train.gradient_checkpointing is False
 
 
+@pytest.mark.parametrize("flash_attn, attn", [("auto", None), ("disabled", "eager"), ("sdpa", "sdpa"),
+                                               ("fa2", "flash_attention_2"), (None, None)])
+def test_llamafactory_flash_attn_names_the_attention_kernel(tmp_path, flash_attn, attn):
+    """flash_attn (LLaMA-Factory's configure_attn_implementation) becomes train.attn_implementation;
+    auto, or no key, leaves it to transformers' default."""
+    data = dict(LF_MIN) if flash_attn is None else dict(LF_MIN, flash_attn=flash_attn)
+    assert import_config(write(tmp_path, "lf.yaml", data), ONE).case.train.attn_implementation == attn
+
+
+def test_llamafactory_flash_attn_not_modelled_names_the_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "lf.yaml", dict(LF_MIN, flash_attn="fa3")), ONE)
+    assert err.value.key == "flash_attn" and "fa2" in str(err.value)
+
+
+def test_training_args_attn_implementation_is_the_cases(tmp_path):
+    case = import_config(write(tmp_path, "ta.json", dict(TA_MIN, attn_implementation="eager")), ONE).case
+    assert case.train.attn_implementation == "eager"
+    assert import_config(write(tmp_path, "ta.json", TA_MIN), ONE).case.train.attn_implementation is None
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "ta.json", dict(TA_MIN, attn_implementation="flex")), ONE)
+    assert err.value.key == "attn_implementation"
+
+
 def test_llamafactory_use_reentrant_gc(tmp_path):
     """use_reentrant_gc (LLaMA-Factory's default: true) becomes train.checkpointing_reentrant."""
     default = import_config(write(tmp_path, "lf.yaml", LF_MIN), ONE)

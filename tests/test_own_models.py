@@ -270,3 +270,17 @@ def test_fits_verified_configs_are_cases_of_what_fit_wrote_and_their_baselines_a
     table = ErrorTable.read(ERRORS_FILE)
     assert table.digest == inputs_digest()  # the fitted suite's files are among what the table depends on
     assert {b.case_id for b in baselines} <= {r.case_id for r in table.records}
+
+
+@pytest.mark.parametrize("attn", [None, "eager"])
+def test_the_worker_builds_the_model_with_the_cases_attention_kernel(team_repo, attn):
+    """train.attn_implementation reaches from_config; without it transformers picks (Llama: SDPA)."""
+    from harness.runtime.build import build_model
+
+    data = _case_data("../models/llama-3.1-8b")
+    data["train"]["gradient_checkpointing"] = False
+    if attn is not None:
+        data["train"]["attn_implementation"] = attn
+    case = load_case(_write_case(team_repo / "cases", data))
+    built = build_model(case, "tiny", torch.device("cpu"), None, 64)
+    assert built.model.config._attn_implementation == (attn or "sdpa")

@@ -21,7 +21,7 @@ WHERE = Path("cases/some-case.yaml")
 # Blocks of the base case and the keys the schema knows in each.
 BLOCKS = {
     (): set(Case.model_fields),
-    ("train",): set(BASE["train"]) | {"prefetch_factor", "logits_to_keep"},
+    ("train",): set(BASE["train"]) | {"prefetch_factor", "logits_to_keep", "attn_implementation"},
     ("method",): {"kind", "lora", "quantization"},
     ("method", "lora"): {"r", "alpha", "dropout", "targets"},
     ("target",): {"card", "headroom", "host_ram"},
@@ -111,6 +111,8 @@ def test_wrong_types_are_rejected_naming_the_field(field, value):
         (("method", "kind"), "prefix", ["method.kind", "'lora'", "'qlora'", "'full'"]),
         (("model",), "qwen-9000", ["model", "unknown model", "qwen1.5-7b-chat"]),
         (("layers",), 33, ["exceeds", "32 layers"]),
+        (("train", "attn_implementation"), "flash", ["train.attn_implementation", "'eager'", "'sdpa'",
+                                                     "'flash_attention_2'"]),
     ],
 )
 def test_impossible_values_are_rejected_with_the_allowed_ones(path, value, expect):
@@ -210,3 +212,32 @@ def test_case_ids_must_be_safe_file_names(bad_id):
 @pytest.mark.parametrize("good_id", ["nightly-sft", "Llama3.1_8B-lora-r16", "7b", "003-qlora-fix-r32-seq1024-gc"])
 def test_case_ids_are_free_names(good_id):
     assert parse_case(_own_case(id=good_id), WHERE).id == good_id
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+def test_a_case_may_name_its_attention_kernel(attn):
+    data = copy.deepcopy(BASE)
+    data["train"]["attn_implementation"] = attn
+    assert parse_case(data, WHERE).train.attn_implementation == attn
+
+
+def test_the_attention_kernel_is_part_of_what_a_run_measured_only_where_named():
+    """A case that names no kernel keeps the digest of a case written before the field (its runs
+    bless as before); naming one changes it (a run of another kernel is another config's figure)."""
+    from harness.spec.identity import case_digest
+
+    base = parse_case(copy.deepcopy(BASE), WHERE)
+    assert base.train.attn_implementation is None
+    legacy = base.model_dump(mode="json", include={"layers", "stack", "precision", "method", "train", "deepspeed",
+                                                   "launch"})
+    del legacy["train"]["attn_implementation"]
+    import hashlib
+    import json
+
+    from harness.spec.identity import model_name
+
+    legacy.update(card=base.target.card.model_dump(mode="json"), model=model_name(base))
+    assert case_digest(base) == hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:16]
+    data = copy.deepcopy(BASE)
+    data["train"]["attn_implementation"] = "eager"
+    assert case_digest(parse_case(data, WHERE)) != case_digest(base)

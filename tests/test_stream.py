@@ -262,3 +262,59 @@ def test_the_built_stream_of_phi3_qlora_lands_on_its_recorded_allocated_peak():
     sim = simulate(run_stream(r1, r2, RunShape.of(case, spec, case.layers or arch.layers)))
     curve = MemoryTimeline.load(ARCH_TIMELINES / "phi3-mini-qlora-r16-mb4-s1024@2ga.json.gz").curve()
     assert abs(sim.peak_allocated / curve.peak("allocated")[1] - 1) < 0.01
+
+
+def _attention_spec(model: str, attn: str | None):
+    """A traced full fine-tune of `model` shrunk to tiny width (2 x 128 tokens), with `attn`."""
+    import json
+
+    from harness.models.registry import tiny_config
+    from harness.models.source import load_model
+    from harness.predict.step import TraceSpec
+
+    config = tiny_config(load_model(str(ARCH_MODELS / model)), 128)
+    return TraceSpec(config_json=json.dumps(config, sort_keys=True), seq_len=128, micro_batch=2, kind="full",
+                     stack="plain", dtype="bf16", lora_r=None, lora_targets=None, lora_dropout=0.0,
+                     checkpointing=False, reentrant=False, deepspeed=False, accumulated_grads=False,
+                     attn_implementation=attn), config
+
+
+ARCH_MODELS = Path(__file__).resolve().parent.parent / "benchmarks/architectures/models"
+
+
+def test_the_trace_builds_the_model_with_the_cases_attention_kernel():
+    """Eager attention keeps every layer's score matrices (batch x heads x seq x seq) for backward; SDPA
+    and flash-attention keep none. Llama's default under the local transformers is SDPA: naming it
+    changes nothing."""
+    from harness.predict.fake import trace
+    from harness.predict.trace import _key
+
+    traced = {}
+    for attn in (None, "eager", "sdpa", "flash_attention_2"):
+        spec, config = _attention_spec("llama-3.1-8b", attn)
+        traced[attn] = trace(spec, 1)
+        assert traced[attn].attention == (attn or "sdpa")
+        assert ("stand-in" in traced[attn].attention_note) == (attn == "flash_attention_2")
+        assert "refuses" not in traced[attn].attention_note
+    scores = 2 * config["num_attention_heads"] * 128 * 128 * 2  # one bf16 score matrix per head and row
+    assert traced[None].held_after_forward == traced["sdpa"].held_after_forward
+    assert traced[None].peak == traced["sdpa"].peak
+    assert traced["eager"].held_after_forward - traced["sdpa"].held_after_forward >= scores
+    assert traced["eager"].held_after_forward - traced["flash_attention_2"].held_after_forward >= scores
+    assert len({_key(_attention_spec("llama-3.1-8b", a)[0]) for a in traced}) == 4  # each its own cache entry
+
+
+def test_a_kernel_the_local_transformers_refuses_is_set_on_the_models_config():
+    """transformers 5.24 refuses SDPA for Gemma-2 (logit softcapping): the trace sets it on the built
+    model's config, its attention dispatches through SDPA, and the result says so."""
+    from harness.predict.fake import trace
+
+    eager_spec, config = _attention_spec("gemma-2-2b", None)
+    eager = trace(eager_spec, 1)
+    sdpa = trace(_attention_spec("gemma-2-2b", "sdpa")[0], 1)
+    assert eager.attention == "eager" and eager.attention_note == ""
+    assert sdpa.attention == "sdpa"
+    assert "refuses sdpa for Gemma2ForCausalLM" in sdpa.attention_note
+    assert "runs through the sdpa interface anyway" in sdpa.attention_note
+    scores = 2 * config["num_attention_heads"] * 128 * 128 * 2
+    assert eager.held_after_forward - sdpa.held_after_forward >= scores

@@ -63,6 +63,9 @@ class Figures(BaseModel):
     clocks: Clocks | None = None  # the slowest card's SM clock during the timed steps (harness.measure.clocks)
     host_cpu: str | None = None  # the host CPU's model name; speed depends on it
     recorded: str | None = None  # the day of this repetition, where it differs from the baseline's (bless --append)
+    # the attention kernel every rank recorded (harness.measure.records.RankReport.attn_implementation);
+    # None where the ranks did not record one, or disagree
+    attn_implementation: str | None = None
 
     @field_validator("step_times_s")
     @classmethod
@@ -89,16 +92,33 @@ class Baseline(BaseModel):
         return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
 
     def case_as_measured(self, case):
-        """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, and the Triton
-        cache the run had ('cold' or a shared warm one) instead of the case's request."""
+        """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, the Triton
+        cache the run had ('cold' or a shared warm one) instead of the case's request, and, where the
+        case leaves `train.attn_implementation` to transformers' default, the attention kernel its runs
+        recorded (`attention`: baselines whose runs predate the record are left as they are)."""
         from harness.spec.variants import parse_variant
 
         measured = parse_variant(self.variant).apply(case) if self.variant else case
+        attn = self.attention()
+        if attn is not None and measured.train.attn_implementation is None:
+            train = measured.train.model_copy(update={"attn_implementation": attn})
+            measured = measured.model_copy(update={"train": train})
         cache = self.runs[0].triton_cache if self.runs else None
         if cache is None:
             return measured
         launch = measured.launch.model_copy(update={"triton_cache": "cold" if cache == "cold" else "shared"})
         return measured.model_copy(update={"launch": launch})
+
+    def attention(self) -> str | None:
+        """The attention kernel the runs recorded, where every run and rank that recorded one recorded
+        the same one, else None. Repetitions blessed before the record leave it unset without
+        contradicting it: `bless --append` adds only runs of the same platform and software."""
+        from typing import get_args
+
+        from harness.spec.schema import AttnImplementation
+
+        kinds = {r.attn_implementation for r in self.runs if r.attn_implementation}
+        return kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in get_args(AttnImplementation) else None
 
 
 # The run-to-run noise of a peak: two runs of one config differ by less than this share.
@@ -130,7 +150,15 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         cpu_threads=max((r.cpu_threads for r in ranks if r.cpu_threads), default=None),
         clocks=min((r.clocks for r in ranks if r.clocks), key=lambda c: c.sm_mhz_median, default=None),
         host_cpu=next((r.host_cpu for r in ranks if r.host_cpu), None),
+        attn_implementation=_one_attention(ranks),
     )
+
+
+def _one_attention(ranks) -> str | None:
+    """The attention kernel the ranks of a run recorded: None where none did; ranks that disagree
+    give their kernels joined by '+', which matches no case's `train.attn_implementation`."""
+    kinds = sorted({r.attn_implementation for r in ranks if r.attn_implementation})
+    return "+".join(kinds) or None
 
 
 class BlessError(InputError):

@@ -23,11 +23,113 @@ from harness.spec.schema import Precision, Stack
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 
 
-def _hf_model(config: dict, dtype: torch.dtype):
+def _hf_model(config: dict, dtype: torch.dtype, attn: str | None = None, notes: list[str] | None = None):
+    """The model on meta, built with the attention implementation `attn` (None: the installed
+    transformers' default). Where that transformers refuses `attn` (5.24: no SDPA for Gemma-2, whose
+    logit softcapping SDPA lacks; flash_attention_2 where flash-attn is not installed), the model is
+    built with its default and `attn` set on its config, so its attention and its masks dispatch through
+    that interface anyway; lines in `notes` say so where the architecture itself is refused, and that
+    flash_attention_2 runs as a stand-in (`_attention_interfaces`)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    refusal = None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(config), dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=dtype, **kwargs)
+        except (ValueError, ImportError) as exc:
+            if attn is None:
+                raise
+            refusal = str(exc).strip().split(". ")[0].split("\n")[0].rstrip(".")
+            model = AutoModelForCausalLM.from_config(hf_config(config), dtype=dtype)
+    said = []
+    if attn == "flash_attention_2":  # flash-attn's CUDA kernels have no fake implementation
+        said.append("attention: flash_attention_2 traced through a stand-in that keeps what flash-attn 2's "
+                    "kernels keep (the output and a log-sum-exp per row, no score matrices)")
+        if getattr(model, "_supports_flash_attn", False):
+            refusal = None  # the architecture takes it; the refusal was this machine's (no flash-attn, no GPU)
+    if refusal is not None:
+        said.append(f"attention: transformers {transformers.__version__} refuses {attn} for "
+                    f"{type(model).__name__} ({refusal}); set on the model's config, its attention runs "
+                    f"through the {attn} interface anyway, as the case asks")
+    if attn is not None:
+        model.config._attn_implementation = attn
+    if notes is not None:
+        notes += said
+    return model
+
+
+def attention_of(model) -> str:
+    """The attention implementation a built model dispatches through ('eager', 'sdpa', ...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+class _FakeFlashAttention(torch.autograd.Function):
+    """flash-attn 2's `FlashAttnFunc`, memory-wise, for inputs laid out (batch, heads, seq, dim) as
+    transformers hands them to its flash_attention_2 interface (which transposes them to (batch, seq,
+    heads, dim), views that the kernel takes as they are). Forward keeps q, k and v (views, no new
+    storage), the output (batch, seq, heads, dim, `empty_like` of the query) and the fp32 log-sum-exp
+    per head and row; no score matrix. Backward allocates dq, dk and dv, the fp32 softmax row sums, the
+    fp32 dq accumulator (batch, seq, heads, dim) and, for grouped-query heads, dk and dv expanded to
+    every query head before they are summed per key head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, h, s, d = q.shape
+        out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        b, h, s, d = q.shape
+        softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if k.shape[1] != h:
+            dk_expanded = torch.empty((b, s, h, d), dtype=k.dtype, device=k.device)
+            dv_expanded = torch.empty((b, s, h, d), dtype=v.dtype, device=v.device)
+            del dk_expanded, dv_expanded
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        del softmax_d, dq_accum
+        return dq, dk, dv
+
+
+def _fake_flash_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' flash_attention_2 interface on fake tensors (flash-attn's CUDA kernels have none):
+    the output (batch, seq, heads, dim), as transformers' returns it, and no attention weights."""
+    return _FakeFlashAttention.apply(query, key, value), None
+
+
+@contextlib.contextmanager
+def _attention_interfaces():
+    """transformers' attention interfaces as the trace runs them: flash_attention_2 by
+    `_fake_flash_attention`; SDPA without `softcap`, which the local SDPA interface refuses (5.24) and
+    which changes no tensor SDPA keeps (a Gemma-2 model whose config names sdpa). Restored afterwards."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        yield
+        return
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    saved = dict(local)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def sdpa_without_softcap(*args, **kwargs):
+        kwargs.pop("softcap", None)
+        return sdpa(*args, **kwargs)
+
+    local["sdpa"] = sdpa_without_softcap
+    local["flash_attention_2"] = _fake_flash_attention
+    try:
+        yield
+    finally:
+        local.clear()
+        local.update(saved)
 
 
 def _dequantize(shape, dtype, device):
@@ -182,11 +284,11 @@ def _set_checkpointing(model, reentrant: bool) -> None:
     model.config.use_cache = False
 
 
-def _build(spec: TraceSpec, layers: int):
-    """The truncated model, prepared as the case's stack prepares it, on meta."""
+def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
+    """The truncated model, prepared as the case's stack prepares it, on meta (`notes`: see `_hf_model`)."""
     arch = Architecture(name="trace", source="", config=json.loads(spec.config_json))
     dtype = DTYPES[Precision(spec.dtype)]
-    model = _hf_model(truncated_config(arch, layers), dtype)
+    model = _hf_model(truncated_config(arch, layers), dtype, spec.attn_implementation, notes)
     head = model.get_output_embeddings()
     quantized: set[int] = set()
     if spec.kind == "qlora":
@@ -243,7 +345,7 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
     with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
-            _unpacked_rows():
+            _unpacked_rows(), _attention_interfaces():
         return _trace_patched(spec, layers, config, t0)
 
 
@@ -252,7 +354,8 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model, info = _build(spec, layers)
+    notes: list[str] = []
+    model, info = _build(spec, layers, notes)
     vocab = int(config["vocab_size"])
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
@@ -285,7 +388,8 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             gc.collect()  # the step's last frees (loss, logits) belong to it
             events = tracker.stop_log()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
-                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers))
+                       seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
+                       attention=attention_of(model), attention_note="; ".join(notes))
 
 
 FORWARD, BACKWARD = 0, 1

@@ -294,6 +294,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     alongside = _replay_alongside(case, arch, layers, trace_spec)
     r1, r2 = trace_pair(trace_spec)
     _TRACED.add(trace_spec)
+    if r1.attention_note:
+        notes.append(r1.attention_note)
     peak = int(extrapolate(r1.peak, r2.peak, layers))
     held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
     inv = _inventory(r1, r2, layers)

@@ -31,6 +31,7 @@ class TraceSpec:
     deepspeed: bool
     accumulated_grads: bool  # earlier micro-steps' gradients are live (no DeepSpeed, GA > 1)
     engine_casts: bool = False  # the DeepSpeed engine casts the module to the half dtype (not a ZeRO-Init model)
+    attn_implementation: str | None = None  # the case's `train.attn_implementation`; None: transformers' default
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> TraceSpec:
@@ -56,6 +57,7 @@ class TraceSpec:
             deepspeed=ds is not None,
             accumulated_grads=ds is None and case.train.grad_accum > 1,
             engine_casts=ds is not None and not zero_init(case),
+            attn_implementation=case.train.attn_implementation,
         )
 
 
@@ -106,6 +108,8 @@ class TraceResult:
     events: list[list[int]] = field(default_factory=list)
     # every parameter in load order, [elements, bytes per element, quantized, trainable, layer, adapter]
     layout: list[list[int]] = field(default_factory=list)
+    attention: str = ""  # the attention implementation the traced model dispatched through
+    attention_note: str = ""  # how it came to, where the local transformers refused the case's
 
 
 def extrapolate(a1: float, a2: float, layers: int) -> float:

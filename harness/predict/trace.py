@@ -27,6 +27,11 @@ What the stack changes, and how it is reproduced here (see harness/runtime/build
 * DeepSpeed moves each gradient into its buckets as soon as it is produced: gradients are dropped by
   a post-accumulate hook (the buckets are closed-form terms in `harness.predict.states`). Without
   DeepSpeed, gradients stay; with accumulation the previous micro-step's gradients exist already.
+* Attention: the kernel the case names (`train.attn_implementation`), else the installed
+  transformers' default for the model. Where that transformers refuses the case's kernel for the
+  architecture (5.24: SDPA for Gemma-2), it is set on the built model's config and the attention
+  dispatches through it anyway (a prediction note says so); flash_attention_2 runs as a stand-in that
+  keeps what flash-attn's kernels keep (`harness.predict.fake._FakeFlashAttention`).
 * GLA (flash-linear-attention): fla's Triton kernels have no CPU or fake implementation; the CPU
   reference path (`harness.models.fla_cpu`) stands in, with fused-kernel emulations that save what the
   Triton kernels save (`_fla_fake_kernels`).

@@ -8,6 +8,7 @@
   from a random-weight checkpoint written once per config into a cache folder (nothing is
   downloaded), then the stack's k-bit preparation (peft's or LLaMA-Factory's, which differ).
 * LoRA adapters through peft's `get_peft_model`.
+* The attention kernel the case names (`train.attn_implementation`), else transformers' default.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.devi
     if distributed:
         dist.barrier()
     return folder
+
+
+def attention_kwargs(case: Case) -> dict:
+    """`attn_implementation` for from_config / from_pretrained where the case names one
+    (`train.attn_implementation`); none where it does not, so transformers picks its default."""
+    attn = case.train.attn_implementation
+    return {} if attn is None else {"attn_implementation": attn}
 
 
 def _lora(case: Case, model):
@@ -178,7 +186,7 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
         )
         folder = checkpoint or _random_checkpoint(config_dict, dtype, device)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=bnb, dtype=dtype, device_map={"": device}
+            folder, quantization_config=bnb, dtype=dtype, device_map={"": device}, **attention_kwargs(case)
         )
         gc_on = case.train.gradient_checkpointing
         if case.stack == Stack.peft:
@@ -192,13 +200,14 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
             _enable_checkpointing(model, reentrant=_reentrant(case))
     else:
         if hf_ds_config is not None:  # built inside zero.Init: each rank holds its partition
-            model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype, **attention_kwargs(case))
         else:
             # Built where it trains. Random init of a 7-8B model on one CPU thread takes minutes; on
             # the card it takes a second and allocates the same tensors in the same order as
             # `.to(device)` would (the initialisers write in place).
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_config(config_dict), dtype=dtype,
+                                                         **attention_kwargs(case))
         if case.train.gradient_checkpointing:
             _enable_checkpointing(model, reentrant=_reentrant(case))
     if checkpointing_active(model) != case.train.gradient_checkpointing:

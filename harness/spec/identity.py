@@ -26,6 +26,8 @@ def model_name(case: Case) -> str:
 def case_digest(case: Case) -> str:
     """A digest of the parts of `case` that decide what a run of it measures (16 hex digits)."""
     data = case.model_dump(mode="json", include=set(MEASURED))
+    if data["train"].get("attn_implementation") is None:  # unset: the digest of a case written before the field
+        data["train"].pop("attn_implementation", None)
     data["card"] = case.target.card.model_dump(mode="json")
     data["model"] = model_name(case)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -101,6 +101,10 @@ class Method(Strict):
         return self
 
 
+# transformers' attn_implementation values a case may name (train.attn_implementation)
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
+
+
 class Train(Strict):
     """The training loop: batch shape, accumulation, checkpointing, data loading."""
 
@@ -122,6 +126,11 @@ class Train(Strict):
     logits_to_keep: int | None = Field(
         default=None, ge=0, description="passed to the model in evaluation forwards (guide 004)"
     )
+    attn_implementation: AttnImplementation | None = Field(
+        default=None,
+        description="the attention kernel the model is built with (transformers' attn_implementation: eager keeps "
+        "every layer's score matrices for backward, sdpa and flash_attention_2 do not); omitted: the installed "
+        "transformers' default for the model, which differs between versions and architectures")
 
 
 class Offload(str, Enum):

@@ -20,12 +20,13 @@ _SOURCE_KEYS = {
     ConfigFormat.llamafactory: {
         "method.lora.r": "lora_rank", "method.lora.alpha": "lora_alpha", "method.lora.dropout": "lora_dropout",
         "method.lora.targets": "lora_target", "train.seq_len": "cutoff_len",
-        "train.checkpointing_reentrant": "use_reentrant_gc",
+        "train.checkpointing_reentrant": "use_reentrant_gc", "train.attn_implementation": "flash_attn",
     },
     ConfigFormat.training_args: {
         "method.lora.r": "lora_r", "method.lora.alpha": "lora_alpha", "method.lora.dropout": "lora_dropout",
         "method.lora.targets": "lora_target_modules", "train.seq_len": "max_length",
         "train.checkpointing_reentrant": "gradient_checkpointing_kwargs.use_reentrant",
+        "train.attn_implementation": "attn_implementation",
     },
 }
 _COMMON_SOURCE_KEYS = {

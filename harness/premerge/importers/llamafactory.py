@@ -3,7 +3,8 @@
 `model_name_or_path`, `finetuning_type`, `lora_*`, `quantization_bit`, `cutoff_len`, `deepspeed` (a path
 relative to the YAML), ... plus every Hugging Face TrainingArguments field. LLaMA-Factory checkpoints by
 default (`disable_gradient_checkpointing: false`), reentrantly (`use_reentrant_gc: true`), and sets
-`lora_alpha` to twice the rank when unset.
+`lora_alpha` to twice the rank when unset. `flash_attn` names the attention kernel (auto: transformers'
+default; disabled: eager; sdpa; fa2: flash_attention_2), the case's `train.attn_implementation`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from harness.premerge.importers.training_common import (
 
 _LF_STAGES = ("sft", "pt")
 _QUANT_METHODS = ("bnb", "bitsandbytes")
+# LLaMA-Factory's `flash_attn` (configure_attn_implementation) as transformers' attn_implementation;
+# auto leaves it to transformers' default
+_LF_ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
 _NOT_MODELLED = ("use_dora", "pissa_init", "use_galore", "use_apollo", "use_badam", "use_unsloth",
                  "enable_liger_kernel", "use_llama_pro", "use_adam_mini")
 
@@ -75,6 +79,10 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
     # LLaMA-Factory passes use_reentrant_gc (default true) to every checkpointed layer, whatever the stack
     train = train_block(r, seq_len=r.int("cutoff_len", 2048, minimum=1), gc=gc,
                         reentrant=r.bool("use_reentrant_gc", True))
+    attn = _LF_ATTENTION[r.choice("flash_attn", tuple(_LF_ATTENTION), "auto",
+                                  why=" (the attention kernels modelled: auto, disabled, sdpa, fa2)")]
+    if attn is not None:
+        train["attn_implementation"] = attn
     stack = spec.stack or "llamafactory"
     training = training_file(r, ConfigFormat.llamafactory, train, fp16=fp16, bf16=bf16, gc_key=gc_key,
                              method=method["kind"], quantization_bits=bits, stack=stack,

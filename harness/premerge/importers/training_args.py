@@ -74,6 +74,10 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
     train = train_block(r, seq_len=seq_len, gc=gc, reentrant=reentrant)
     if r.has("logits_to_keep"):
         train["logits_to_keep"] = r.int("logits_to_keep", None)
+    attn = r.choice("attn_implementation", ("eager", "sdpa", "flash_attention_2"), None,
+                    why=" (the attention kernels modelled: eager, sdpa, flash_attention_2)")
+    if attn is not None:
+        train["attn_implementation"] = attn
     stack = spec.stack or ("peft" if four_bit else "plain")
     training = training_file(r, ConfigFormat.training_args, train, fp16=fp16, bf16=bf16,
                              gc_key="gradient_checkpointing" if r.has("gradient_checkpointing") else "",
