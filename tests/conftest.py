@@ -79,11 +79,14 @@ def bundled_session(request, tmp_path_factory):
     repository's ini points it at the bundled suite), so a test's run of a bundled case is the case
     item's run: run once. Elsewhere, a session of its own."""
     from harness.judge.session import Session
-    from harness.pytest_plugin.cases import shared_session
+    from harness.pytest_plugin.cases import _one_worker_runs_the_cases, shared_session
     from harness.pytest_plugin.settings import settings
 
-    if settings(request.config).case_dir == CASES_DIR.resolve() and not hasattr(request.config, "workerinput"):
+    # under `-n 2 --dist loadgroup` a test using this runs in the cases' worker (test_launcher's
+    # BESIDE_THE_CASES), so the case item judges the same run
+    if settings(request.config).case_dir == CASES_DIR.resolve() and _one_worker_runs_the_cases(request.config):
         return shared_session(request.config)
-    # under pytest-xdist the case items may run in another worker, into the same folders: a run of
-    # their own, which never meets theirs
+    # under pytest-xdist's other schedulers the case items may run in another worker, into the same
+    # folders: a run of their own, which never meets theirs
     return Session(case_dir=CASES_DIR, run_root=tmp_path_factory.mktemp("bundled-runs"))
+

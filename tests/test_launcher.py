@@ -279,6 +279,11 @@ def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
         holder.wait()
 
 
+# Runs these tests in the worker of the case items under `-n 2 --dist loadgroup`, where
+# `bundled_session` is theirs: the parameter id is harness.pytest_plugin.xdist_groups.GROUP.
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
 @pytest.fixture(scope="module")
 def plan_a_tiny(bundled_session):
     """Guide 004's plan A, tiny, on the CPU: two jobs sharing one card, claiming checkpointing's
@@ -288,7 +293,8 @@ def plan_a_tiny(bundled_session):
     return run
 
 
-def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without_it(plan_a_tiny):
+@BESIDE_THE_CASES
+def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without_it(plan_a_tiny, _beside):
     """Guide 004's plan A claims checkpointing costs 8% of the speed: its worker times three
     forwards and backwards each way (end to end)."""
     for r in plan_a_tiny.ranks:
@@ -296,7 +302,8 @@ def test_a_case_claiming_checkpointings_speed_cost_times_passes_with_and_without
         assert all(t > 0 for t in r.probes.pass_s_with_checkpointing + r.probes.pass_s_without_checkpointing)
 
 
-def test_jobs_sharing_a_card_take_turns_for_their_probes(plan_a_tiny):
+@BESIDE_THE_CASES
+def test_jobs_sharing_a_card_take_turns_for_their_probes(plan_a_tiny, _beside):
     """Their training runs side by side; their probes (checkpointing off, every logit) one after the
     other, so one job's ablation is not measured against, or run out of the card by, the other's."""
     windows = sorted(r.probes.window for r in plan_a_tiny.ranks)

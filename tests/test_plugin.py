@@ -209,3 +209,13 @@ def test_an_xdist_worker_whose_items_are_not_grouped_runs_cases_on_demand_in_a_f
         config.stash[plugin_cases._PLANNED] = [(GOOD, "tiny")]
         assert plugin_cases._started(config).run_root == folder
         assert started == ([[(GOOD, "tiny")]] if grouped else [])
+
+
+def test_a_test_parametrized_with_the_cases_group_id_is_scheduled_with_the_case_items():
+    """xdist's node ids keep a parameter id where its marks are lost: a test that takes a case's run
+    from the cases' session joins their group by it (and only such a test)."""
+    from harness.pytest_plugin.xdist_groups import GROUP, beside_the_cases
+
+    assert beside_the_cases(f"tests/test_launcher.py::test_jobs_sharing_a_card_take_turns_for_their_probes[{GROUP}]")
+    assert not beside_the_cases("tests/test_launcher.py::test_jobs_sharing_a_card_take_turns_for_their_probes")
+    assert not beside_the_cases("tests/test_fit.py::test_x[oom-harness-cases-2]")

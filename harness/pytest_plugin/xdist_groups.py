@@ -5,7 +5,9 @@ in the background and lends one case's run to another case's claims, and in two 
 would run every case. xdist groups by the `xdist_group` mark, which its worker writes into the
 item's node id; pytest 9.2 keeps node ids where xdist 3.8 no longer writes, so the marks are lost
 and the groups with them. This scheduler puts every item collected from the case folder into one
-group from its node id alone, and keeps xdist's groups for the other items.
+group from its node id alone, and keeps xdist's groups for the other items. A test that takes a
+case's run from the cases' session (the repository's own tests, through `BESIDE_THE_CASES`) joins
+the group by its parameter id, so it shares the case item's run instead of making its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from pathlib import Path
 from xdist.scheduler import LoadGroupScheduling
 
 GROUP = "oom-harness-cases"  # also the case items' xdist_group mark
+
+
+def beside_the_cases(nodeid: str) -> bool:
+    """A test parametrized with the id GROUP (`pytest.param(..., id=GROUP)`)."""
+    return nodeid.endswith(f"[{GROUP}]")
 
 
 class CaseGroupScheduling(LoadGroupScheduling):
@@ -28,5 +35,7 @@ class CaseGroupScheduling(LoadGroupScheduling):
     def _split_scope(self, nodeid: str) -> str:
         file = nodeid.split("::", 1)[0]
         if self._case_dir is not None and (self._root / file).resolve().parent == self._case_dir:
+            return GROUP
+        if beside_the_cases(nodeid):
             return GROUP
         return super()._split_scope(nodeid)
