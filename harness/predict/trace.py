@@ -144,10 +144,34 @@ def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
     return pair
 
 
-@functools.lru_cache(maxsize=1)
-def _sim_code_key() -> str:
+@functools.lru_cache(maxsize=8)
+def _files_key(names: tuple[str, ...]) -> str:
+    """A digest of these modules of harness.predict, in order."""
     here = Path(__file__).resolve().parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("stream.py", "allocator.py"))).hexdigest()
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
+
+
+def cached_on_disk(prefix: str, spec: TraceSpec, shape, code: tuple[str, ...], make, load):
+    """`make()`, a dataclass computed from the traces of `spec` and the dataclass `shape`, kept on disk
+    beside the traces under `prefix`, keyed by both and by the modules `code` of harness.predict that
+    compute it; `load(dict)` reads it back. What cannot be read is made again; what cannot be written
+    is not kept."""
+    folder = _cache_dir()
+    key = hashlib.sha256((_key(spec) + _files_key(code)
+                          + json.dumps(dataclasses.asdict(shape), sort_keys=True)).encode()).hexdigest()[:32]
+    path = folder / f"{prefix}-{key}.json" if folder is not None else None
+    if path is not None:
+        try:
+            return load(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+    result = make()
+    if path is not None:
+        try:
+            write_atomic(path, json.dumps(dataclasses.asdict(result)))
+        except OSError:
+            pass
+    return result
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,25 +179,11 @@ def simulated_run(spec: TraceSpec, shape):
     """The allocator model's figures over the run `shape` (a `harness.predict.stream.RunShape`) builds
     from the traces of `spec`: cached in-process and on disk beside the traces (keyed by both, and by
     the code of the stream and the allocator model), so a warm prediction replays nothing."""
+    from harness.predict.allocator import AllocatorConf
     from harness.predict.stream import Simulated, run_stream, simulate
 
-    folder = _cache_dir()
-    key = hashlib.sha256((_key(spec) + _sim_code_key()
-                          + json.dumps(dataclasses.asdict(shape), sort_keys=True)).encode()).hexdigest()[:32]
-    path = folder / f"sim-{key}.json" if folder is not None else None
-    if path is not None:
-        try:
-            return Simulated(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass
-    from harness.predict.allocator import AllocatorConf
+    def make():
+        conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
+        return simulate(run_stream(*trace_pair(spec), shape), conf)
 
-    r1, r2 = trace_pair(spec)
-    conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
-    result = simulate(run_stream(r1, r2, shape), conf)
-    if path is not None:
-        try:
-            write_atomic(path, json.dumps(dataclasses.asdict(result)))
-        except OSError:
-            pass
-    return result
+    return cached_on_disk("sim", spec, shape, ("stream.py", "allocator.py"), make, lambda d: Simulated(**d))

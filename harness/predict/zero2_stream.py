@@ -35,12 +35,8 @@ bytes (norms, overflow flags).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
@@ -224,32 +220,11 @@ def zero2_offload_run(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> Ze
     return best
 
 
-def _code_key() -> str:
-    here = Path(__file__).resolve().parent
-    return hashlib.sha256(b"".join((here / name).read_bytes()
-                                   for name in ("zero2_stream.py", "stream.py", "allocator.py"))).hexdigest()
-
-
 @functools.lru_cache(maxsize=64)
 def simulated(spec: TraceSpec, shape: Zero2Shape) -> Zero2Run:
     """`zero2_offload_run` over the traces of `spec`, cached in-process and on disk beside the traces
     (keyed by both and by the code of this module, the stream and the allocator model)."""
-    from harness.predict.trace import _cache_dir, _key, trace_pair
-    from harness.spec.files import write_atomic
+    from harness.predict.trace import cached_on_disk, trace_pair
 
-    folder = _cache_dir()
-    key = hashlib.sha256((_key(spec) + _code_key()
-                          + json.dumps(dataclasses.asdict(shape), sort_keys=True)).encode()).hexdigest()[:32]
-    path = folder / f"zero2-{key}.json" if folder is not None else None
-    if path is not None:
-        try:
-            return Zero2Run(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass
-    result = zero2_offload_run(*trace_pair(spec), shape)
-    if path is not None:
-        try:
-            write_atomic(path, json.dumps(dataclasses.asdict(result)))
-        except OSError:
-            pass
-    return result
+    return cached_on_disk("zero2", spec, shape, ("zero2_stream.py", "stream.py", "allocator.py"),
+                          lambda: zero2_offload_run(*trace_pair(spec), shape), lambda d: Zero2Run(**d))
