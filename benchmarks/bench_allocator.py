@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
 
     folders = [Path(a) for a in argv] or [ROOT / "results" / d / "timelines" for d in (".", "architectures", "fitted")]
     paths = sorted(p for folder in folders for p in folder.glob("*/*.json.gz"))
-    if not paths:
+    timelines = [(path, MemoryTimeline.load(path)) for path in paths]  # read once, for both tables
+    if not timelines:
         print(f"no timelines under {', '.join(map(str, folders))}")
         return 1
     head = (f"{'platform/timeline':<78} {'actions':>8} {'conf':<12} {'cap GiB':>8} {'recorded':>9} "
@@ -44,8 +45,7 @@ def main(argv: list[str]) -> int:
     print(head)
     print("-" * len(head))
     worst = 0.0
-    for path in paths:
-        timeline = MemoryTimeline.load(path)
+    for path, timeline in timelines:
         _, recorded = timeline.curve().peak("reserved")
         limit = recorded_limit(timeline, ROOT / "results" / "runs")
         t0 = time.perf_counter()
@@ -60,13 +60,14 @@ def main(argv: list[str]) -> int:
               f"{result.peak_reserved / GiB:>9.3f} {(result.peak_reserved - recorded) / 2**20:>+9.0f} "
               f"{100 * error:>+6.2f}% {oom:>13} {len(result.reserved) / seconds:>10.0f}")
     print(f"\nreserved peaks in GiB; worst error {100 * worst:.2f}% (target 1%)")
-    built(paths)
+    built(timelines)
     return 0
 
 
-def built(paths: list[Path]) -> None:
-    """The predictor's stream, built from the trace, against each recorded run without DeepSpeed."""
-    from harness.measure.timeline import ALLOC, MemoryTimeline
+def built(timelines: list) -> None:
+    """The predictor's stream, built from the trace, against each recorded run without DeepSpeed
+    (`timelines`: (path, MemoryTimeline) pairs)."""
+    from harness.measure.timeline import ALLOC
     from harness.models.source import load_model
     from harness.predict.allocator import CachingAllocator
     from harness.predict.errors import SUITES
@@ -81,8 +82,7 @@ def built(paths: list[Path]) -> None:
             f"{'allocated peak':>15} {'reserved peak':>15} {'error':>7}")
     print(head)
     print("-" * len(head))
-    for path in paths:
-        timeline = MemoryTimeline.load(path)
+    for path, timeline in timelines:
         case = load_case(next((d / f"{timeline.case_id}.yaml" for _, d in SUITES.values()
                                if (d / f"{timeline.case_id}.yaml").is_file()), Path(f"{timeline.case_id}.yaml")))
         if case.deepspeed is not None:
