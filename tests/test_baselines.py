@@ -279,3 +279,28 @@ def test_ranks_that_disagree_on_the_attention_kernel_record_none_of_them(tmp_pat
     run = CaseRun.model_validate(entry["run"])
     assert figures_of(run, 1).attn_implementation == "eager+sdpa"
     assert figures_of(CaseRun.model_validate(_run(10.5, 7.0)["run"]), 1).attn_implementation is None
+
+
+def test_the_case_as_measured_builds_the_model_as_the_harness_built_it(tmp_path):
+    """The harness's runs build a QLoRA model from a checkpoint and every other from its config on the
+    card; a case describes a job (a checkpoint load by default), so its baseline is predicted with the
+    load its runs made. A 4-bit model built from its config is refused, naming the field."""
+    import pydantic
+
+    from harness.spec.cases import CASES_DIR, load_case
+
+    raw = tmp_path / "runs.json"
+    raw.write_text(json.dumps([_run(10.5, 7.0)]))
+    bless(raw, root=tmp_path / "b", recorded="2026-11-27")
+    (baseline,) = load_baselines(tmp_path / "b")
+    lora = load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16.yaml")
+    qlora = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    assert lora.launch.model_source == qlora.launch.model_source == "checkpoint"
+    measured = baseline.case_as_measured(lora)
+    assert measured.launch.model_source == "config"
+    assert measured.model_copy(update={"launch": lora.launch}) == lora  # nothing else changed
+    assert baseline.case_as_measured(qlora).launch.model_source == "checkpoint"
+    data = qlora.model_dump(mode="json")
+    data["launch"]["model_source"] = "config"
+    with pytest.raises(pydantic.ValidationError, match="model_source"):
+        type(qlora).model_validate(data)

@@ -10,7 +10,8 @@ import pytest
 
 from harness.measure.timeline import MemoryTimeline
 from harness.predict.step import LAYER_POST, LAYER_PRE
-from harness.predict.zero2_stream import applies, module_order, partition_slices
+from harness.predict.stream import module_order
+from harness.predict.zero2_stream import applies, partition_slices
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_ID = "qwen25-1.5b-full-z2-offload-mb4-s1024-gc"
@@ -59,7 +60,6 @@ def test_the_stream_against_the_recorded_timeline():
     cannot serve, and they make the run's reserved peak."""
     from harness.models.source import load_model
     from harness.predict.allocator import AllocatorConf, CachingAllocator
-    from harness.predict.predictor import _inventory
     from harness.predict.trace import TraceSpec, trace_pair
     from harness.predict.zero2_stream import EMPTY_CACHE, REDUCTION_STREAM, Zero2Shape, build, simulate
 
@@ -74,7 +74,7 @@ def test_the_stream_against_the_recorded_timeline():
     arch = load_model(case.model)
     spec = TraceSpec.of(case, arch)
     r1, r2 = trace_pair(spec)
-    shape = Zero2Shape.of(case, arch.layers, _inventory(r1, r2, arch.layers).trainable)
+    shape = Zero2Shape.of(case, arch.layers)
     stream, side = build(r1, r2, shape, tl.rank)
     sim, blocks, at_end = CachingAllocator(AllocatorConf()), {}, {}
     starts = {start: name for name, start in stream.phases}

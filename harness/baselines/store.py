@@ -92,13 +92,19 @@ class Baseline(BaseModel):
         return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
 
     def case_as_measured(self, case):
-        """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, the Triton
+        """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, the model
+        built as the harness's runs build it (`launch.model_source`), the Triton
         cache the run had ('cold' or a shared warm one) instead of the case's request, and, where the
         case leaves `train.attn_implementation` to transformers' default, the attention kernel its runs
         recorded (`attention`: baselines whose runs predate the record are left as they are)."""
         from harness.spec.variants import parse_variant
 
         measured = parse_variant(self.variant).apply(case) if self.variant else case
+        from harness.spec.shape import harness_model_source
+
+        if measured.launch.model_source != harness_model_source(measured):
+            launch = measured.launch.model_copy(update={"model_source": harness_model_source(measured)})
+            measured = measured.model_copy(update={"launch": launch})
         attn = self.attention()
         if attn is not None and measured.train.attn_implementation is None:
             train = measured.train.model_copy(update={"attn_implementation": attn})

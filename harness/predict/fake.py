@@ -314,6 +314,8 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
         else:
             info.other += n
     info.head = head.weight.numel() if head is not None else 0
+    embedding = model.get_input_embeddings()
+    info.tied_head = head is not None and embedding is not None and head.weight is embedding.weight
     if spec.kind in ("lora", "qlora"):
         import peft
         targets = "all-linear" if spec.lora_targets == "all" else list(spec.lora_targets)
@@ -359,6 +361,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
     vocab = int(config["vocab_size"])
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
+        _tie_again(model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if spec.deepspeed:
             for p in trainable:  # DeepSpeed copies each gradient into its bucket at once
@@ -367,6 +370,8 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             for p in trainable:
                 p.grad = torch.zeros_like(p)
         tracker = AllocationLog()
+        for p in trainable:
+            p.register_hook(tracker.note_grad)
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
         with tracker, _layer_tags(model, tracker, layers):
@@ -389,7 +394,17 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             events = tracker.stop_log()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
                        seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
+                       grads=tracker.grads,
                        attention=attention_of(model), attention_note="; ".join(notes))
+
+
+def _tie_again(model) -> None:
+    """`to_empty` gives every parameter storage of its own, which unties an output head tied to the
+    embedding (`tie_word_embeddings`): the trace would then hold a second vocab x hidden weight, its
+    own gradient and optimizer state, which the job does not have. Tie them again, as transformers
+    does after it builds or loads a model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.tie_weights()
 
 
 FORWARD, BACKWARD = 0, 1
@@ -409,6 +424,13 @@ class AllocationLog(LiveTensorTracker):
         self._ids: dict[int, int] = {}
         self._issued = 0
         self._log: list[list[int]] | None = None
+        self.grads: list[int] = []  # ids of the allocations handed to a parameter's AccumulateGrad
+
+    def note_grad(self, grad: torch.Tensor) -> None:
+        """A trainable parameter's hook: `grad` is what its AccumulateGrad is given."""
+        seq = self._ids.get(id(grad.untyped_storage()))
+        if self._log is not None and seq is not None:
+            self.grads.append(seq)
 
     def start_log(self) -> None:
         self._log = []

@@ -108,27 +108,11 @@ def _inventory(r1, r2, layers: int):
                      largest_trainable=max((row[0] for row in (*r1.layout, *r2.layout) if row[3]), default=0))
 
 
-def _full_with_parameter_offload(case: Case) -> bool:
-    """A full fine-tune whose ZeRO-3 parameters live on the host: its gathered set stays the closed form.
-    Guide 002 (Gemma-3 27B, the one such config measured) peaks in backward, at 4 layers and 2048 tokens
-    with 6.0 GiB gathered (results/timelines: the replay finds 6.25 GiB at most) beside the tied head's
-    weight gradient (2.63 GiB, held until the embedding's backward) and the logits (1.0 GiB); the
-    replay's gather peak is set beside the activations the forward keeps, which miss that gradient, and
-    allocated came out -10% at 2048 tokens (0% at 4096) against +2% (+8%) with the closed form, whose
-    offload staging stands in for the in-flight copies."""
-    ds = case.deepspeed
-    return case.method.kind == "full" and ds is not None and ds.offload_param == Offload.cpu
-
-
 def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str]):
     """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3), for LoRA, QLoRA and
-    full fine-tunes alike; None where the case is not ZeRO-3, is a full fine-tune with parameter offload
-    (`_full_with_parameter_offload`) or DeepSpeed is not installed (states.py then uses its closed form)."""
+    full fine-tunes alike; None where the case is not ZeRO-3 or DeepSpeed is not installed (states.py then
+    uses its closed form)."""
     if case.deepspeed is None or case.deepspeed.stage != 3:
-        return None
-    if _full_with_parameter_offload(case):
-        notes.append("ZeRO-3 gathered set of a full fine-tune with parameter offload: the closed form, not "
-                     "DeepSpeed's coordinator")
         return None
     from harness.predict import zero3
 
@@ -178,7 +162,7 @@ def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -
 
     from harness.predict.trace import _load
 
-    if (case.deepspeed is None or case.deepspeed.stage != 3 or _full_with_parameter_offload(case)
+    if (case.deepspeed is None or case.deepspeed.stage != 3
             or trace_spec in _TRACED
             or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods() or _load(trace_spec) is not None):
@@ -343,7 +327,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     if zero2_stream.applies(case) and conf.backend == "native":
         # ZeRO-2 with optimizer offload: the allocator model over the run's stream with DeepSpeed's
         # buffers in it (harness.predict.zero2_stream)
-        run = zero2_stream.simulated(trace_spec, zero2_stream.Zero2Shape.of(case, layers, inv.trainable))
+        run = zero2_stream.simulated(trace_spec, zero2_stream.Zero2Shape.of(case, layers))
         terms["reserved_by_ratio"] = reserved
         terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
         reserved = max(run.peak_reserved, allocated)

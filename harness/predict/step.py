@@ -88,6 +88,7 @@ class ParamInfo:
     other: int = 0  # embeddings, head, norms, biases, non-quantized rest
     sizes: list[int] = field(default_factory=list)  # numel of every base parameter (ZeRO-3 terms)
     head: int = 0  # output head (or tied embedding) elements
+    tied_head: bool = False  # the head is the input embedding (tie_word_embeddings)
     largest_layer_module: int = 0  # largest leaf module's parameter count inside a layer
     bytes_total: int = 0  # bytes of every parameter as the stack holds it (before ZeRO)
 
@@ -108,6 +109,9 @@ class TraceResult:
     events: list[list[int]] = field(default_factory=list)
     # every parameter in load order, [elements, bytes per element, quantized, trainable, layer, adapter]
     layout: list[list[int]] = field(default_factory=list)
+    # ids of `events`' allocations handed to a trainable parameter's AccumulateGrad: with a gradient
+    # already there (the trace's accumulation) each is added and freed; with none, the parameter keeps it
+    grads: list[int] = field(default_factory=list)
     attention: str = ""  # the attention implementation the traced model dispatched through
     attention_note: str = ""  # how it came to, where the local transformers refused the case's
 

@@ -12,7 +12,9 @@ its layer's backward). This module builds from them the stream of a run:
    arrives in the half dtype and is quantized: bitsandbytes' transients and kept blocks), each
    parameter the stack holds wider than it loads (peft's k-bit preparation: non-4-bit half
    parameters to fp32) copied in module order and its loaded copy freed, the LoRA adapters (moved
-   in the half dtype, then cast to fp32).
+   in the half dtype, then cast to fp32). A model built with `from_config` on the device
+   (`launch.model_source: config`, as the harness's own runs build all but QLoRA) has no warm-up
+   block: each parameter comes as its module is built, a tied head is built and freed.
 2. **The step at N layers** (`expand`): the 2-layer step with layer 1's forward and backward chunks
    repeated for layers 1..N-1. A free that crosses layers is remapped: an allocation of layer 0
    freed in layer 1 becomes, in copy k, the allocation of copy k-1 that lines up with it (layer 0's
@@ -82,13 +84,15 @@ class RunShape:
     double_quant: bool
     accumulated_grads: bool  # the trace ran with gradients already allocated (GA > 1, no DeepSpeed)
     alloc_conf: str = ""
+    model_source: str = "checkpoint"  # launch.model_source: from_pretrained's load, or from_config's
 
     @classmethod
     def of(cls, case: Case, spec: TraceSpec, layers: int) -> RunShape:
         q = case.method.quantization
         return cls(layers=layers, grad_accum=case.train.grad_accum, half_bytes=HALF_BYTES[case.precision.value],
                    double_quant=bool(q is not None and q.double_quant), accumulated_grads=spec.accumulated_grads,
-                   alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+                   alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                   model_source=case.launch.model_source)
 
 
 def _chunks(events: list[list[int]]) -> list[tuple[int, int, list[list[int]]]]:
@@ -113,14 +117,17 @@ def _counterparts(chunks) -> dict[int, int]:
     return out
 
 
-def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None) -> list[int]:
+def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None,
+           keep_grads: bool = False) -> list[int]:
     """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
     `on_backward()` is called where the backward begins (to allocate what the real step allocates
-    there and the trace had before it: gradients, the autograd thread's cuBLAS workspace)."""
+    there and the trace had before it: the autograd thread's cuBLAS workspace). `keep_grads`: the
+    parameters have no gradient yet, so each keeps the one its AccumulateGrad is given (the trace,
+    run with gradients there, added and freed it), where the backward makes it."""
     if layers <= 1:
         chunks = _chunks(r1.events)
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
-        return _emit(plan, {}, {}, 1, stream, on_backward)
+        return _emit(plan, {}, {}, 1, stream, on_backward, kept=frozenset(r1.grads) if keep_grads else frozenset())
     chunks = _chunks(r2.events)
     if not any(layer == 1 for _, layer, _ in chunks):
         raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
@@ -139,7 +146,7 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
             plan.append((ph, layer, evs, 0))
     counterpart = _counterparts(chunks)
     return _emit(plan, where, counterpart, layers, stream, on_backward, _handed_down(chunks, where),
-                 _kept_by_every_layer(chunks, counterpart))
+                 _kept_by_every_layer(chunks, counterpart), frozenset(r2.grads) if keep_grads else frozenset())
 
 
 def _kept_by_every_layer(chunks, counterpart: dict[int, int]) -> set[int]:
@@ -167,7 +174,7 @@ def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
 
 
 def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None,
-          every_copy=frozenset()) -> list[int]:
+          every_copy=frozenset(), kept=frozenset()) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
 
@@ -190,6 +197,8 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
                 ids[(k, tid)] = ident
                 live.add(ident)
                 continue
+            if tid in kept:
+                continue  # a parameter's gradient, kept by the parameter
             la = where.get(tid, (0, layer))[1] if where else layer
             if la == 1 and layer not in (0, 1) and tid in every_copy:
                 for copy in range(1, layers):
@@ -217,6 +226,44 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
     half = shape.half_bytes
     stream.mark("load")
     base = [row for row in layout if not row[5]]
+    if shape.model_source == "config":
+        _built_from_config(base, r1.params, half, stream)
+    else:
+        _loaded_from_checkpoint(base, shape, stream)
+    # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
+    # (autocast_adapter_dtype): the half copies are freed one by one
+    adapters = [(n, size) for n, size, _, _, _, adapter in layout if adapter]
+    moved = [stream.alloc(n * min(size, half)) for n, size in adapters]
+    for (n, size), ident in zip(adapters, moved, strict=True):
+        if size > half:
+            stream.alloc(n * size)
+            stream.free(ident)
+
+
+def module_order(layout: list[list[int]]) -> list[list[int]]:
+    """The layout's rows in the order the model's modules hold them: before the decoder layers, the
+    layers in turn, after them (the layout itself is in checkpoint-name order)."""
+    def key(item):
+        index, row = item
+        layer = row[4]
+        return (0 if layer == LAYER_PRE else 2 if layer == LAYER_POST else 1, layer, index)
+
+    return [row for _, row in sorted(enumerate(layout), key=key)]
+
+
+def _built_from_config(base: list[list[int]], params, half: int, stream: Stream) -> None:
+    """`from_config` on the device: each parameter allocated as its module is built, in the half
+    dtype (`module_order`; a checkpoint's name order within a layer), no warm-up block; a tied output
+    head is built as a Linear of its own, then tied to the embedding and its weight freed."""
+    for n, *_ in module_order(base):
+        stream.alloc(n * half)
+    if params.tied_head and params.head:
+        stream.free(stream.alloc(params.head * half))
+
+
+def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stream) -> None:
+    """`from_pretrained`: the warm-up block, then each parameter in checkpoint order."""
+    half = shape.half_bytes
     stream.free(stream.alloc(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base)))  # caching_allocator_warmup
     kept_half: list[tuple[int, int, int, int]] = []  # (id, elements, layer, bytes each as trained) of the rest
     for n, size, q, _, layer, _ in base:
@@ -237,14 +284,6 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
     # upcast of trainable weights) is copied, in module order, and its loaded copy freed
     kept_half.sort(key=lambda item: item[2])
     for ident, n, _, size in kept_half:
-        if size > half:
-            stream.alloc(n * size)
-            stream.free(ident)
-    # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
-    # (autocast_adapter_dtype): the half copies are freed one by one
-    adapters = [(n, size) for n, size, _, _, _, adapter in layout if adapter]
-    moved = [stream.alloc(n * min(size, half)) for n, size in adapters]
-    for (n, size), ident in zip(adapters, moved, strict=True):
         if size > half:
             stream.alloc(n * size)
             stream.free(ident)
@@ -289,20 +328,22 @@ def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stre
 
 def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape) -> Stream:
     """Load, then two optimizer steps of `min(grad_accum, 2)` micro-steps each. The cuBLAS workspaces
-    come at the first forward and the first backward; under gradient accumulation (where the trace
-    ran with gradients allocated) the gradients come at the backward of each step's first micro-step,
-    as AccumulateGrad keeps the first gradient it is given."""
+    come at the first forward and the first backward. Under gradient accumulation (where the trace
+    ran with gradients allocated) a step's first micro-step keeps each gradient where its backward
+    makes it, as AccumulateGrad keeps the first gradient it is given (a trace that did not name them
+    has them all allocated where the backward begins)."""
     stream = Stream([], [], [])
     load_stream(r1, r2, shape, stream)
     layout = layout_at(r1.layout, r2.layout, shape.layers)
+    named = bool((r1 if shape.layers <= 1 else r2).grads)
     grads: list[int] = []
 
     def first_backward():
         stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+        later_backward()
 
     def later_backward():
-        grads.extend(_gradients(layout, stream) if shape.accumulated_grads else ())
+        grads.extend(_gradients(layout, stream) if shape.accumulated_grads and not named else ())
 
     for step in range(2):
         left: list[int] = []
@@ -311,7 +352,7 @@ def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape) -> Stream:
             if step == micro == 0:
                 stream.alloc(CUBLAS_HANDLE_WORKSPACE)
             hook = (first_backward if step == 0 else later_backward) if micro == 0 else None
-            left += expand(r1, r2, shape.layers, stream, hook)
+            left += expand(r1, r2, shape.layers, stream, hook, keep_grads=micro == 0 and shape.accumulated_grads)
         _optimizer_step(layout, grads + left, step == 0, stream)
         grads.clear()
     return stream

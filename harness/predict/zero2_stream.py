@@ -39,8 +39,8 @@ import functools
 from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
-from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE, Stream, expand, layout_at
+from harness.predict.step import TraceResult, TraceSpec
+from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE, Stream, expand, layout_at, module_order
 from harness.spec.schema import Case, Offload
 
 DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
@@ -58,16 +58,15 @@ class Zero2Shape:
     grad_accum: int
     ranks: int
     half_bytes: int
-    trainable: int  # elements of the flat buffer (every trainable parameter once, ties counted once)
     overlap_comm: bool
     alloc_conf: str = ""
 
     @classmethod
-    def of(cls, case: Case, layers: int, trainable: int) -> Zero2Shape:
+    def of(cls, case: Case, layers: int) -> Zero2Shape:
         from harness.predict.stream import HALF_BYTES
 
         return cls(layers=layers, grad_accum=case.train.grad_accum, ranks=case.launch.ranks,
-                   half_bytes=HALF_BYTES[case.precision.value], trainable=trainable,
+                   half_bytes=HALF_BYTES[case.precision.value],
                    overlap_comm=case.deepspeed.overlap_comm,
                    alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 
@@ -94,26 +93,6 @@ def applies(case: Case) -> bool:
             and case.method.kind == "full")
 
 
-def module_order(layout: list[list[int]]) -> list[list[int]]:
-    """The layout's rows in the order the model's modules hold them: before the decoder layers, the
-    layers in turn, after them (the layout itself is in checkpoint-name order)."""
-    def key(item):
-        index, row = item
-        layer = row[4]
-        return (0 if layer == LAYER_PRE else 2 if layer == LAYER_POST else 1, layer, index)
-
-    return [row for _, row in sorted(enumerate(layout), key=key)]
-
-
-def _tied_duplicate(rows: list[list[int]], trainable: int) -> int | None:
-    """Index in `rows` of an output head tied to the embedding: the layout lists it beside the embedding,
-    the flat buffer holds it once. None where the trainable rows add up to the parameters."""
-    extra = sum(r[0] for r in rows if r[3]) - trainable
-    if extra <= 0:
-        return None
-    return next((i for i in range(len(rows) - 1, -1, -1) if rows[i][4] == LAYER_POST and rows[i][0] == extra), None)
-
-
 def partition_slices(sizes: list[int], ranks: int, rank: int) -> list[int]:
     """Elements of each parameter (in flat-buffer order) that fall in `rank`'s partition of the flat
     buffer, padded as `flatten_dense_tensors_aligned` pads it: the slices `grad_position` records."""
@@ -136,18 +115,16 @@ def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tup
     side: set[int] = set()
     half = shape.half_bytes
     rows = module_order(layout_at(r1.layout, r2.layout, shape.layers))
-    tied = _tied_duplicate(rows, shape.trainable)
 
     stream.mark("load")
     trainable: list[int] = []  # the ids of the trainable parameters' storage
-    for i, (n, size, _, grad, *_) in enumerate(rows):
-        if i != tied:
-            ident = stream.alloc(n * size)
-            if grad:
-                trainable.append(ident)
-    if tied is not None:  # built last (the head after the decoder), then replaced by the embedding
-        stream.free(stream.alloc(rows[tied][0] * rows[tied][1]))
-    flat_sizes = [r[0] for i, r in enumerate(rows) if r[3] and i != tied]
+    for n, size, _, grad, *_ in rows:
+        ident = stream.alloc(n * size)
+        if grad:
+            trainable.append(ident)
+    if r1.params.tied_head and r1.params.head:  # built last (the head after the decoder), then tied
+        stream.free(stream.alloc(r1.params.head * half))
+    flat_sizes = [r[0] for r in rows if r[3]]
     largest = max(flat_sizes, default=0)
 
     stream.mark("engine")

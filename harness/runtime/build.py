@@ -25,6 +25,7 @@ import torch
 from harness.models.registry import hf_config, tiny_config, truncated_config
 from harness.models.source import load_model
 from harness.spec.schema import Case, Precision, Stack
+from harness.spec.shape import harness_model_source
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
 
@@ -173,7 +174,7 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)
 
-    if case.method.kind == "qlora":
+    if harness_model_source(case) == "checkpoint":  # QLoRA: quantized as it loads
         from transformers import BitsAndBytesConfig
 
         q = case.method.quantization

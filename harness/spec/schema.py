@@ -203,6 +203,14 @@ class Launch(Strict):
         default="deepspeed_first",
         description="model_first materialises the model before DeepSpeed is configured (guide 002's mistake)",
     )
+    model_source: Literal["checkpoint", "config"] = Field(
+        default="checkpoint",
+        description="how the job builds its model: 'checkpoint' loads it with from_pretrained (what a "
+        "fine-tuning job does), 'config' builds it with from_config on the card; the load's allocations, "
+        "and what the caching allocator keeps of them, differ. The harness's own runs build a QLoRA model "
+        "from a random-weight checkpoint and every other from its config (harness.runtime.build); a "
+        "baseline is predicted the way its runs built the model",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="environment of the training "
                                 "processes (PYTORCH_CUDA_ALLOC_CONF, OMP_NUM_THREADS, ...)")
     triton_cache: Literal["shared", "cold"] = Field(
@@ -588,6 +596,9 @@ class Case(Strict):
             raise ValueError("launch.launcher is 'deepspeed' but the case has no 'deepspeed' block")
         if self.deepspeed is None and self.launch.ranks > 1:
             raise ValueError("several ranks without a 'deepspeed' block: the harness shards only through DeepSpeed")
+        if self.launch.model_source == "config" and self.method.kind == "qlora":
+            raise ValueError("launch.model_source 'config' with method.kind 'qlora': a 4-bit model is quantized "
+                             "as it loads from a checkpoint; use 'checkpoint'")
         if self.launch.init_order == "model_first" and (self.deepspeed is None or self.deepspeed.stage != 3):
             raise ValueError("launch.init_order 'model_first' only matters for ZeRO-3 (deepspeed.stage: 3)")
         if self.method.kind == "qlora" and self.deepspeed is not None and self.deepspeed.stage == 3:

@@ -26,6 +26,13 @@ TINY_STEPS = 4
 REAL_STEPS = 6
 
 
+def harness_model_source(case: Case) -> str:
+    """How the harness's own runs build the case's model (`launch.model_source`): a QLoRA model from a
+    random-weight checkpoint through from_pretrained (bitsandbytes quantizes it as it loads), every
+    other from its config on the device (harness.runtime.build)."""
+    return "checkpoint" if case.method.kind == "qlora" else "config"
+
+
 def tiny_max_ranks() -> int:
     return int(os.environ.get("HARNESS_TINY_RANKS", "2"))
 
