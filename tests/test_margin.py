@@ -36,10 +36,10 @@ def test_the_margin_is_the_worst_shortfall_of_the_kind():
     records = [record("a", measured=int(10.5 * GiB)), record("b", measured=int(11.2 * GiB)),
                record("c", kind=ConfigKind("qlora", 0, "none", "reentrant"), measured=13 * GiB),
                record("d", kind=ConfigKind("qlora", 0, "none", "reentrant"), measured=10 * GiB)]
-    m = margin_from(records, LORA_Z3)
+    m = margin_from(records, LORA_Z3, min_cases=2)
     assert m.fraction == pytest.approx(0.12)
     assert m.basis == "this kind, 2 runs of 2 cases" and m.worst == "b on p measured 12.0% above its prediction"
-    assert margin_from(records, ConfigKind("qlora", 0, "none", "reentrant")).fraction == pytest.approx(0.3)
+    assert margin_from(records, ConfigKind("qlora", 0, "none", "reentrant"), min_cases=2).fraction == pytest.approx(0.3)
 
 
 def test_over_predictions_leave_the_floor():
@@ -52,12 +52,26 @@ def test_a_kind_with_too_few_cases_borrows_from_the_next_coarser_group():
     records = [record("a", measured=int(10.3 * GiB)), record("b", measured=int(10.4 * GiB)),
                record("n", kind=nonreentrant, measured=int(10.1 * GiB)),
                record("z2", kind=ConfigKind("lora", 2, "none", "off"), measured=15 * GiB)]
-    m = margin_from(records, nonreentrant)
+    m = margin_from(records, nonreentrant, min_cases=2)
     assert m.basis == ("same method, ZeRO stage and offload, 3 runs of 3 cases "
                        "(this kind has fewer than 2 measured cases)")
     assert m.fraction == pytest.approx(0.04)  # the group's worst, not the ZeRO-2 run's 50%
-    unseen = margin_from(records, ConfigKind("full", 0, "none", "off"))
+    assert margin_from(records, nonreentrant, min_cases=4).basis.startswith("same method, 4 runs of 4 cases")
+    unseen = margin_from(records, ConfigKind("full", 0, "none", "off"), min_cases=2)
     assert unseen.basis.startswith("every config") and unseen.fraction == pytest.approx(0.5)
+
+
+def test_runs_on_a_cold_triton_cache_set_only_the_margins_of_runs_on_one():
+    """What compiling and autotuning hold is a term fitted on the few cold runs: their errors stay
+    with configs judged on a cold cache, and a warm config's margin never sees them."""
+    cold = ConfigKind("lora", 0, "none", "non-reentrant", triton="cold")
+    warm = ConfigKind("lora", 0, "none", "non-reentrant")
+    records = [record("w1", kind=warm, measured=int(10.1 * GiB)), record("w2", kind=warm, measured=int(10.2 * GiB)),
+               record("c1", kind=cold, measured=int(11.5 * GiB)), record("c2", kind=cold, measured=int(10.4 * GiB))]
+    assert margin_from(records, warm, min_cases=2).fraction == pytest.approx(0.02)
+    assert margin_from(records, cold, min_cases=2).fraction == pytest.approx(0.15)
+    assert margin_from(records, warm, min_cases=3).fraction == pytest.approx(0.02)  # coarser, still warm only
+    assert "cold Triton cache" in cold.label() and "cold" not in warm.label()
 
 
 def test_an_oom_run_counts_only_where_the_prediction_is_under_its_bound():

@@ -44,7 +44,7 @@ PREDICTOR_CODE = Path(__file__).resolve().parent
 _NOT_PREDICTOR = {"margin.py", "errors.py", "__init__.py"}
 
 MARGIN_FLOOR = 0.02  # run-to-run noise of a peak (harness.baselines.store.MEMORY_FLOOR)
-MIN_CASES = 2  # a group's margin needs the errors of at least this many cases
+MIN_CASES = 5  # a group's margin needs the errors of at least this many cases
 PRIOR_MARGIN = 0.25  # no error table to read: a cautious margin, larger than any error the benchmark has shown
 
 
@@ -59,6 +59,9 @@ class ConfigKind:
     # QLoRA only: the stack's k-bit path (peft's preparation upcasts what is not 4-bit to fp32,
     # LLaMA-Factory's keeps it in the compute dtype: GiBs apart on a 7B, and so are their errors)
     path: str = ""
+    # "cold" for a run on a cold Triton cache: what compiling and autotuning hold is a term of its own
+    # (`triton_cold_overhead`), fitted on the few runs that had one, so its errors are not the others'
+    triton: str = ""
 
     @property
     def method_path(self) -> str:
@@ -79,7 +82,7 @@ class ConfigKind:
             gc = "reentrant" if reentrant_checkpointing(case) else "non-reentrant"
         path = case.stack.value if case.method.kind == "qlora" else ""
         return cls(method=case.method.kind, zero=0 if ds is None else ds.stage, offload=offload, checkpointing=gc,
-                   path=path)
+                   path=path, triton="cold" if case.launch.triton_cache == "cold" else "")
 
     def label(self) -> str:
         method = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune"}.get(self.method, self.method)
@@ -87,16 +90,18 @@ class ConfigKind:
         zero = "no DeepSpeed" if self.zero == 0 else f"ZeRO-{self.zero}"
         offload = "" if self.offload == "none" else f", {self.offload} offload"
         gc = "no checkpointing" if self.checkpointing == "off" else f"{self.checkpointing} checkpointing"
-        return f"{method}, {zero}{offload}, {gc}"
+        cold = ", cold Triton cache" if self.triton == "cold" else ""
+        return f"{method}, {zero}{offload}, {gc}{cold}"
 
 
 # From the narrowest group to every run: (its name, what of a kind it matches on).
+# A run on a cold Triton cache is grouped only with others on one.
 LEVELS: tuple[tuple[str, Callable[[ConfigKind], tuple]], ...] = (
-    ("this kind", lambda k: (k.method_path, k.zero, k.offload, k.checkpointing)),
-    ("same method, ZeRO stage and offload", lambda k: (k.method_path, k.zero, k.offload)),
-    ("same method and ZeRO stage", lambda k: (k.method, k.zero)),
-    ("same method", lambda k: (k.method,)),
-    ("every config", lambda k: ()),
+    ("this kind", lambda k: (k.triton, k.method_path, k.zero, k.offload, k.checkpointing)),
+    ("same method, ZeRO stage and offload", lambda k: (k.triton, k.method_path, k.zero, k.offload)),
+    ("same method and ZeRO stage", lambda k: (k.triton, k.method, k.zero)),
+    ("same method", lambda k: (k.triton, k.method)),
+    ("every config", lambda k: (k.triton,)),
 )
 
 
@@ -168,18 +173,20 @@ class Margin:
         return f"margin {self.fraction:.1%} ({kind}{self.basis}{worst})"
 
 
-def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozenset()) -> Margin:
-    """The margin of `kind` from `records`, the cases in `exclude` left out (a leave-one-out margin)."""
+def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozenset(),
+                min_cases: int = MIN_CASES) -> Margin:
+    """The margin of `kind` from `records`, the cases in `exclude` left out (a leave-one-out margin),
+    from the narrowest group with errors of at least `min_cases` cases."""
     pool = [r for r in records if r.case_id not in exclude]
     for level, key in LEVELS:
         group = [r for r in pool if key(r.kind) == key(kind)]
         cases = sorted({r.case_id for r in group if r.outcome == "ok"})
-        if len(cases) >= MIN_CASES or (level == LEVELS[-1][0] and group):
+        if len(cases) >= min_cases or (level == LEVELS[-1][0] and group):
             worst = max(group, key=lambda r: r.shortfall)
             fraction = max(MARGIN_FLOOR, worst.shortfall)
             basis = f"{level}, {len(group)} runs of {len(cases)} cases"
             if level != LEVELS[0][0]:
-                basis += f" (this kind has fewer than {MIN_CASES} measured cases)"
+                basis += f" (this kind has fewer than {min_cases} measured cases)"
             return Margin(fraction=fraction, kind=kind, basis=basis, cases=tuple(cases),
                           worst=(f"{worst.name} measured {worst.shortfall:.1%} above its prediction"
                                  if worst.shortfall > MARGIN_FLOOR else None))
