@@ -23,7 +23,9 @@ and whose all-gather only records what it would allocate on the device:
   ranks, freed when the last of them is released (each parameter is a view of it).
 
 Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
-from the second, which is the steady state every later micro-step repeats. The result is the
+from the second, which is the steady state every later micro-step repeats; it starts, as every step
+after an optimizer step does, with the persistent parameters gathered (the optimizer step gathers
+them again at its end, `_allgather_params_coalesced`). The result is the
 largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
 backward starts (where the loss and logits live). Persistent parameters are left out: they are
 resident, counted with the model states (`harness.predict.states`).
@@ -361,8 +363,14 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     with _single_process(ppc):
         for round_ in range(ROUNDS):
-            if round_ == ROUNDS - 1 and stream is not None:
-                ledger.stream = stream
+            if round_ == ROUNDS - 1:
+                # every optimizer step ends with DeepSpeed gathering the persistent parameters again
+                # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered
+                for p in params.values():
+                    if p.ds_persist:
+                        p.ds_status = ZeroParamStatus.AVAILABLE
+                if stream is not None:
+                    ledger.stream = stream
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:
@@ -376,12 +384,29 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
 
 # --- the module layout of a traced model -----------------------------------------------------------
 
+def _discovered_external(module) -> list:
+    """Parameters DeepSpeed adds to `module` by its automatic external-parameter discovery.
+
+    During the engine's forward DeepSpeed 0.19's `ZeROOrderedDict.__getitem__` registers a parameter that
+    is read while not gathered on the module then running (`FWD_MODULE_STACK[-1]`) and gathers it. peft's
+    LoRA layer (`lora.Linear.forward`; its bitsandbytes, GPTQ and AWQ layers alike) reads `lora_A.weight.dtype`
+    (`_cast_input_dtype`) inside its own forward, before `lora_A` runs: in the first step, when nothing is
+    gathered yet, every active adapter's `lora_A` weight becomes a parameter of the LoRA layer itself. From
+    then on the coordinator fetches it at the LoRA layer's hooks (before its `base_layer`), which is where
+    it stands in the recorded parameter order and so which gathers the prefetcher coalesces."""
+    lora_a = getattr(module, "lora_A", None)
+    if lora_a is None or not hasattr(module, "base_layer") or not hasattr(lora_a, "items"):
+        return []
+    active = getattr(module, "active_adapters", None) or list(lora_a.keys())
+    return [lora_a[a].weight for a in active if a in lora_a and hasattr(lora_a[a], "weight")]
+
+
 def layout_of(model) -> ModelLayout:
     """The parameter-holding modules of a (meta) model with one decoder layer, in definition order."""
     keys: dict[int, int] = {}
     before, layer, after = [], [], []
     for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
+        own = list(module.parameters(recurse=False)) + _discovered_external(module)
         if not own:
             continue
         specs = []
