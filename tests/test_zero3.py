@@ -263,3 +263,21 @@ def test_the_replay_holds_what_guide_000_non_reentrant_gathered(layers):
     replayed = zero3.replay(zero3.spec_for(case, arch, case.layers))
     recorded = _recorded_most_gathered(timeline)
     assert abs(replayed.peak_bytes / recorded - 1) < 0.015
+    if layers == 4:  # in layer 2's backward, where the embedding is prefetched for the end of backward
+        assert replayed.peak_backward_layer == 2
+
+
+def test_the_activations_beside_a_backward_gather_peak_are_those_held_at_its_layer():
+    """Guide 000 non-reentrant: the most gathered falls in layer 2's backward at any depth; the layers
+    above have freed their checkpoints by then, so the prediction at 64 layers places the same
+    activations beside it as at 8."""
+    from pathlib import Path
+
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
+
+    case = load_case(Path(CASES_DIR) / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")
+    shallow, full = predict(case, variant="2r8L2ga"), predict(case, variant="2r")
+    for p in (shallow, full):
+        assert p.terms["activations_held_at_gather_peak"] < p.terms["activations_held_after_forward"]
+    assert full.terms["activations_held_at_gather_peak"] == shallow.terms["activations_held_at_gather_peak"]

@@ -101,6 +101,9 @@ class Gathered:
     backward_peak_bytes: int  # most gathered at once during backward
     peak_elements: int  # DeepSpeed's own count of available elements at the peak (its n_available_params)
     events: int  # hook events replayed per step
+    # the decoder layer (0 the first) whose backward (or recomputation in backward) the peak falls in;
+    # -1 where it falls in the forward or outside the layers
+    peak_backward_layer: int = -1
 
     def describe(self, gib: int = 2**30) -> str:
         return (f"ZeRO-3 gathered parameters (DeepSpeed's coordinator replayed over the step): peak "
@@ -330,11 +333,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         max_available_parameters_in_numel=spec.max_live, allgather_stream=None,
         inflight_param_registry=ppc.InflightParamRegistry())
     available = "_PartitionedParameterCoordinator__n_available_params"
-    best = {"bytes": -1, "where": "", "elements": 0, "round": 0}
+    best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
     start_bytes = [0]
     backward_best = [0]
 
-    def note(round_: int, event: int, m: _StandInModule, backward: bool) -> None:
+    def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if round_ != ROUNDS - 1:
             return
         if record is not None:
@@ -343,7 +346,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             backward_best[0] = max(backward_best[0], ledger.live)
         if ledger.live > best["bytes"]:
             best.update(bytes=ledger.live, where=f"{EVENT_NAMES[event]} of {m.name}",
-                        elements=getattr(coordinator, available, 0))
+                        elements=getattr(coordinator, available, 0),
+                        layer=layer if backward and layer is not None else -1)
 
     def run(seq, round_: int, backward: bool = False) -> None:
         for event, module in seq:
@@ -357,7 +361,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 coordinator.release_sub_module(m, forward=True)
             elif event == BWD_POST:
                 coordinator.release_sub_module(m, forward=False)
-            note(round_, event, m, backward)
+            note(round_, event, m, backward, module.layer)
 
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
@@ -378,7 +382,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
-                    backward_peak_bytes=backward_best[0],
+                    backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
                     peak_elements=int(best["elements"]), events=len(events))
 
 
