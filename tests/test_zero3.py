@@ -181,3 +181,103 @@ def test_the_replay_runs_where_deepspeed_picked_a_gpu_accelerator(monkeypatch):
     monkeypatch.setattr(ppc, "get_accelerator", lambda: _GpuLike())
     assert replay(_spec(ranks=2, reuse=0)) == cpu_figure
     assert isinstance(ppc.get_accelerator(), _GpuLike)  # and it is put back afterwards
+
+
+def test_a_lora_layer_holds_its_lora_A_weight_as_deepspeed_discovers_it():
+    """peft's LoRA layer reads `lora_A[adapter].weight.dtype` in its own forward; DeepSpeed's external-
+    parameter discovery registers that weight on the LoRA layer, which then fetches it before its
+    base layer runs (the parameter order the prefetcher coalesces along)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harness.predict.zero3 import layout_of
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"]))
+    names = [m.name for m in layout_of(model).layer]
+    specs = {m.name: m for m in layout_of(model).layer}
+    wrapper = next(n for n in names if n.endswith("self_attn.q_proj"))
+    assert names.index(wrapper) < names.index(wrapper + ".base_layer") < names.index(wrapper + ".lora_A.default")
+    assert [p.key for p in specs[wrapper].params] == [p.key for p in specs[wrapper + ".lora_A.default"].params]
+
+
+def test_a_lora_layer_encloses_its_modules_in_forward_and_backward():
+    from harness.predict.zero3_order import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, build_step, step_events
+
+    lora = ParamSpec(11, 1000, True)
+    layout = ModelLayout(before=(ModuleSpec("m.embed", (ParamSpec(0, 30 * M, False),)),),
+                         layer=(ModuleSpec("m.layers.0.q", (lora,)),
+                                ModuleSpec("m.layers.0.q.base_layer", (ParamSpec(10, 10 * M, False),)),
+                                ModuleSpec("m.layers.0.q.lora_A.default", (lora,))),
+                         after=(ModuleSpec("lm_head", (ParamSpec(1, 30 * M, False),)),))
+    events = [(e, m.name) for e, m in step_events(build_step(layout, 1), "none", True) if ".layers." in m.name]
+    assert events == [(FWD_PRE, "m.layers.0.q"), (FWD_PRE, "m.layers.0.q.base_layer"),
+                      (FWD_POST, "m.layers.0.q.base_layer"), (FWD_PRE, "m.layers.0.q.lora_A.default"),
+                      (FWD_POST, "m.layers.0.q.lora_A.default"), (FWD_POST, "m.layers.0.q"),
+                      (BWD_PRE, "m.layers.0.q"), (BWD_PRE, "m.layers.0.q.lora_A.default"),
+                      (BWD_POST, "m.layers.0.q.lora_A.default"), (BWD_PRE, "m.layers.0.q.base_layer"),
+                      (BWD_POST, "m.layers.0.q.base_layer"), (BWD_POST, "m.layers.0.q")]
+
+
+def _recorded_most_gathered(timeline) -> int:
+    """The most bytes DeepSpeed's gather paths held at once over the timeline's forwards and backwards
+    (`partition_parameters.py` all-gather buffers and host-partition copies, the coalesced buffers'
+    per-parameter copies made under `utils/nvtx.py`)."""
+    from harness.measure.timeline import ALLOC, FREE_REQUESTED, PHASES
+
+    live, gathered, most = {}, 0, 0
+    for i in range(len(timeline)):
+        site = timeline.sites[timeline.site[i]] if timeline.site[i] >= 0 else ""
+        if timeline.action[i] == ALLOC:
+            ours = ("partition_parameters.py" in site and "_all_gather" in site) or "nvtx.py" in site
+            live[timeline.addr[i]] = ours
+            gathered += timeline.size[i] if ours else 0
+        elif timeline.action[i] == FREE_REQUESTED and live.pop(timeline.addr[i], False):
+            gathered -= timeline.size[i]
+        if timeline.phase[i] >= 0 and PHASES[timeline.phase[i]] in ("forward", "backward"):
+            most = max(most, gathered)
+    return most
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_the_replay_holds_what_guide_000_non_reentrant_gathered(layers):
+    """Guide 000's 32B LoRA, ZeRO-3 with parameter offload, non-reentrant checkpointing, 2 ranks: the
+    recorded timeline's most gathered at once (the embedding prefetched alone in a layer's backward,
+    its host partition's copy held until it is waited on) against the replay's."""
+    from pathlib import Path
+
+    from harness.measure.timeline import MemoryTimeline
+    from harness.models.source import load_model
+    from harness.predict import zero3
+    from harness.spec.cases import CASES_DIR, load_case
+    from harness.spec.variants import parse_variant
+
+    root = Path(__file__).resolve().parent.parent / "results" / "timelines" / "nvidia-h200-x2"
+    timeline = MemoryTimeline.load(root / f"000-lora-z3-offload-cutoff1024-ga16-nonreentrant@2r{layers}L2ga.json.gz")
+    case = parse_variant(timeline.variant).apply(
+        load_case(Path(CASES_DIR) / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"))
+    arch = load_model(case.model)
+    replayed = zero3.replay(zero3.spec_for(case, arch, case.layers))
+    recorded = _recorded_most_gathered(timeline)
+    assert abs(replayed.peak_bytes / recorded - 1) < 0.015
+    if layers == 4:  # in layer 2's backward, where the embedding is prefetched for the end of backward
+        assert replayed.peak_backward_layer == 2
+
+
+def test_the_activations_beside_a_backward_gather_peak_are_those_held_at_its_layer():
+    """Guide 000 non-reentrant: the most gathered falls in layer 2's backward at any depth; the layers
+    above have freed their checkpoints by then, so the prediction at 64 layers places the same
+    activations beside it as at 8."""
+    from pathlib import Path
+
+    from harness.predict.predictor import predict
+    from harness.spec.cases import CASES_DIR, load_case
+
+    case = load_case(Path(CASES_DIR) / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")
+    shallow, full = predict(case, variant="2r8L2ga"), predict(case, variant="2r")
+    for p in (shallow, full):
+        assert p.terms["activations_held_at_gather_peak"] < p.terms["activations_held_after_forward"]
+    assert full.terms["activations_held_at_gather_peak"] == shallow.terms["activations_held_at_gather_peak"]

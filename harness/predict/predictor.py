@@ -302,12 +302,20 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     # forward keeps (checkpoints, logits); above the backward's start where DeepSpeed keeps gathered
     # weights for reuse or (reentrant checkpointing) ties recomputed frozen weights to the root module
     above = states.step_only.get("zero3_gathered_above_backward_start", 0)
-    gather_peak = resident + above + held if above else 0
+    # where the replay puts that peak in a layer's backward, the layers above it are done: their saved
+    # layer inputs (the checkpoints) are freed, and what a forward through this layer and those below
+    # it keeps is held beside it (the output the training loop keeps, logits included, stays)
+    peak_layer = gathered.peak_backward_layer if gathered is not None else -1
+    held_at_gather = held if peak_layer < 0 else min(held, int(extrapolate(r1.held_after_forward,
+                                                                           r2.held_after_forward, peak_layer + 1)))
+    gather_peak = resident + above + held_at_gather if above else 0
     allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})
     terms["activations_held_after_forward"] = held
+    if gather_peak and held_at_gather != held:
+        terms["activations_held_at_gather_peak"] = held_at_gather
     terms["logits"] = int(r1.logits)
     terms["step_transient_peak"] = peak
     terms["optimizer_step_transient"] = states.optimizer_step_extra

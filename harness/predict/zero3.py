@@ -23,7 +23,9 @@ and whose all-gather only records what it would allocate on the device:
   ranks, freed when the last of them is released (each parameter is a view of it).
 
 Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
-from the second, which is the steady state every later micro-step repeats. The result is the
+from the second, which is the steady state every later micro-step repeats; it starts, as every step
+after an optimizer step does, with the persistent parameters gathered (the optimizer step gathers
+them again at its end, `_allgather_params_coalesced`). The result is the
 largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
 backward starts (where the loss and logits live). Persistent parameters are left out: they are
 resident, counted with the model states (`harness.predict.states`).
@@ -99,6 +101,9 @@ class Gathered:
     backward_peak_bytes: int  # most gathered at once during backward
     peak_elements: int  # DeepSpeed's own count of available elements at the peak (its n_available_params)
     events: int  # hook events replayed per step
+    # the decoder layer (0 the first) whose backward (or recomputation in backward) the peak falls in;
+    # -1 where it falls in the forward or outside the layers
+    peak_backward_layer: int = -1
 
     def describe(self, gib: int = 2**30) -> str:
         return (f"ZeRO-3 gathered parameters (DeepSpeed's coordinator replayed over the step): peak "
@@ -328,11 +333,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         max_available_parameters_in_numel=spec.max_live, allgather_stream=None,
         inflight_param_registry=ppc.InflightParamRegistry())
     available = "_PartitionedParameterCoordinator__n_available_params"
-    best = {"bytes": -1, "where": "", "elements": 0, "round": 0}
+    best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
     start_bytes = [0]
     backward_best = [0]
 
-    def note(round_: int, event: int, m: _StandInModule, backward: bool) -> None:
+    def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if round_ != ROUNDS - 1:
             return
         if record is not None:
@@ -341,7 +346,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             backward_best[0] = max(backward_best[0], ledger.live)
         if ledger.live > best["bytes"]:
             best.update(bytes=ledger.live, where=f"{EVENT_NAMES[event]} of {m.name}",
-                        elements=getattr(coordinator, available, 0))
+                        elements=getattr(coordinator, available, 0),
+                        layer=layer if backward and layer is not None else -1)
 
     def run(seq, round_: int, backward: bool = False) -> None:
         for event, module in seq:
@@ -355,14 +361,20 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 coordinator.release_sub_module(m, forward=True)
             elif event == BWD_POST:
                 coordinator.release_sub_module(m, forward=False)
-            note(round_, event, m, backward)
+            note(round_, event, m, backward, module.layer)
 
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     with _single_process(ppc):
         for round_ in range(ROUNDS):
-            if round_ == ROUNDS - 1 and stream is not None:
-                ledger.stream = stream
+            if round_ == ROUNDS - 1:
+                # every optimizer step ends with DeepSpeed gathering the persistent parameters again
+                # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered
+                for p in params.values():
+                    if p.ds_persist:
+                        p.ds_status = ZeroParamStatus.AVAILABLE
+                if stream is not None:
+                    ledger.stream = stream
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:
@@ -370,18 +382,35 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
-                    backward_peak_bytes=backward_best[0],
+                    backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
                     peak_elements=int(best["elements"]), events=len(events))
 
 
 # --- the module layout of a traced model -----------------------------------------------------------
+
+def _discovered_external(module) -> list:
+    """Parameters DeepSpeed adds to `module` by its automatic external-parameter discovery.
+
+    During the engine's forward DeepSpeed 0.19's `ZeROOrderedDict.__getitem__` registers a parameter that
+    is read while not gathered on the module then running (`FWD_MODULE_STACK[-1]`) and gathers it. peft's
+    LoRA layer (`lora.Linear.forward`; its bitsandbytes, GPTQ and AWQ layers alike) reads `lora_A.weight.dtype`
+    (`_cast_input_dtype`) inside its own forward, before `lora_A` runs: in the first step, when nothing is
+    gathered yet, every active adapter's `lora_A` weight becomes a parameter of the LoRA layer itself. From
+    then on the coordinator fetches it at the LoRA layer's hooks (before its `base_layer`), which is where
+    it stands in the recorded parameter order and so which gathers the prefetcher coalesces."""
+    lora_a = getattr(module, "lora_A", None)
+    if lora_a is None or not hasattr(module, "base_layer") or not hasattr(lora_a, "items"):
+        return []
+    active = getattr(module, "active_adapters", None) or list(lora_a.keys())
+    return [lora_a[a].weight for a in active if a in lora_a and hasattr(lora_a[a], "weight")]
+
 
 def layout_of(model) -> ModelLayout:
     """The parameter-holding modules of a (meta) model with one decoder layer, in definition order."""
     keys: dict[int, int] = {}
     before, layer, after = [], [], []
     for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
+        own = list(module.parameters(recurse=False)) + _discovered_external(module)
         if not own:
             continue
         specs = []

@@ -9,6 +9,10 @@ on autograd and on checkpointing; `step_events` writes them down for a decoder-o
 * forward: the root, then every module in definition order (`named_modules`; for the Llama, Qwen2,
   Mistral and Gemma decoders it is the call order, up to the per-head norms of Gemma), each
   decoder layer around its own modules;
+* a module whose name prefixes the next modules' encloses them, as its forward encloses theirs: its
+  forward pre-hook fires before theirs and its forward hook after, its pre-backward before theirs and
+  its post-backward after (peft's LoRA layer around `base_layer`, `lora_A`, `lora_B`; it holds its
+  adapters' `lora_A` weights where DeepSpeed discovers them, `zero3.layout_of`);
 * backward without checkpointing: the same modules in reverse; a module fires pre-backward when
   its output needs a gradient (it holds a trainable parameter, or its input needs one) and
   post-backward when its input needs one; the root's post-backward never fires (its input is token
@@ -132,6 +136,24 @@ def build_step(layout: ModelLayout, layers: int) -> Step:
     return Step(root, before, decoder, after, params)
 
 
+Node = tuple[Module, list]  # a module and the modules inside it (its name's children), in order
+
+
+def nested(modules: list[Module]) -> list[Node]:
+    """`modules` (in definition order) as a forest by name: a module whose name prefixes the next ones'
+    (a LoRA layer holding its adapters' `lora_A` weight, `base_layer`, `lora_A`, `lora_B`) encloses
+    them, as its forward encloses theirs."""
+    roots: list[Node] = []
+    stack: list[tuple[str, list[Node]]] = [("", roots)]
+    for m in modules:
+        while len(stack) > 1 and not m.name.startswith(stack[-1][0] + "."):
+            stack.pop()
+        node: Node = (m, [])
+        stack[-1][1].append(node)
+        stack.append((m.name, node[1]))
+    return roots
+
+
 def step_events(step: Step, checkpointing: str, input_requires_grad: bool) -> list[tuple[int, Module]]:
     """(event, module) in the order DeepSpeed's hooks fire over one forward and backward.
     `checkpointing`: "none", "reentrant" or "nonreentrant". `BACKWARD_START` marks where backward
@@ -156,61 +178,57 @@ def step_events(step: Step, checkpointing: str, input_requires_grad: bool) -> li
     def out_grad(m: Module) -> bool:
         return grad_in[id(m)] or m.trainable
 
-    def fwd(m: Module) -> None:
-        ev.append((FWD_PRE, m))
-        ev.append((FWD_POST, m))
+    def fwd(nodes: list[Node]) -> None:
+        for m, inner in nodes:
+            ev.append((FWD_PRE, m))
+            fwd(inner)
+            ev.append((FWD_POST, m))
 
-    def bwd(m: Module, pre_done: bool = False) -> None:
-        if not out_grad(m):
-            return
-        if not pre_done:
-            ev.append((BWD_PRE, m))
-        if grad_in[id(m)]:
-            ev.append((BWD_POST, m))
+    def bwd(nodes: list[Node], first_pre: Module | None = None) -> None:
+        """Reverse order; a module's pre-backward before those of the modules inside it, its
+        post-backward after theirs. `first_pre`: its pre-backward has been written already."""
+        for m, inner in reversed(nodes):
+            if out_grad(m) and m is not first_pre:
+                ev.append((BWD_PRE, m))
+            bwd(inner)
+            if out_grad(m) and grad_in[id(m)]:
+                ev.append((BWD_POST, m))
 
-    def layer_fwd(layer: Module) -> None:
+    def layer_fwd(layer: Module, nodes: list[Node]) -> None:
         ev.append((FWD_PRE, layer))
-        for m in layer.children:
-            fwd(m)
+        fwd(nodes)
         ev.append((FWD_POST, layer))
 
     ev.append((FWD_PRE, step.root))
-    for m in step.before:
-        fwd(m)
+    fwd(nested(step.before))
     for layer in step.layers:
-        layer_fwd(layer)
-    for m in step.after:
-        fwd(m)
+        layer_fwd(layer, nested(layer.children))
+    fwd(nested(step.after))
     ev.append((FWD_POST, step.root))
 
     ev.append((BACKWARD_START, step.root))
     ev.append((BWD_PRE, step.root))
-    for m in reversed(step.after):
-        bwd(m)
+    bwd(nested(step.after))
     for layer, needs in reversed(list(zip(step.layers, layer_in, strict=True))):
-        grads = [m for m in reversed(layer.children) if out_grad(m)]
-        if not grads and not needs:
+        nodes = nested(layer.children)
+        if not any(out_grad(m) for m in layer.children) and not needs:
             continue
         if checkpointing == "reentrant":
             ev.append((RECOMPUTE, layer))
-            layer_fwd(layer)
+            layer_fwd(layer, nodes)
             ev.append((BWD_PRE, layer))
-            for m in grads:
-                bwd(m)
+            bwd(nodes)
             if needs:
                 ev.append((BWD_POST, layer))
             continue
         ev.append((BWD_PRE, layer))
-        for n, m in enumerate(grads):
-            if n == 0 and checkpointing == "nonreentrant":
-                ev.append((BWD_PRE, m))
-                ev.append((RECOMPUTE, layer))
-                layer_fwd(layer)
-                bwd(m, pre_done=True)
-            else:
-                bwd(m)
+        first = next((m for m, _ in reversed(nodes) if out_grad(m)), None)
+        if checkpointing == "nonreentrant" and first is not None:
+            ev.append((BWD_PRE, first))
+            ev.append((RECOMPUTE, layer))
+            layer_fwd(layer, nodes)
+        bwd(nodes, first_pre=first if checkpointing == "nonreentrant" else None)
         if needs:
             ev.append((BWD_POST, layer))
-    for m in reversed(step.before):
-        bwd(m)
+    bwd(nested(step.before))
     return ev
