@@ -31,7 +31,10 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.calibration`, fitted on
    results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
-   lacks DeepSpeed's buckets and offload buffers; under ZeRO-3 without optimizer offload, at least the
+   lacks DeepSpeed's buckets and offload buffers; a ZeRO-3 full fine-tune with its parameters on the
+   device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
+   all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
+   zero3_cached_gathers; under ZeRO-3 without optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
    sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
    beside the allocator
