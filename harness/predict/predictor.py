@@ -266,12 +266,12 @@ def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
     device, under the allocator's native backend without expandable segments (Phi-3-mini's and Gemma-2-2B's
     recorded timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; the
     model's pool 6.75 GiB against 6.20 allocated there, and 30.04 less the optimizer step's fp32 gradient
-    segment against 27.64). None elsewhere
-    (zero3_cached_gathers is used): with parameter offload, zero.Init builds each parameter whole on the
-    device before its partition goes to the host, and the model's pool keeps those segments (guide 000's
-    32B: 2.19 GiB cached from the load beside 1.05 GiB allocated there at the step's peak); fit's LoRA
-    config for guide 000 (no timeline) reserves 2.8 to 3.2 GiB beyond the ratio and the replayed pool; an
-    expandable segment's pool is checked on one run (guide 002: 6.96 GiB replayed, 8.05 recorded)."""
+    segment against 27.64). None elsewhere (zero3_cached_gathers is used): with parameter offload,
+    zero.Init builds each parameter whole on the device before its partition goes to the host, and the
+    model's pool keeps those segments (guide 000's 32B: 2.19 GiB cached from the load beside 1.05 GiB
+    allocated there at the step's peak); fit's LoRA config for guide 000 (no timeline) reserves 2.8 to 3.2
+    GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked on one run (guide
+    002: 6.96 GiB replayed, 8.05 recorded)."""
     from harness.predict.zero3 import uses_gather_pool
 
     if gathered is None or not uses_gather_pool(case) or conf.backend != "native" or conf.expandable_segments:

@@ -32,7 +32,8 @@ allocations and frees of every replayed step, in order, through the allocator mo
 (`harness.predict.allocator`) on one stream: the reserve that pool reaches (`Gathered.pool_bytes`).
 
 Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
-from the second, which is the steady state every later micro-step repeats. The result is the
+from the second, which is the steady state every later micro-step repeats (where the gather stream's
+pool is wanted, `pool_rounds` steps in all). The result is the
 largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
 backward starts (where the loss and logits live). Persistent parameters are left out: they are
 resident, counted with the model states (`harness.predict.states`).
