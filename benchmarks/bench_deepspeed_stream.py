@@ -15,10 +15,12 @@ run, what a stream built for DeepSpeed would have to reproduce:
    and its free k actions later (k = 1, 2, 3, 5, 10), beside the allocated peak, which moves only when
    the shift lengthens a lifetime across it.
 3. **ZeRO-3's gathers.** The allocations and frees of DeepSpeed's coordinator replayed over the case's
-   step (`harness.predict.zero3.replay(spec, stream=[])`) beside the recorded gather allocations
-   (`partition_parameters.py`) of the timeline's second-to-last forward and backward (a step after
-   the one in which DeepSpeed records the module order): how many, how
-   many bytes, and the largest sizes.
+   step (`harness.predict.zero3.replay(spec, stream=[])`) beside the recorded allocations on the gather
+   stream (`partition_parameters.py`'s buffers and host copies, and the parameters `torch.cat` copies
+   out of coalesced buffers) of the timeline's second-to-last forward and backward (a step after the
+   one in which DeepSpeed records the module order): how many, how many bytes, and the largest sizes;
+   then the gather stream's reserved peak, recorded and replayed through the allocator model
+   (`harness.predict.zero3.gather_pool`).
 4. **Where the reserve grows.** For each phase of the timeline in which the reserve grew: reserved
    before and after, and the new segments by the call site of the allocation that asked for each; then
    the reserved peak's action, its phase and the allocation it was made for, with allocated memory
@@ -100,32 +102,79 @@ def _shifted(timeline, flags: list[bool], k: int):
     return _reordered(timeline, keys)
 
 
+def _gather_stream(timeline) -> int | None:
+    """The stream DeepSpeed's coordinator gathers on: that of the first gather allocation of a forward
+    (zero.Init's allocations at the load come from the same file, on the model's stream)."""
+    from harness.measure.timeline import ALLOC, PHASES
+
+    forward = PHASES.index("forward")
+    return next((timeline.stream[i] for i, a in enumerate(timeline.action)
+                 if a == ALLOC and timeline.phase[i] == forward and GATHER_SITE in _site(timeline, i)), None)
+
+
 def _gathers(timeline) -> Counter | None:
-    """Sizes of the recorded gather allocations over the second-to-last forward and backward; None where
-    the timeline holds no complete forward and backward (the run ran out of memory in its first step)."""
+    """Sizes of the recorded allocations on the gather stream (the buffers, the parameters copied out of
+    them, the host partitions' copies) over the second-to-last forward and backward; None where the
+    timeline holds no complete forward and backward (the run ran out of memory in its first step)."""
     from harness.measure.timeline import ALLOC
 
     spans = [s for s in timeline.phase_spans() if s[0] in ("forward", "backward")]
     pairs = [(a, b) for a, b in itertools.pairwise(spans) if (a[0], b[0]) == ("forward", "backward")]
-    if not pairs:
+    stream = _gather_stream(timeline)
+    if not pairs or stream is None:
         return None
     forward, backward = pairs[-2] if len(pairs) > 1 else pairs[-1]
     return Counter(timeline.size[i] for i in range(forward[1], backward[2])
-                   if timeline.action[i] == ALLOC and GATHER_SITE in _site(timeline, i))
+                   if timeline.action[i] == ALLOC and timeline.stream[i] == stream)
 
 
-def _replayed_gathers(timeline) -> Counter | None:
+def _gather_pools(timeline) -> tuple[int, int] | None:
+    """The gather stream's reserved peak, recorded and replayed (harness.predict.zero3.gather_pool over
+    POOL_ROUNDS steps)."""
+    import dataclasses
+
+    from harness.measure.timeline import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
     from harness.models.source import load_model
     from harness.predict import zero3
+
+    case = _zero3_case(timeline)
+    stream = _gather_stream(timeline)
+    if case is None or stream is None:
+        return None
+    current = recorded = 0
+    for act, size, s in zip(timeline.action, timeline.size, timeline.stream, strict=True):
+        if s == stream and act in (SEGMENT_ALLOC, SEGMENT_MAP):
+            current += size
+        elif s == stream and act in (SEGMENT_FREE, SEGMENT_UNMAP):
+            current -= size
+        recorded = max(recorded, current)
+    arch = load_model(case.model)
+    spec = dataclasses.replace(zero3.spec_for(case, arch, case.layers or arch.layers), pool_rounds=zero3.POOL_ROUNDS)
+    return recorded, zero3.replay(spec).pool_bytes
+
+
+def _zero3_case(timeline):
+    """The ZeRO-3 case a timeline recorded, as measured (its variant applied); None for any other."""
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
-    found = sorted((ROOT / "cases").glob(f"{timeline.case_id}.yaml"))
+    found = [p for folder in (ROOT / "cases", ROOT / "benchmarks/architectures/cases")
+             for p in sorted(folder.glob(f"{timeline.case_id}.yaml"))]
     if not found:
         return None
     case = load_case(found[0])
     case = parse_variant(timeline.variant).apply(case) if timeline.variant else case
     if case.deepspeed is None or case.deepspeed.stage != 3:
+        return None
+    return case
+
+
+def _replayed_gathers(timeline) -> Counter | None:
+    from harness.models.source import load_model
+    from harness.predict import zero3
+
+    case = _zero3_case(timeline)
+    if case is None:
         return None
     arch = load_model(case.model)
     events: list = []
@@ -262,6 +311,12 @@ def main(argv: list[str]) -> int:
               f"{_sizes(recorded)}\n  replayed: {sum(replayed.values())} allocations, "
               f"{sum(s * c for s, c in replayed.items()) / GiB:.3f} GiB, {len(replayed)} sizes; largest "
               f"{_sizes(replayed)}")
+        pools = _gather_pools(timeline)
+        if pools is not None:
+            from harness.predict.zero3 import POOL_ROUNDS
+
+            print(f"  the gather stream's pool: recorded {pools[0] / GiB:.3f} GiB, replayed over {POOL_ROUNDS} "
+                  f"steps {pools[1] / GiB:.3f} GiB ({100 * (pools[1] / pools[0] - 1):+.1f}%)")
 
     print("\n4. Where the reserve grows: the phases that added 64 MiB or more, their new segments by the call "
           "site that asked for them, and the reserved peak")

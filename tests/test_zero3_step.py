@@ -146,3 +146,19 @@ def test_lora_adapters_add_a_small_pool_and_no_offload_none():
     assert predict(mistral).terms["zero3_reduce_stream_pool"] < 32 * MiB
     gemma = parse_variant("2ga").apply(load_case(ARCH_CASES_DIR / f"{GEMMA2}.yaml"))
     assert "zero3_reduce_stream_pool" not in predict(gemma).terms
+
+
+def test_a_full_fine_tune_on_the_device_takes_the_gather_streams_pool_from_the_replay():
+    """Phi-3-mini's full fine-tune (parameters on the device): the model's pool at the ratio beside the gather
+    stream's replayed pool, no fitted cached gathers; Mistral-7B's LoRA run with parameter offload keeps them."""
+    from harness.spec.variants import parse_variant
+
+    def measured(name: str):
+        return predict(parse_variant("2ga").apply(load_case(ARCH_CASES_DIR / f"{name}.yaml")))
+
+    phi3 = measured("phi3-mini-full-z3-offload-mb2-s2048-gc")
+    assert "zero3_cached_gather_blocks" not in phi3.terms
+    assert round(phi3.terms["zero3_gather_stream_pool"] / GiB, 2) == 2.36
+    assert any("gather stream's pool" in n for n in phi3.notes)
+    mistral = measured("mistral-7b-lora-z3-offload-mb2-s1024-gc")
+    assert "zero3_gather_stream_pool" not in mistral.terms and mistral.terms["zero3_cached_gather_blocks"] > 0

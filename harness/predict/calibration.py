@@ -17,7 +17,9 @@ needs no prediction and costs milliseconds):
   largest parameter, `reduce_pool_bytes`: 3.95 GiB of guide 002's 20.4 GiB, which leaves it 1.6-1.9
   units beside guide 000's 1.7-2.6; a LoRA run's is a few MiB and is left in). The optimizer step's
   fp32 gradient segment without offload is not subtracted: none of the bundled guides' ZeRO-3 runs
-  adds it (their sub-groups are LoRA adapters, or the optimizer is offloaded).
+  adds it (their sub-groups are LoRA adapters, or the optimizer is offloaded). A full fine-tune with its
+  parameters on the device does not use it: its gather stream's pool is replayed
+  (harness.predict.zero3.gather_pool).
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
   OOM outcomes included (the overhead does not depend on where the run stopped), runs on a cold

@@ -31,7 +31,10 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.calibration`, fitted on
    results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
-   lacks DeepSpeed's buckets and offload buffers; under ZeRO-3 without optimizer offload, at least the
+   lacks DeepSpeed's buckets and offload buffers; a ZeRO-3 full fine-tune with its parameters on the
+   device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
+   all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
+   zero3_cached_gathers; under ZeRO-3 without optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
    sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
    beside the allocator
@@ -241,6 +244,25 @@ def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) 
     return seg.bytes
 
 
+def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
+    """What DeepSpeed's all-gather stream reserves of its own (`Gathered.pool_bytes`), where the rest of the
+    reserve is checked to be the model's pool at the ratio: a full fine-tune with its parameters on the
+    device, under the allocator's native backend without expandable segments (Phi-3-mini's and Gemma-2-2B's
+    recorded timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; the
+    model's pool 6.75 GiB against 6.20 allocated there, and 30.04 less the optimizer step's fp32 gradient
+    segment against 27.64). None elsewhere (zero3_cached_gathers is used): with parameter offload,
+    zero.Init builds each parameter whole on the device before its partition goes to the host, and the
+    model's pool keeps those segments (guide 000's 32B: 2.19 GiB cached from the load beside 1.05 GiB
+    allocated there at the step's peak); fit's LoRA config for guide 000 (no timeline) reserves 2.8 to 3.2
+    GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked on one run (guide
+    002: 6.96 GiB replayed, 8.05 recorded)."""
+    from harness.predict.zero3 import uses_gather_pool
+
+    if gathered is None or not uses_gather_pool(case) or conf.backend != "native" or conf.expandable_segments:
+        return None
+    return gathered.pool_bytes
+
+
 def _alloc_conf(case: Case):
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
     read is bad input."""
@@ -343,7 +365,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      f"the boundary's fp64/fp32 gradient casts on the reduction stream (rank {run.rank}: "
                      f"{run.reduction_stream_reserved / GiB:.2f} GiB there), not allocated x "
                      f"reserved_over_allocated ({ratio:.3f})")
-    elif case.deepspeed is not None:
+    elif case.deepspeed is not None and not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf)
+                                             is not None):
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
                      "see DeepSpeed's buckets, gathers and offload buffers")
     elif conf.backend != "native":
@@ -364,12 +387,27 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             reserved = max(sim.peak_reserved, allocated)
             notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak "
                          f"during the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
+    beyond_allocated = 0  # reserved held apart from the model's pool: DeepSpeed's streams, the fp32 gradient
     if case.deepspeed is not None and case.deepspeed.stage == 3:
         from harness.predict.calibration import largest_gather_bytes
 
-        cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
-        reserved += cached
-        terms["zero3_cached_gather_blocks"] = cached
+        gather_pool = _zero3_gather_pool(case, gathered, conf)
+        if gather_pool is not None:
+            # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
+            # the model's own pool: allocated less what is gathered at its peak, times the ratio
+            held_gathered = gathered.backward_start_bytes + (above if allocated == gather_peak else 0)
+            reserved = int((allocated - held_gathered) * ratio) + gather_pool
+            terms["zero3_gather_stream_pool"] = gather_pool
+            beyond_allocated += gather_pool - held_gathered
+            notes.append(f"reserved: the model's pool as (allocated - {held_gathered / GiB:.2f} GiB gathered) x "
+                         f"reserved_over_allocated ({ratio:.3f}), beside DeepSpeed's gather stream's pool, "
+                         f"{gather_pool / GiB:.2f} GiB (the replayed all-gathers through the allocator model), in "
+                         "place of zero3_cached_gathers")
+        else:
+            cached = int(values["zero3_cached_gathers"] * largest_gather_bytes(case))
+            reserved += cached
+            terms["zero3_cached_gather_blocks"] = cached
+            beyond_allocated += cached
         # the optimizer step's fp32 gradient on top of the forward and backward's reserve
         forward_backward = max(backward_peak, retention_peak, gather_peak)
         segment = _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
@@ -377,6 +415,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             extra = max(0, int(forward_backward * ratio) + segment - int(allocated * ratio))
             reserved += extra
             terms["zero3_fp32_grad_segment"] = extra
+            beyond_allocated += extra
             if not extra:
                 notes.append("the optimizer step's fp32 gradient segment is within allocated x "
                              "reserved_over_allocated: the optimizer step is the allocated peak")
@@ -384,6 +423,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         if pool:
             reserved += pool
             terms["zero3_reduce_stream_pool"] = pool
+            beyond_allocated += pool
     beside = device_overhead(case, arch, platform, values)
     notes += beside.notes
     overhead = beside.total
@@ -400,9 +440,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
                      "during the first step (launch.triton_cache: cold predicts that)")
     device = reserved + overhead
-    terms["allocator_fragmentation"] = (reserved - allocated - terms.get("zero3_cached_gather_blocks", 0)
-                                        - terms.get("zero3_fp32_grad_segment", 0)
-                                        - terms.get("zero3_reduce_stream_pool", 0))
+    terms["allocator_fragmentation"] = reserved - allocated - beyond_allocated
 
     # --- host memory of the whole job on this node ---
     ranks = case.launch.ranks * case.launch.procs_per_card

@@ -19,13 +19,23 @@ and whose all-gather only records what it would allocate on the device:
 * a gather of one parameter (`_all_gather_sequential`): a buffer of the parameter rounded up to a
   multiple of the ranks, plus, where the partition lives on the host (parameter offload), its copy
   on the device until the gather is waited on;
-* a gather of several (`_all_gather_coalesced`): one flat buffer of their partitions times the
-  ranks, freed when the last of them is released (each parameter is a view of it).
+* a gather of several (`_all_gather_coalesced`, one `_all_gather_dtype` per communication dtype, and
+  the parameters share one): one flat buffer of their partitions times the ranks, freed once the
+  coordinator has taken every parameter of it, each then copied out of it (`torch.cat` in
+  `AllGatherCoalescedHandle.wait`); with parameter offload, each host partition's copy on the device,
+  freed once `torch.cat(..., out=)` has filled the buffer's own rank's slice.
+
+Every one of these allocations is made on the coordinator's all-gather stream (`__allgather_stream`:
+`all_gather_coalesced` and the handle's `wait` both run under it), so the caching allocator keeps
+their blocks in a pool of that stream's own, apart from the model's. `gather_pool` replays the
+allocations and frees of every replayed step, in order, through the allocator model
+(`harness.predict.allocator`) on one stream: the reserve that pool reaches (`Gathered.pool_bytes`).
 
 Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
-from the second, which is the steady state every later micro-step repeats; it starts, as every step
-after an optimizer step does, with the persistent parameters gathered (the optimizer step gathers
-them again at its end, `_allgather_params_coalesced`). The result is the
+from the second, which is the steady state every later micro-step repeats (where the gather stream's
+pool is wanted, `pool_rounds` steps in all); it starts, as every step after an optimizer step does,
+with the persistent parameters gathered (the optimizer step gathers them again at its end,
+`_allgather_params_coalesced`). The result is the
 largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
 backward starts (where the loss and logits live). Persistent parameters are left out: they are
 resident, counted with the model states (`harness.predict.states`).
@@ -63,6 +73,11 @@ from harness.predict.zero3_order import (
 from harness.spec.files import write_atomic
 
 ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
+# the gather stream's pool: over as many steps as the recorded runs made (two optimizer steps of two
+# micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the second
+POOL_ROUNDS = 4
+# a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
+COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class Zero3Spec:
     offload_param: bool
     checkpointing: str  # none | reentrant | nonreentrant
     input_requires_grad: bool
+    alloc_conf: str = ""  # the case's PYTORCH_CUDA_ALLOC_CONF: the gather stream's pool is replayed under it
+    pool_rounds: int = 0  # steps whose gathers the pool is replayed over (0: no pool, `Gathered.pool_bytes` 0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,7 @@ class Gathered:
     # the decoder layer (0 the first) whose backward (or recomputation in backward) the peak falls in;
     # -1 where it falls in the forward or outside the layers
     peak_backward_layer: int = -1
+    pool_bytes: int = 0  # what the gather stream's pool reserves over the replayed steps (`gather_pool`)
 
     def describe(self, gib: int = 2**30) -> str:
         return (f"ZeRO-3 gathered parameters (DeepSpeed's coordinator replayed over the step): peak "
@@ -143,6 +161,18 @@ class _Ledger:
             self.live -= nbytes
             if self.stream is not None:
                 self.stream.append(StreamEvent("free", token, nbytes, ""))
+
+
+class _Tee(list):
+    """Appends to two lists: every step's events, and the caller's of the steady-state step."""
+
+    def __init__(self, *targets: list):
+        super().__init__()
+        self.targets = targets
+
+    def append(self, item) -> None:
+        for target in self.targets:
+            target.append(item)
 
 
 class _Partition:
@@ -218,7 +248,13 @@ def _param_class(status, ledger: _Ledger):
                 staging = ledger.part(p.ds_numel) * ledger.half if ledger.offload else 0
                 return _Handle(params, ledger, status, staging=staging)
             flat = sum(ledger.part(p.ds_numel) for p in params) * ledger.ranks * ledger.half
-            return _Handle(params, ledger, status, flat=flat)
+            handle = _Handle(params, ledger, status, flat=flat)
+            if ledger.offload:  # _all_gather_dtype's `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each
+                copies = [ledger.alloc(ledger.part(p.ds_numel) * ledger.half, COALESCED_STAGING)
+                          for p in params]  # host partition's copy, freed once the cat has filled the buffer
+                for token in copies:
+                    ledger.free(token)
+            return handle
 
         def partition(self, free_data: bool = True, **_kwargs) -> None:
             ledger.free(self.own)
@@ -365,16 +401,20 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
 
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
+    every: list[StreamEvent] = []  # every step's allocations and frees, for the gather stream's pool
+    ledger.stream = every
     with _single_process(ppc):
-        for round_ in range(ROUNDS):
-            if round_ == ROUNDS - 1:
+        for round_ in range(max(ROUNDS, spec.pool_rounds)):
+            if round_ >= ROUNDS - 1:
                 # every optimizer step ends with DeepSpeed gathering the persistent parameters again
                 # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered
                 for p in params.values():
                     if p.ds_persist:
                         p.ds_status = ZeroParamStatus.AVAILABLE
-                if stream is not None:
-                    ledger.stream = stream
+            if round_ == ROUNDS - 1 and stream is not None:
+                ledger.stream = _Tee(every, stream)
+            elif round_ == ROUNDS:
+                ledger.stream = every
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:
@@ -383,7 +423,30 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
                     backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
-                    peak_elements=int(best["elements"]), events=len(events))
+                    peak_elements=int(best["elements"]), events=len(events),
+                    pool_bytes=gather_pool(every, spec.alloc_conf) if spec.pool_rounds else 0)
+
+
+def gather_pool(events: list[StreamEvent], alloc_conf: str = "") -> int:
+    """The most the all-gather stream's pool reserves over `events` (every replayed step's allocations and
+    frees, in order), replayed through the caching allocator's model under `alloc_conf`. The first step
+    gathers as the module order is recorded, the next ones prefetch along it: blocks freed in one order
+    and asked for in another are what the pool keeps beyond the bytes gathered at once."""
+    from harness.predict.allocator import AllocatorConf, CachingAllocator
+
+    conf = AllocatorConf.parse(alloc_conf, "PYTORCH_CUDA_ALLOC_CONF")
+    if conf.backend != "native":  # CUDA's own pool allocator: not modelled
+        return 0
+    sim = CachingAllocator(conf)
+    live: dict[int, object] = {}
+    peak = 0
+    for e in events:
+        if e.kind == "alloc":
+            live[e.id] = sim.malloc(e.nbytes)
+            peak = max(peak, sim.stats.reserved)
+        else:
+            sim.free(live.pop(e.id))
+    return peak
 
 
 # --- the module layout of a traced model -----------------------------------------------------------
@@ -530,7 +593,20 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         # model (PeftModel._prepare_model_for_gradient_checkpointing); DeepSpeed's hooks then fetch the
         # embedding again in backward
         input_requires_grad=gc or case.method.kind == "full",
+        alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
     )
+
+
+def uses_gather_pool(case) -> bool:
+    """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
+    fine-tune with its parameters on the device, the configs whose recorded timelines show the rest of the
+    reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool says why not elsewhere).
+    Elsewhere the extra steps are not replayed: guide 000's 32B at 64 layers and 8 ranks would spend
+    seconds more of a cold `check` on them."""
+    from harness.spec.schema import Offload
+
+    return case.method.kind == "full" and case.deepspeed.offload_param != Offload.cpu
 
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value
