@@ -405,9 +405,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     ledger.stream = every
     with _single_process(ppc):
         for round_ in range(max(ROUNDS, spec.pool_rounds)):
-            if round_ >= ROUNDS - 1:
+            if round_ >= (ROUNDS if spec.pool_rounds else ROUNDS - 1):
                 # every optimizer step ends with DeepSpeed gathering the persistent parameters again
-                # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered
+                # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered;
+                # the recorded gather streams show the first step that prefetches still gathering them with
+                # the others, which is where the pool (replayed over more steps) grows
                 for p in params.values():
                     if p.ds_persist:
                         p.ds_status = ZeroParamStatus.AVAILABLE
