@@ -44,7 +44,7 @@ PREDICTOR_CODE = Path(__file__).resolve().parent
 _NOT_PREDICTOR = {"margin.py", "errors.py", "__init__.py"}
 
 MARGIN_FLOOR = 0.02  # run-to-run noise of a peak (harness.baselines.store.MEMORY_FLOOR)
-MIN_CASES = 5  # a group's margin needs the errors of at least this many cases
+MIN_CASES = 4  # a group's margin needs the errors of at least this many cases
 PRIOR_MARGIN = 0.25  # no error table to read: a cautious margin, larger than any error the benchmark has shown
 
 
