@@ -171,6 +171,46 @@ class _Fake4bitLinear(torch.nn.Linear):
         return _Fake4bitMatmul.apply(x, self.weight, self.bias).to(inp)
 
 
+def _bnb_lora_forward(self, x, *args, **kwargs):
+    """peft's `lora.bnb.Linear4bit.forward` (peft/tuners/lora/bnb.py), which wraps a 4-bit base layer
+    on the device, where the trace's adapters wrap a plain `nn.Linear` and so run
+    `lora.Linear.forward` (peft/tuners/lora/layer.py). The two allocate differently: the 4-bit one
+    clones the base layer's output ("defensively clone", a transient of the output's size) and, without
+    autocast, casts each adapter's output to the output's dtype before adding it, where the plain one
+    adds in the adapter's dtype (fp32 adapters on a bf16 residual: an fp32 sum of the output's shape)
+    and casts the sum. Adapter variants and mixed batches keep peft's own path."""
+    if self.disable_adapters or self.merged or self.lora_variant or kwargs.get("adapter_names") is not None:
+        return super(type(self), self).forward(x, *args, **kwargs)
+    self._check_forward_args(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    result = result.clone()
+    for active_adapter in self.active_adapters:
+        if active_adapter not in self.lora_A.keys():
+            continue
+        lora_A, lora_B = self.lora_A[active_adapter], self.lora_B[active_adapter]
+        dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
+        requires_conversion = not torch.is_autocast_enabled()
+        if requires_conversion:
+            expected_dtype = result.dtype
+            x = self._cast_input_dtype(x, lora_A.weight.dtype)
+        output = lora_B(lora_A(dropout(x))) * scaling
+        if requires_conversion:
+            output = output.to(expected_dtype)
+        result = result + output
+    return result
+
+
+def _as_bnb_lora(model) -> None:
+    """Every LoRA layer around a stood-in 4-bit linear runs peft's 4-bit forward (`_bnb_lora_forward`)."""
+    classes: dict[type, type] = {}
+    for module in model.modules():
+        if isinstance(getattr(module, "base_layer", None), _Fake4bitLinear) and hasattr(module, "lora_A"):
+            cls = type(module)
+            if cls not in classes:
+                classes[cls] = type(f"Fake4bit{cls.__name__}", (cls,), {"forward": _bnb_lora_forward})
+            module.__class__ = classes[cls]
+
+
 @contextlib.contextmanager
 def _cuda_sdpa():
     """`scaled_dot_product_attention` with the memory layout of the CUDA kernel that takes it.
@@ -320,6 +360,8 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
         config = peft.LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=spec.lora_dropout,
                                  target_modules=targets, task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, config)
+        if spec.kind == "qlora":
+            _as_bnb_lora(model)
     if spec.engine_casts:  # the engine casts the module (adapters included) to the half dtype
         half = DTYPES[Precision(spec.dtype)]
         for p in model.parameters():
