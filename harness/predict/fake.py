@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
@@ -209,6 +210,34 @@ def _as_bnb_lora(model) -> None:
             if cls not in classes:
                 classes[cls] = type(f"Fake4bit{cls.__name__}", (cls,), {"forward": _bnb_lora_forward})
             module.__class__ = classes[cls]
+
+
+class _CudaTransients(TorchDispatchMode):
+    """What two CUDA kernels allocate beside their output, which a fake tensor's kernel (its output
+    only) does not show. Both are softmax's, over score matrices, so each is one score matrix large:
+
+    - `_safe_softmax`, which SDPA's math path applies to its scores (`_scaled_dot_product_attention_math`):
+      the softmax, then `masked = self.isneginf()` (a boolean of the scores' shape) and
+      `masked_rows = all(masked, dim, true)`, both kept until it returns, and `where_out` into the
+      softmax's own storage (aten/src/ATen/native/transformers/attention.cpp);
+    - `_softmax_backward_data` (`softmax_backward_cuda_out`, aten/src/ATen/native/cuda/SoftMax.cu): its
+      output, then `Tensor tmp = grad * output`, freed when it returns.
+
+    The recorded run of Llama-3.1-8B QLoRA (fp32 grouped-query attention on the math path, torch 2.11)
+    shows both in every layer: a 128 MiB boolean beside the 512 MiB scores and softmax, and a third
+    512 MiB block in the attention's backward. This mode adds them after the op (below autograd: nothing
+    of them is saved) and frees them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._safe_softmax.default:
+            masked = args[0].isneginf()
+            rows = masked.all(args[1], keepdim=True)
+            del rows, masked
+        elif func is torch.ops.aten._softmax_backward_data.default:
+            tmp = args[0] * args[1]
+            del tmp
+        return out
 
 
 @contextlib.contextmanager
@@ -411,7 +440,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         tracker = AllocationLog()
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
-        with tracker, _layer_tags(model, tracker, layers):
+        with tracker, _CudaTransients(), _layer_tags(model, tracker, layers):
             tracker.start_log()
             ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
             base = tracker.current()
