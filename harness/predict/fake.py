@@ -14,7 +14,6 @@ import sys
 import warnings
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
@@ -212,9 +211,10 @@ def _as_bnb_lora(model) -> None:
             module.__class__ = classes[cls]
 
 
-class _CudaTransients(TorchDispatchMode):
+def _cuda_transients(log: AllocationLog, func, args) -> None:
     """What two CUDA kernels allocate beside their output, which a fake tensor's kernel (its output
-    only) does not show. Both are softmax's, over score matrices, so each is one score matrix large:
+    only) does not show, logged after the op's output and freed. Both are softmax's, over score
+    matrices, so each is one score matrix large:
 
     - `_safe_softmax`, which SDPA's math path applies to its scores (`_scaled_dot_product_attention_math`):
       the softmax, then `masked = self.isneginf()` (a boolean of the scores' shape) and
@@ -225,19 +225,20 @@ class _CudaTransients(TorchDispatchMode):
 
     The recorded run of Llama-3.1-8B QLoRA (fp32 grouped-query attention on the math path, torch 2.11)
     shows both in every layer: a 128 MiB boolean beside the 512 MiB scores and softmax, and a third
-    512 MiB block in the attention's backward. This mode adds them after the op (below autograd: nothing
-    of them is saved) and frees them."""
+    512 MiB block in the attention's backward. They are made below autograd: nothing of them is saved."""
+    if func is torch.ops.aten._safe_softmax.default:
+        masked = args[0].isneginf()
+        log._see(masked)
+        rows = masked.all(args[1], keepdim=True)
+        log._see(rows)
+        del rows, masked
+    elif func is torch.ops.aten._softmax_backward_data.default:
+        tmp = args[0] * args[1]
+        log._see(tmp)
+        del tmp
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._safe_softmax.default:
-            masked = args[0].isneginf()
-            rows = masked.all(args[1], keepdim=True)
-            del rows, masked
-        elif func is torch.ops.aten._softmax_backward_data.default:
-            tmp = args[0] * args[1]
-            del tmp
-        return out
+
+_TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten._softmax_backward_data.default))
 
 
 @contextlib.contextmanager
@@ -440,7 +441,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         tracker = AllocationLog()
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
-        with tracker, _CudaTransients(), _layer_tags(model, tracker, layers):
+        with tracker, _layer_tags(model, tracker, layers):
             tracker.start_log()
             ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
             base = tracker.current()
@@ -483,6 +484,12 @@ class AllocationLog(LiveTensorTracker):
 
     def start_log(self) -> None:
         self._log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _TRANSIENT_OPS:
+            _cuda_transients(self, func, args)
+        return out
 
     def stop_log(self) -> list[list[int]]:
         log, self._log = self._log or [], None
