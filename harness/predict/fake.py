@@ -132,12 +132,14 @@ def _attention_interfaces():
         local.update(saved)
 
 
-def _dequantize(shape, dtype, device):
+def _dequantize(shape, dtype, device, steps: int = 2):
     """bitsandbytes' dequantization of a double-quantized 4-bit weight: the fp32 absmax (one per 64
-    elements) restored in two steps, then the weight in the compute dtype; the absmax copies are
-    freed when the weight is made (`_dequant_linear_fallback`)."""
+    elements) restored in `steps` allocations, then the weight in the compute dtype; the absmax copies
+    are freed when the weight is made. The forward's `_dequant_linear_fallback` makes two
+    (`absmax_dq + absmax_offset` is a new tensor), the backward's `functional.dequantize_4bit` one
+    (`absmax += quant_state.offset`, in place)."""
     blocks = -(-shape[0] * shape[1] // 64)
-    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(2)]
+    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(steps)]
     w = torch.empty(shape, dtype=dtype, device=device)
     del absmax
     return w
@@ -156,7 +158,7 @@ class _Fake4bitMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        w = _dequantize(ctx.shape, grad.dtype, grad.device)
+        w = _dequantize(ctx.shape, grad.dtype, grad.device, steps=1)
         return grad @ w, None, None
 
 
