@@ -15,7 +15,8 @@ Then, for each timeline of a case without DeepSpeed (whose predicted reserved fi
 model's), the stream the predictor builds from the fake-tensor trace (`harness.predict.stream`, the
 case at the timeline's variant) beside the recording: bytes allocated during the load, allocated and
 reserved at its end, and the allocated and reserved peaks after the load (the run's step figures: a
-recorded load may also build the random-weight checkpoint on the card, then empty the cache).
+recorded load may also build the random-weight checkpoint on the card, then empty the cache), the built
+run replayed as the predictor replays it (optimizer steps until the allocator's state repeats).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def built(timelines: list) -> None:
     from harness.models.source import load_model
     from harness.predict.allocator import CachingAllocator
     from harness.predict.errors import SUITES
-    from harness.predict.stream import RunShape, run_stream, simulate
+    from harness.predict.stream import RunShape, run_stream, simulate_run
     from harness.predict.trace import TraceSpec, trace_pair
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
@@ -92,8 +93,9 @@ def built(timelines: list) -> None:
         arch = load_model(case.model)
         spec = TraceSpec.of(case, arch)
         r1, r2 = trace_pair(spec)
-        stream = run_stream(r1, r2, RunShape.of(case, spec, case.layers or arch.layers))
-        sim = simulate(stream)
+        shape = RunShape.of(case, spec, case.layers or arch.layers)
+        stream = run_stream(r1, r2, shape, 1)  # its load
+        sim = simulate_run(r1, r2, shape)  # the run, as the predictor replays it
         curve = timeline.curve()
         _, end = next(s for s in timeline.phase_spans() if s[0] == "load")[1:]
         rec_load = sum(timeline.size[i] for i in range(end) if timeline.action[i] == ALLOC)

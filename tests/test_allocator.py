@@ -159,6 +159,29 @@ def test_empty_cache_releases_unsplit_cached_segments_only():
     assert a.stats.reserved == 20 * MiB
 
 
+def test_the_fingerprint_tells_where_the_next_requests_will_be_served():
+    """Two allocators that served the same requests have the same fingerprint; one whose cached blocks
+    lie elsewhere (the same bytes reserved and allocated) has another."""
+
+    def served(order):
+        a = CachingAllocator()
+        keep, blocks = a.malloc(4 * MiB), [a.malloc(size * MiB) for size in (30, 40)]
+        for i in order:
+            a.free(blocks[i])
+        return a, keep
+
+    (a, _), (b, _) = served([0, 1]), served([1, 0])
+    assert a.fingerprint() == b.fingerprint()  # the same blocks cached, whatever the order of the frees
+    c = CachingAllocator()
+    c.malloc(4 * MiB)
+    for block in [c.malloc(40 * MiB), c.malloc(30 * MiB)]:
+        c.free(block)
+    assert (c.stats.reserved, c.stats.allocated) == (a.stats.reserved, a.stats.allocated)
+    assert c.fingerprint() != a.fingerprint()  # the 30 and 40 MiB segments made in the other order
+    a.malloc(2 * MiB)
+    assert a.fingerprint() != b.fingerprint()
+
+
 def test_the_alloc_conf_is_parsed_and_bad_options_are_named():
     conf = AllocatorConf.parse("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6,"
                                "release_lock_on_cudamalloc:True")

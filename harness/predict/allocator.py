@@ -416,6 +416,20 @@ class CachingAllocator:
             out.append(Segment(head.stream, head.pool.small, head.segment is not None, size, used))
         return out
 
+    def fingerprint(self) -> tuple:
+        """The allocator's state as a value: every block's range, stream, pool and use (allocated, freed
+        with its use on another stream pending, cached with its age for the garbage collector), the
+        unmapped ranges of expandable segments and where the next segment goes. Two allocators whose
+        fingerprints are equal serve the same requests from the same blocks."""
+        small, large = self.small, self.large
+        used = sorted((b.addr, b.size, b.stream, b.pool.small, b.pending, b.prev is None, b.next is None)
+                      for b in (*self.live, *self.pending))
+        cached = sorted((b.addr, b.size, b.stream, pool.small, pool.gc_calls - b.gc_base, b.prev is None,
+                         b.next is None) for pool in (small, large) for b in pool.ordered())
+        unmapped = sorted((b.addr, b.size, b.stream) for pool in (small, large)
+                          for blocks in pool.unmapped.values() for _, b in blocks)
+        return self._next_addr, self.stats.reserved, tuple(used), tuple(cached), tuple(unmapped)
+
     # --- torch's private methods, by the same names ---
 
     def _get_free_block(self, pool: _Pool, stream: int, size: int) -> Block | None:

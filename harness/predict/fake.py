@@ -132,12 +132,14 @@ def _attention_interfaces():
         local.update(saved)
 
 
-def _dequantize(shape, dtype, device):
+def _dequantize(shape, dtype, device, steps: int = 2):
     """bitsandbytes' dequantization of a double-quantized 4-bit weight: the fp32 absmax (one per 64
-    elements) restored in two steps, then the weight in the compute dtype; the absmax copies are
-    freed when the weight is made (`_dequant_linear_fallback`)."""
+    elements) restored in `steps` allocations, then the weight in the compute dtype; the absmax copies
+    are freed when the weight is made. The forward's `_dequant_linear_fallback` makes two
+    (`absmax_dq + absmax_offset` is a new tensor), the backward's `functional.dequantize_4bit` one
+    (`absmax += quant_state.offset`, in place)."""
     blocks = -(-shape[0] * shape[1] // 64)
-    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(2)]
+    absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(steps)]
     w = torch.empty(shape, dtype=dtype, device=device)
     del absmax
     return w
@@ -156,7 +158,7 @@ class _Fake4bitMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        w = _dequantize(ctx.shape, grad.dtype, grad.device)
+        w = _dequantize(ctx.shape, grad.dtype, grad.device, steps=1)
         return grad @ w, None, None
 
 
@@ -169,6 +171,76 @@ class _Fake4bitLinear(torch.nn.Linear):
         inp = x.dtype
         x = x.to(self.compute_dtype)
         return _Fake4bitMatmul.apply(x, self.weight, self.bias).to(inp)
+
+
+def _bnb_lora_forward(self, x, *args, **kwargs):
+    """peft's `lora.bnb.Linear4bit.forward` (peft/tuners/lora/bnb.py), which wraps a 4-bit base layer
+    on the device, where the trace's adapters wrap a plain `nn.Linear` and so run
+    `lora.Linear.forward` (peft/tuners/lora/layer.py). The two allocate differently: the 4-bit one
+    clones the base layer's output ("defensively clone", a transient of the output's size) and, without
+    autocast, casts each adapter's output to the output's dtype before adding it, where the plain one
+    adds in the adapter's dtype (fp32 adapters on a bf16 residual: an fp32 sum of the output's shape)
+    and casts the sum. Adapter variants and mixed batches keep peft's own path."""
+    if self.disable_adapters or self.merged or self.lora_variant or kwargs.get("adapter_names") is not None:
+        return super(type(self), self).forward(x, *args, **kwargs)
+    self._check_forward_args(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    result = result.clone()
+    for active_adapter in self.active_adapters:
+        if active_adapter not in self.lora_A.keys():
+            continue
+        lora_A, lora_B = self.lora_A[active_adapter], self.lora_B[active_adapter]
+        dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
+        requires_conversion = not torch.is_autocast_enabled()
+        if requires_conversion:
+            expected_dtype = result.dtype
+            x = self._cast_input_dtype(x, lora_A.weight.dtype)
+        output = lora_B(lora_A(dropout(x))) * scaling
+        if requires_conversion:
+            output = output.to(expected_dtype)
+        result = result + output
+    return result
+
+
+def _as_bnb_lora(model) -> None:
+    """Every LoRA layer around a stood-in 4-bit linear runs peft's 4-bit forward (`_bnb_lora_forward`)."""
+    classes: dict[type, type] = {}
+    for module in model.modules():
+        if isinstance(getattr(module, "base_layer", None), _Fake4bitLinear) and hasattr(module, "lora_A"):
+            cls = type(module)
+            if cls not in classes:
+                classes[cls] = type(f"Fake4bit{cls.__name__}", (cls,), {"forward": _bnb_lora_forward})
+            module.__class__ = classes[cls]
+
+
+def _cuda_transients(log: AllocationLog, func, args) -> None:
+    """What two CUDA kernels allocate beside their output, which a fake tensor's kernel (its output
+    only) does not show, logged after the op's output and freed. Both are softmax's, over score
+    matrices, so each is one score matrix large:
+
+    - `_safe_softmax`, which SDPA's math path applies to its scores (`_scaled_dot_product_attention_math`):
+      the softmax, then `masked = self.isneginf()` (a boolean of the scores' shape) and
+      `masked_rows = all(masked, dim, true)`, both kept until it returns, and `where_out` into the
+      softmax's own storage (aten/src/ATen/native/transformers/attention.cpp);
+    - `_softmax_backward_data` (`softmax_backward_cuda_out`, aten/src/ATen/native/cuda/SoftMax.cu): its
+      output, then `Tensor tmp = grad * output`, freed when it returns.
+
+    The recorded run of Llama-3.1-8B QLoRA (fp32 grouped-query attention on the math path, torch 2.11)
+    shows both in every layer: a 128 MiB boolean beside the 512 MiB scores and softmax, and a third
+    512 MiB block in the attention's backward. They are made below autograd: nothing of them is saved."""
+    if func is torch.ops.aten._safe_softmax.default:
+        masked = args[0].isneginf()
+        log._see(masked)
+        rows = masked.all(args[1], keepdim=True)
+        log._see(rows)
+        del rows, masked
+    elif func is torch.ops.aten._softmax_backward_data.default:
+        tmp = args[0] * args[1]
+        log._see(tmp)
+        del tmp
+
+
+_TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten._softmax_backward_data.default))
 
 
 @contextlib.contextmanager
@@ -322,6 +394,8 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
         config = peft.LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=spec.lora_dropout,
                                  target_modules=targets, task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, config)
+        if spec.kind == "qlora":
+            _as_bnb_lora(model)
     if spec.engine_casts:  # the engine casts the module (adapters included) to the half dtype
         half = DTYPES[Precision(spec.dtype)]
         for p in model.parameters():
@@ -434,6 +508,12 @@ class AllocationLog(LiveTensorTracker):
 
     def start_log(self) -> None:
         self._log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _TRANSIENT_OPS:
+            _cuda_transients(self, func, args)
+        return out
 
     def stop_log(self) -> list[list[int]]:
         log, self._log = self._log or [], None

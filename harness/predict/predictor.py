@@ -25,11 +25,11 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    under reentrant checkpointing); the closed form's reentrant retention where nothing was replayed
    (`harness.predict.states.zero3_reentrant_retention`).
 5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
-   the run's allocation stream built from the traces (`harness.predict.stream`: the load, two
-   optimizer steps); a full fine-tune under ZeRO-2 with optimizer offload the same, over a stream with
-   DeepSpeed's buffers in it (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated
-   (`harness.predict.calibration`, fitted on
-   results/baselines at call time, per platform): allocated x reserved_over_allocated
+   the run's allocation stream built from the traces (`harness.predict.stream`: the load, optimizer
+   steps until the allocator's state repeats from one step to the next); a full fine-tune under
+   ZeRO-2 with optimizer offload the same, over a stream with DeepSpeed's buffers in it
+   (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated (`harness.predict.calibration`,
+   fitted on results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
    lacks DeepSpeed's buckets and offload buffers; a ZeRO-3 full fine-tune with its parameters on the
    device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
@@ -385,8 +385,11 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         else:
             terms["reserved_by_ratio"] = reserved
             reserved = max(sim.peak_reserved, allocated)
-            notes.append(f"reserved: the allocator model over the traced load and two optimizer steps (peak "
-                         f"during the {sim.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f})")
+            settled = ("the allocator's state repeating from there on" if sim.settled
+                       else "the allocator's state still changing: a later step may reserve more")
+            notes.append(f"reserved: the allocator model over the traced load and {sim.steps} optimizer steps "
+                         f"({settled}; peak during the {sim.peak_phase}), not allocated x "
+                         f"reserved_over_allocated ({ratio:.3f})")
     beyond_allocated = 0  # reserved held apart from the model's pool: DeepSpeed's streams, the fp32 gradient
     if case.deepspeed is not None and case.deepspeed.stage == 3:
         from harness.predict.calibration import largest_gather_bytes

@@ -25,11 +25,13 @@ its layer's backward). This module builds from them the stream of a run:
    too (a tensor every layer keeps to the end of the forward) is freed in every copy.
 3. **The run** (`run_stream`): load, `min(grad_accum, 2)` micro-steps, the optimizer's first step
    (AdamW's two moments per trainable parameter, a foreach temporary per parameter, then the
-   gradients freed by `zero_grad`), and the same again: the second step reuses what the first cached.
-   The cuBLAS workspaces come at the first forward and backward, gradients under accumulation at
-   each step's first backward.
+   gradients freed by `zero_grad`), and the same again: every later step reuses what the ones before
+   it cached. The cuBLAS workspaces come at the first forward and backward, gradients under
+   accumulation at each step's first backward.
 
-`simulate` replays the run through `CachingAllocator` and gives its peak. Only cases without
+`simulate_run` replays the run through `CachingAllocator` one optimizer step at a time, until the
+allocator's state at a step's end repeats the step before it (from there on every step is served
+the same way), and gives its peak; `simulate` replays a stream given whole. Only cases without
 DeepSpeed are built: DeepSpeed's buckets, gathers and offload buffers are not in the trace.
 """
 
@@ -326,36 +328,52 @@ def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stre
         stream.free(ident)
 
 
-def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape) -> Stream:
-    """Load, then two optimizer steps of `min(grad_accum, 2)` micro-steps each. The cuBLAS workspaces
-    come at the first forward and the first backward. Under gradient accumulation (where the trace
-    ran with gradients allocated) a step's first micro-step keeps each gradient where its backward
-    makes it, as AccumulateGrad keeps the first gradient it is given (a trace that did not name them
-    has them all allocated where the backward begins)."""
-    stream = Stream([], [], [])
-    load_stream(r1, r2, shape, stream)
-    layout = layout_at(r1.layout, r2.layout, shape.layers)
-    named = bool((r1 if shape.layers <= 1 else r2).grads)
-    grads: list[int] = []
+# At most this many optimizer steps are replayed while the allocator's state still changes from one step
+# to the next (a bound on the replay's time, not a figure of any run: see `simulate_run`).
+MAX_STEPS = 8
 
-    def first_backward():
-        stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-        later_backward()
 
-    def later_backward():
-        grads.extend(_gradients(layout, stream) if shape.accumulated_grads and not named else ())
+class _Run:
+    """The run's stream, built one optimizer step at a time: `min(grad_accum, 2)` micro-steps, then the
+    optimizer. The cuBLAS workspaces come at the first forward and the first backward. Under gradient
+    accumulation (where the trace ran with gradients allocated) a step's first micro-step keeps each
+    gradient where its backward makes it, as AccumulateGrad keeps the first gradient it is given (a
+    trace that did not name them has them all allocated where the backward begins)."""
 
-    for step in range(2):
+    def __init__(self, r1: TraceResult, r2: TraceResult, shape: RunShape):
+        self.r1, self.r2, self.shape = r1, r2, shape
+        self.stream = Stream([], [], [])
+        load_stream(r1, r2, shape, self.stream)
+        self.layout = layout_at(r1.layout, r2.layout, shape.layers)
+        self.named = bool((r1 if shape.layers <= 1 else r2).grads)
+        self.steps = 0
+
+    def step(self) -> None:
+        stream, shape, first = self.stream, self.shape, self.steps == 0
+        grads: list[int] = []
+
+        def on_backward():
+            if first:
+                stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+            grads.extend(_gradients(self.layout, stream) if shape.accumulated_grads and not self.named else ())
+
         left: list[int] = []
         for micro in range(min(shape.grad_accum, 2)):
             stream.mark("step")
-            if step == micro == 0:
+            if first and micro == 0:
                 stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-            hook = (first_backward if step == 0 else later_backward) if micro == 0 else None
-            left += expand(r1, r2, shape.layers, stream, hook, keep_grads=micro == 0 and shape.accumulated_grads)
-        _optimizer_step(layout, grads + left, step == 0, stream)
-        grads.clear()
-    return stream
+            left += expand(self.r1, self.r2, shape.layers, stream, on_backward if micro == 0 else None,
+                           keep_grads=micro == 0 and shape.accumulated_grads)
+        _optimizer_step(self.layout, grads + left, first, stream)
+        self.steps += 1
+
+
+def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, steps: int = 2) -> Stream:
+    """Load, then `steps` optimizer steps (`_Run`)."""
+    run = _Run(r1, r2, shape)
+    for _ in range(steps):
+        run.step()
+    return run.stream
 
 
 @dataclass(frozen=True)
@@ -366,22 +384,65 @@ class Simulated:
     peak_allocated: int
     peak_phase: str  # the phase in which reserved memory peaked
     actions: int
+    steps: int = 0  # optimizer steps replayed (`simulate_run`; 0: a stream given whole)
+    settled: bool = True  # the allocator's state repeated from one step's end to the next's
+
+
+class _Replay:
+    """A stream fed through `CachingAllocator` as it grows; the reserved peak and where it came."""
+
+    def __init__(self, stream: Stream, conf: AllocatorConf | None):
+        self.stream, self.sim = stream, CachingAllocator(conf)
+        self.blocks: dict[int, object] = {}
+        self.done, self.peak, self.peak_at = 0, -1, 0
+
+    def advance(self) -> None:
+        stats, blocks, sizes = self.sim.stats, self.blocks, self.stream.sizes
+        malloc, free = self.sim.malloc, self.sim.free
+        peak, peak_at = self.peak, self.peak_at
+        ops = self.stream.ops
+        for i in range(self.done, len(ops)):
+            op = ops[i]
+            if op >= 0:
+                blocks[op] = malloc(sizes[op])
+                if stats.reserved > peak:
+                    peak, peak_at = stats.reserved, i
+            else:
+                block = blocks.pop(-op - 1, None)
+                if block is not None:
+                    free(block)
+        self.done, self.peak, self.peak_at = len(ops), peak, peak_at
+
+    def result(self, steps: int = 0, settled: bool = True) -> Simulated:
+        phase = next((name for name, start in reversed(self.stream.phases) if start <= self.peak_at), "load")
+        return Simulated(max(self.peak, 0), self.sim.stats.peak_allocated, phase, len(self.stream.ops), steps,
+                         settled)
 
 
 def simulate(stream: Stream, conf: AllocatorConf | None = None) -> Simulated:
-    sim = CachingAllocator(conf)
-    blocks: dict[int, object] = {}
-    stats = sim.stats
-    peak, peak_at = -1, 0
-    malloc, free = sim.malloc, sim.free
-    for i, op in enumerate(stream.ops):
-        if op >= 0:
-            blocks[op] = malloc(stream.sizes[op])
-            if stats.reserved > peak:
-                peak, peak_at = stats.reserved, i
-        else:
-            block = blocks.pop(-op - 1, None)
-            if block is not None:
-                free(block)
-    phase = next((name for name, start in reversed(stream.phases) if start <= peak_at), "load")
-    return Simulated(max(peak, 0), stats.peak_allocated, phase, len(stream.ops))
+    replay = _Replay(stream, conf)
+    replay.advance()
+    return replay.result()
+
+
+def simulate_run(r1: TraceResult, r2: TraceResult, shape: RunShape, conf: AllocatorConf | None = None,
+                 max_steps: int = MAX_STEPS) -> Simulated:
+    """The allocator model over the run, one optimizer step after another until the allocator's state at
+    a step's end is the one the step before it ended in. From the second step on every step's stream is
+    the same, so from that point each step serves its requests from the same blocks as the one before,
+    and no later step reserves more: the peak has been reached. Until then a step can still find no
+    fitting free block where the one before it found one (the blocks it frees last are not where they
+    were), and the reserve grows: Mistral-7B's QLoRA as LLaMA-Factory runs it grows by a 512 MiB segment
+    in its third step, and repeats from there. At least two steps are replayed; at most `max_steps`
+    (then `settled` is False)."""
+    run = _Run(r1, r2, shape)
+    replay = _Replay(run.stream, conf)
+    before = None
+    while run.steps < max_steps:
+        run.step()
+        replay.advance()
+        state = replay.sim.fingerprint()
+        if run.steps >= 2 and state == before:
+            return replay.result(run.steps, True)
+        before = state
+    return replay.result(run.steps, False)

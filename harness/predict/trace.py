@@ -180,10 +180,10 @@ def simulated_run(spec: TraceSpec, shape):
     from the traces of `spec`: cached in-process and on disk beside the traces (keyed by both, and by
     the code of the stream and the allocator model), so a warm prediction replays nothing."""
     from harness.predict.allocator import AllocatorConf
-    from harness.predict.stream import Simulated, run_stream, simulate
+    from harness.predict.stream import Simulated, simulate_run
 
     def make():
         conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
-        return simulate(run_stream(*trace_pair(spec), shape), conf)
+        return simulate_run(*trace_pair(spec), shape, conf)
 
     return cached_on_disk("sim", spec, shape, ("stream.py", "allocator.py"), make, lambda d: Simulated(**d))
