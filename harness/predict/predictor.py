@@ -263,6 +263,25 @@ def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
     return gathered.pool_bytes
 
 
+def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, conf, notes: list[str]):
+    """ZeRO-3 with `overlap_comm: false` (harness.predict.zero3_stream.applies), under the native allocator
+    without expandable segments: the allocator model's figures over the one-pool stream; None elsewhere.
+    The optimizer is on the host and its reduce path runs on the default stream too (MiBs for LoRA): no
+    gather stream, reduce stream or fp32 gradient segment is added beside it."""
+    from harness.predict import zero3_stream
+
+    if not zero3_stream.applies(case) or conf.backend != "native" or conf.expandable_segments:
+        return None
+    try:
+        return zero3_stream.simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers))
+    except ImportError as exc:
+        notes.append(f"reserved: the ratio; DeepSpeed's coordinator could not be imported for the one-pool stream "
+                     f"({exc})")
+    except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
+        notes.append(f"reserved: the ratio; the one-pool stream could not be built ({exc})")
+    return None
+
+
 def _alloc_conf(case: Case):
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
     read is bad input."""
@@ -354,6 +373,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     conf = _alloc_conf(case)
     from harness.predict import zero2_stream
 
+    one_pool = None
     if zero2_stream.applies(case) and conf.backend == "native":
         # ZeRO-2 with optimizer offload: the allocator model over the run's stream with DeepSpeed's
         # buffers in it (harness.predict.zero2_stream)
@@ -365,6 +385,15 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      f"the boundary's fp64/fp32 gradient casts on the reduction stream (rank {run.rank}: "
                      f"{run.reduction_stream_reserved / GiB:.2f} GiB there), not allocated x "
                      f"reserved_over_allocated ({ratio:.3f})")
+    elif one_pool := _zero3_one_pool(case, arch, layers, trace_spec, conf, notes):
+        # ZeRO-3 gathering on the current stream: the allocator model over the model's allocations and
+        # DeepSpeed's gathers in one pool (harness.predict.zero3_stream)
+        terms["reserved_by_ratio"] = reserved
+        reserved = max(one_pool.peak_reserved, allocated)
+        notes.append(f"reserved: the allocator model over zero.Init's load, the engine's buffers and four micro-steps "
+                     f"with DeepSpeed's gathers in the model's pool (overlap_comm false; peak during the "
+                     f"{one_pool.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f}) and "
+                     "zero3_cached_gathers")
     elif case.deepspeed is not None and not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf)
                                              is not None):
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
@@ -391,7 +420,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                          f"({settled}; peak during the {sim.peak_phase}), not allocated x "
                          f"reserved_over_allocated ({ratio:.3f})")
     beyond_allocated = 0  # reserved held apart from the model's pool: DeepSpeed's streams, the fp32 gradient
-    if case.deepspeed is not None and case.deepspeed.stage == 3:
+    if case.deepspeed is not None and case.deepspeed.stage == 3 and not one_pool:
         from harness.predict.calibration import largest_gather_bytes
 
         gather_pool = _zero3_gather_pool(case, gathered, conf)

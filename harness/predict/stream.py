@@ -120,16 +120,20 @@ def _counterparts(chunks) -> dict[int, int]:
 
 
 def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None,
-           keep_grads: bool = False) -> list[int]:
+           keep_grads: bool = False, between=None) -> list[int]:
     """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
     `on_backward()` is called where the backward begins (to allocate what the real step allocates
     there and the trace had before it: the autograd thread's cuBLAS workspace). `keep_grads`: the
     parameters have no gradient yet, so each keeps the one its AccumulateGrad is given (the trace,
-    run with gradients there, added and freed it), where the backward makes it."""
+    run with gradients there, added and freed it), where the backward makes it. `between(phase, layer, i,
+    n)` is called before event i of each layer's chunk of n events and after its last (i == n): layer the
+    decoder layer at full depth (0 the first), or LAYER_PRE / LAYER_POST; what another source allocates
+    in that chunk goes into the stream there."""
     if layers <= 1:
         chunks = _chunks(r1.events)
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
-        return _emit(plan, {}, {}, 1, stream, on_backward, kept=frozenset(r1.grads) if keep_grads else frozenset())
+        return _emit(plan, {}, {}, 1, stream, on_backward, kept=frozenset(r1.grads) if keep_grads else frozenset(),
+                     between=between)
     chunks = _chunks(r2.events)
     if not any(layer == 1 for _, layer, _ in chunks):
         raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
@@ -148,7 +152,8 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
             plan.append((ph, layer, evs, 0))
     counterpart = _counterparts(chunks)
     return _emit(plan, where, counterpart, layers, stream, on_backward, _handed_down(chunks, where),
-                 _kept_by_every_layer(chunks, counterpart), frozenset(r2.grads) if keep_grads else frozenset())
+                 _kept_by_every_layer(chunks, counterpart), frozenset(r2.grads) if keep_grads else frozenset(),
+                 between)
 
 
 def _kept_by_every_layer(chunks, counterpart: dict[int, int]) -> set[int]:
@@ -176,7 +181,7 @@ def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
 
 
 def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None,
-          every_copy=frozenset(), kept=frozenset()) -> list[int]:
+          every_copy=frozenset(), kept=frozenset(), between=None) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
 
@@ -191,7 +196,10 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             on_backward()
             on_backward = None
         down = list((handed or {}).get(phase, ())) if layer == 1 and k + 1 < layers else []
+        at = k if layer in (0, 1) else layer  # the decoder layer this chunk stands for at full depth
         for index, (op, tid, size, _, _) in enumerate(evs):
+            if between is not None:
+                between(phase, at, index, len(evs))
             while down and down[0][0] <= index:  # the block the copy above handed down to this one
                 release((k + 1, down.pop(0)[1]))
             if op == 1:
@@ -219,6 +227,8 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             release(target)
         for _, tid in down:
             release((k + 1, tid))
+        if between is not None:
+            between(phase, at, len(evs), len(evs))
     return sorted(live)
 
 

@@ -110,6 +110,16 @@ class StreamEvent:
     what: str  # for an allocation: which buffer of DeepSpeed's gather paths
 
 
+@dataclass(frozen=True)
+class HookEvent:
+    """One hook event of a replayed step (`replay(..., every_step=[])`)."""
+
+    event: str  # EVENT_NAMES: fwd_pre, fwd_post, bwd_pre, bwd_post
+    module: str
+    layer: int | None  # the decoder layer of the module; None outside the layers
+    backward: bool  # in the backward pass (a recomputed forward's events included)
+
+
 @dataclass
 class Gathered:
     peak_bytes: int  # most bytes of non-persistent parameters gathered at once (buffers + device staging)
@@ -339,10 +349,13 @@ def _deepspeed():
     return ppc, ZeroParamStatus
 
 
-def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = None) -> Gathered:
+def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = None,
+           every_step: list | None = None) -> Gathered:
     """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
     of the steady-state step. `stream`: a list to append the steady-state step's allocations and frees
-    to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events."""
+    to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events.
+    `every_step`: a list to append every replayed step's hook events (`HookEvent`) and allocations and
+    frees to, interleaved, each step opened by its index (an int)."""
     ppc, ZeroParamStatus = _deepspeed()
     layout = ModelLayout.from_dict(json.loads(spec.layout_json))
     step = build_step(layout, spec.layers)
@@ -374,6 +387,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     backward_best = [0]
 
     def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
+        if every_step is not None:
+            every_step.append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
         if round_ != ROUNDS - 1:
             return
         if record is not None:
@@ -417,6 +432,10 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 ledger.stream = _Tee(every, stream)
             elif round_ == ROUNDS:
                 ledger.stream = every
+            if every_step is not None:
+                every_step.append(round_)
+                ledger.stream = _Tee(every, every_step, *(
+                    [stream] if round_ == ROUNDS - 1 and stream is not None else []))
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:

@@ -1,0 +1,277 @@
+"""ZeRO-3 with `overlap_comm: false`: the model's allocations and DeepSpeed's gathers in one pool.
+
+With `overlap_comm` on, DeepSpeed 0.19.8's coordinator gathers on an all-gather stream of its own, whose
+pool the caching allocator keeps apart from the model's (`harness.predict.zero3.gather_pool`). With it
+off (`PartitionedParameterCoordinator` gets no stream: `partitioned_param_coordinator.py`,
+`stage3.py`) every gather is made on the current stream, and its buffers take and split the blocks the
+model's activations freed. The recorded rank-0 timeline of fit's LoRA config for guide 000 (32B, 2
+ranks, 4 layers, `results/fitted/timelines/`) shows what that costs: its reserve, 29.77 GiB, is 23.61
+for the model's allocations alone and 27.73 with the gathers on a stream of their own. In the first
+micro-step that prefetches, the prefetched gather buffers occupy the segments the MLP's intermediates
+had made (864 MiB), the intermediates split the segment the previous micro-step's bf16 logits freed
+(2376 MiB), the logits split one of the fp32 logits' segments (4752 MiB), and the logits' gradient
+takes a new one: 4.64 GiB more, in that micro-step's backward.
+
+`build` makes that one-pool stream for a LoRA case with its parameters on the device and the optimizer
+offloaded (`applies`), whose engine keeps little else on the device:
+
+1. **The load** under `zero.Init` (the recorded `partition_parameters.py` allocations): each frozen
+   parameter, in module definition order, built whole in the half dtype, its partition (one rank's
+   share) kept and the whole freed; peft's adapters moved in the half dtype and cast to fp32.
+2. **The engine**: each adapter made a ZeRO parameter (its partition kept, a persistent one's whole
+   storage in the flat buffer below), `empty_cache()`, `defragment()`'s flat buffer of the persistent
+   parameters, and the IPG bucket (`_setup_for_real_optimizer`: `reduce_bucket_size` elements in the
+   half dtype, with contiguous gradients). The optimizer's fp32 partitions and gradients are on the host.
+3. **Four micro-steps** (two optimizer steps of two, as the recorded runs made): the traced step at full
+   depth (`harness.predict.stream.expand`), with the coordinator's allocations and frees of the same
+   step (`harness.predict.zero3.replay(..., every_step=[])`: the first step records the module order,
+   the next prefetch along it, the third on start with the persistent parameters gathered) put into the
+   chunk of the decoder layer and pass whose module hooks made them. The forward's cuBLAS workspace
+   comes with the first matmul, in the first layer (the recording has it in the block the embedding's
+   gather had freed), the autograd thread's where the backward begins.
+
+The trace tags its allocations by decoder layer and pass, not by module, so where inside a layer's
+chunk each module's hooks fire is not known: `build` spreads a chunk's hook events evenly over its
+allocations and frees (each hook's gathers before the allocations that follow it). The reserved figure
+depends on that placement (`benchmarks/bench_zero3_one_pool.py`): on the recorded 4-layer run the
+model's pool alone is built to 2 MiB (23.611 against 23.609 GiB, every phase within 10 MiB), and with
+the gathers in it the built peak is 30.61 GiB spread evenly, 29.77 with each chunk's hook events at
+its start and 28.31 at its end (recorded 29.77).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+from harness.predict.allocator import AllocatorConf, CachingAllocator
+from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
+from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
+from harness.spec.schema import Case, Offload
+
+EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
+MICRO_STEPS = 4  # two optimizer steps of two micro-steps, as the recorded runs made
+FP32_BYTES = 4
+PLACEMENTS = ("spread", "start", "end", "none")  # of a layer chunk's hook events; none: no gathers
+
+
+@dataclass(frozen=True)
+class OnePoolShape:
+    """What of a case shapes its one-pool stream beside the traces."""
+
+    zero3_spec: str  # harness.predict.zero3.Zero3Spec as sorted JSON (the module layout, the settings)
+    ranks: int
+    half_bytes: int
+    ipg_bucket: int  # elements of the IPG bucket; 0 without contiguous gradients
+    micro_steps: int
+    alloc_conf: str = ""
+    placement: str = "spread"
+
+    @classmethod
+    def of(cls, case: Case, arch, layers: int, placement: str = "spread") -> OnePoolShape:
+        from harness.predict.zero3 import spec_for
+        from harness.spec.dsconfig import auto_sizes
+
+        ds = case.deepspeed
+        spec = dataclasses.replace(spec_for(case, arch, layers), pool_rounds=MICRO_STEPS)
+        bucket = ds.reduce_bucket_size or auto_sizes(int(arch.config["hidden_size"]))["reduce_bucket_size"]
+        return cls(zero3_spec=json.dumps(dataclasses.asdict(spec), sort_keys=True), ranks=case.launch.ranks,
+                   half_bytes=spec.half_bytes, ipg_bucket=bucket if ds.contiguous_gradients else 0,
+                   micro_steps=MICRO_STEPS, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                   placement=placement)
+
+
+@dataclass(frozen=True)
+class OnePoolRun:
+    peak_reserved: int
+    peak_allocated: int
+    peak_phase: str
+    phase_ends: list[tuple[str, int]]  # reserved at the end of each marked phase
+
+
+def applies(case: Case) -> bool:
+    """ZeRO-3 without `overlap_comm` (the gathers in the model's pool), LoRA on a half-precision model
+    (no quantized load), the parameters on the device and the optimizer on the host: the configs whose
+    device allocations beside the model's are the gathers and two buffers (the recorded timeline shows
+    DeepSpeed's other step allocations, the reduce path's norms and partition copies, to be MiBs)."""
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and not ds.overlap_comm and ds.offload_param != Offload.cpu
+            and ds.offload_optimizer == Offload.cpu and case.method.kind == "lora"
+            and case.method.quantization is None)
+
+
+def _groups(items: list) -> list[tuple[int, int, list[list]]]:
+    """One replayed step's items -> [(pass, layer, pieces)] in order: a piece is what the coordinator
+    allocates and frees at one hook event (its fetch or release, logged before the event), then the
+    event; a module outside the layers is LAYER_PRE or LAYER_POST by which side of them its hook fires."""
+    from harness.predict.zero3 import HookEvent
+
+    out: list[tuple[int, int, list[list]]] = []
+    seen = {False: False, True: False}
+    pending: list = []
+    for item in items:
+        if not isinstance(item, HookEvent):
+            pending.append(item)
+            continue
+        phase = BACKWARD if item.backward else FORWARD
+        if item.layer is not None:
+            seen[item.backward] = True
+            layer = item.layer
+        elif item.backward:
+            layer = LAYER_PRE if seen[True] else LAYER_POST
+        else:
+            layer = LAYER_POST if seen[False] else LAYER_PRE
+        if not out or out[-1][:2] != (phase, layer):
+            out.append((phase, layer, []))
+        out[-1][2].append([*pending, item])
+        pending = []
+    if pending and out:
+        out[-1][2].append(pending)
+    return out
+
+
+def _params(layout, layers: int) -> list[tuple[int, bool]]:
+    """(elements, trainable) of every parameter in module definition order at `layers` layers, a tied
+    head once."""
+    out, seen = [], set()
+    for m in [*layout.before, *(list(layout.layer) * layers), *layout.after]:
+        for p in m.params:
+            if m not in layout.layer and p.key in seen:
+                continue
+            seen.add(p.key)
+            out.append((p.numel, p.trainable))
+    return out
+
+
+def build(r1, r2, shape: OnePoolShape) -> Stream:
+    """The one-pool stream of rank 0."""
+    from harness.predict import zero3
+
+    spec = zero3.Zero3Spec(**json.loads(shape.zero3_spec))
+    every: list = []
+    zero3.replay(spec, every_step=every)
+    steps: list[list] = []
+    for item in every:
+        if isinstance(item, int):
+            steps.append([])
+        else:
+            steps[-1].append(item)
+    half, ranks, layers = shape.half_bytes, shape.ranks, spec.layers
+    params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
+
+    stream = Stream([], [], [])
+    stream.mark("load")
+    for n, trainable in params:  # zero.Init: each frozen parameter built whole, its partition kept
+        if not trainable:
+            whole = stream.alloc(n * half)
+            stream.alloc(-(-n // ranks) * half)
+            stream.free(whole)
+    adapters = []
+    for n, trainable in params:  # peft moves each adapter in the half dtype and casts it to fp32
+        if trainable:
+            moved = stream.alloc(n * half)
+            adapters.append((n, stream.alloc(n * FP32_BYTES)))
+            stream.free(moved)
+    stream.mark("engine")
+    threshold = spec.persistence_threshold
+    for n, ident in adapters:  # made ZeRO parameters: a partition each, a persistent one's in defragment's buffer
+        stream.free(ident)
+        if n > threshold:
+            stream.alloc(-(-n // ranks) * FP32_BYTES)
+    stream.ops.append(EMPTY_CACHE)
+    stream.alloc(sum(n * (FP32_BYTES if t else half) for n, t in params if n <= threshold))  # defragment()
+    if shape.ipg_bucket:
+        stream.alloc(shape.ipg_bucket * half)
+
+    ids: dict[int, int] = {}
+
+    def put(item) -> None:
+        if shape.placement == "none" or not isinstance(item, zero3.StreamEvent):
+            return
+        if item.kind == "alloc":
+            ids[item.id] = stream.alloc(item.nbytes)
+        else:
+            stream.free(ids.pop(item.id))
+
+    for step, items in enumerate(steps[:shape.micro_steps]):
+        queue = _groups(items)
+        active: dict[tuple[int, int], list] = {}
+
+        def between(phase: int, layer: int, i: int, n: int, queue=queue, active=active, step=step) -> None:
+            key = (phase, layer)
+            if phase == BACKWARD and stream.phases[-1][0] != "backward":
+                stream.mark("backward")
+            if i == 0:
+                pieces: list = []
+                if any(g[:2] == key for g in queue):
+                    while queue[0][:2] != key:  # hooks of a pass the trace has no chunk for
+                        for piece in queue.pop(0)[2]:
+                            for item in piece:
+                                put(item)
+                    pieces = queue.pop(0)[2]
+                active[key] = [pieces, 0]
+                if step == 0 and key == (FORWARD, 0):  # the first matmul: the forward thread's cuBLAS handle
+                    stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+            pieces, done = active[key]
+            h = len(pieces)
+            want = (h if i >= n or shape.placement == "start" else 0 if shape.placement == "end"
+                    else min(h, i * h // max(n, 1) + 1))
+            for piece in pieces[done:want]:
+                for item in piece:
+                    put(item)
+            active[key][1] = max(done, want)
+
+        stream.mark("forward")
+        hook = (lambda: stream.alloc(CUBLAS_HANDLE_WORKSPACE)) if step == 0 else None
+        left = expand(r1, r2, layers, stream, hook, between=between)
+        for _, _, pieces in queue:
+            for piece in pieces:
+                for item in piece:
+                    put(item)
+        stream.mark("optimizer")
+        for ident in left:  # the loss and logits the training loop held, dropped after the micro-step
+            stream.free(ident)
+    return stream
+
+
+def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
+    sim = CachingAllocator(conf)
+    blocks: dict[int, object] = {}
+    ends = [*[start for _, start in stream.phases][1:], len(stream.ops)]
+    phase_ends: list[tuple[str, int]] = []
+    peak, peak_at = -1, 0
+    for i, op in enumerate(stream.ops):
+        if op is EMPTY_CACHE:
+            sim.empty_cache()
+        elif op >= 0:
+            blocks[op] = sim.malloc(stream.sizes[op])
+            if sim.stats.reserved > peak:
+                peak, peak_at = sim.stats.reserved, i
+        else:
+            block = blocks.pop(-op - 1, None)
+            if block is not None:
+                sim.free(block)
+        while len(phase_ends) < len(ends) and i == ends[len(phase_ends)] - 1:
+            phase_ends.append((stream.phases[len(phase_ends)][0], sim.stats.reserved))
+    phase = next((name for name, start in reversed(stream.phases) if start <= peak_at), "load")
+    return OnePoolRun(max(peak, 0), sim.stats.peak_allocated, phase, phase_ends)
+
+
+@functools.lru_cache(maxsize=16)
+def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
+    """`simulate(build(...))` over the traces of `spec`, cached in-process and on disk beside the traces
+    (keyed by both and by the code of this module, the replay, the stream and the allocator model)."""
+    from harness.predict.trace import cached_on_disk, trace_pair
+
+    def make() -> OnePoolRun:
+        conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
+        return simulate(build(*trace_pair(spec), shape), conf)
+
+    def load(d: dict) -> OnePoolRun:
+        d["phase_ends"] = [tuple(x) for x in d["phase_ends"]]
+        return OnePoolRun(**d)
+
+    return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "stream.py",
+                                                     "allocator.py"), make, load)
