@@ -14,8 +14,9 @@ GiB = 2**30
 
 
 def test_every_step_interleaves_each_steps_hook_events_with_its_gathers():
-    from harness.predict.zero3 import HookEvent, StreamEvent, replay
     from test_zero3 import _spec  # a sibling test module: pytest puts tests/ on the path
+
+    from harness.predict.zero3 import HookEvent, StreamEvent, replay
 
     every: list = []
     steady: list = []
