@@ -418,10 +418,11 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      f"with DeepSpeed's gathers in the model's pool (overlap_comm false; peak during the "
                      f"{one_pool.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f}) and "
                      "zero3_cached_gathers")
-    elif case.deepspeed is not None and not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf)
-                                             is not None):
-        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
-                     "see DeepSpeed's buckets, gathers and offload buffers")
+    elif case.deepspeed is not None:
+        if not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf) is not None):
+            notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does "
+                         "not see DeepSpeed's buckets, gathers and offload buffers")
+        # else: the model's pool beside the gather stream's, below
     elif conf.backend != "native":
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); backend:{conf.backend} hands "
                      "memory to CUDA's own pool allocator, which the allocator model does not follow")
