@@ -285,13 +285,16 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
 
 
 def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
-    """A ZeRO-3 full fine-tune with `overlap_comm`, its parameters on the device and the optimizer on the host
+    """A ZeRO-3 full fine-tune with `overlap_comm` and its parameters on the device
     (harness.predict.zero3_stream.applies_model_stream): the allocator model over the model's own stream
-    (zero.Init's load, the flat partition buffer, the IPG bucket, the hook registration's gathers and four
-    micro-steps of the traced step, the coordinator's gathers left to their own stream). Phi-3-mini's
-    recorded rank-0 model stream reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end of its load, engine,
-    first forward and first backward, the built one the same to the MiB; the ratio gave it 6.53. None
-    elsewhere, or where the stream cannot be built."""
+    (zero.Init's load, the flat partition buffer, the IPG bucket, the hook registration's gathers, four
+    micro-steps of the traced step and, with the optimizer on the device, its fp32 partitions, gradient
+    partitions and sub-group steps; the coordinator's gathers left to their own stream). Phi-3-mini's
+    recorded rank-0 model stream (optimizer offload) reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end
+    of its load, engine, first forward and first backward, the built one the same to the MiB (the ratio gave
+    6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in the second optimizer step, the
+    built one the same (the ratio and the fp32 gradient segment gave 32.85). None elsewhere, or where the
+    stream cannot be built."""
     from harness.predict import zero3_stream
 
     if not zero3_stream.applies_model_stream(case):
@@ -449,6 +452,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         from harness.predict.calibration import largest_gather_bytes
 
         gather_pool = _zero3_gather_pool(case, gathered, conf)
+        model_stream = None
         if gather_pool is not None:
             # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
             # the model's own pool: allocated less what is gathered at its peak, times the ratio
@@ -458,8 +462,9 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                 # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)
                 terms["reserved_by_ratio"] = reserved
                 model_pool = max(model_stream.peak_reserved, allocated - held_gathered)
-                how = (f"the allocator model over zero.Init's load, the flat partition buffer, the IPG bucket and "
-                       f"four micro-steps ({model_pool / GiB:.2f} GiB, peak during the {model_stream.peak_phase})")
+                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's flat buffers, four "
+                       f"micro-steps and their optimizer steps: {model_pool / GiB:.2f} GiB, peak during the "
+                       f"{model_stream.peak_phase})")
             else:
                 model_pool = int((allocated - held_gathered) * ratio)
                 how = (f"(allocated - {held_gathered / GiB:.2f} GiB gathered) x reserved_over_allocated "
@@ -477,7 +482,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             beyond_allocated += cached
         # the optimizer step's fp32 gradient on top of the forward and backward's reserve
         forward_backward = max(backward_peak, retention_peak, gather_peak)
-        segment = _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
+        segment = 0 if model_stream is not None else _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
         if segment:
             extra = max(0, int(forward_backward * ratio) + segment - int(allocated * ratio))
             reserved += extra
