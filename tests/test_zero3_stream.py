@@ -84,3 +84,49 @@ def test_the_built_pool_against_the_recorded_timeline():
     assert abs(run.peak_reserved / recorded - 1) < 0.03, (run.peak_reserved / GiB, recorded / GiB)
     assert run.peak_phase == "backward"
     assert [name for name, _ in run.phase_ends[:3]] == ["load", "engine", "forward"]
+
+
+@pytest.mark.parametrize(("name", "load"), [
+    ("phi3-mini-full-z3-offload-mb2-s2048-gc", True),  # the optimizer on the host
+    ("gemma2-2b-full-z3-mb2-s1024-gc", False),  # on the device: fp32 partitions, gradient partitions, steps
+])
+def test_the_full_fine_tunes_model_stream_against_its_recorded_stream(name, load):
+    """Full fine-tunes under ZeRO-3 with `overlap_comm` (rank 0 of 2, two optimizer steps of two
+    micro-steps): the model's stream built without the gathers (they are on the coordinator's stream)
+    reserves what the recorded stream 0 reserves at the end of every phase, within 16 MiB, but Gemma-2-2B's
+    load (the run gathers parameters there, below the later reserve); its allocated peak is the recorded
+    one's too."""
+    from harness.baselines.store import load_baselines
+    from harness.measure.timeline import MemoryTimeline
+    from harness.models.source import load_model
+    from harness.predict.allocator import AllocatorConf
+    from harness.predict.errors import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+    from harness.predict.replay import replay
+    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.predict.zero3_stream import OnePoolShape, applies, applies_model_stream, build, simulate
+    from harness.spec.cases import load_case
+
+    baseline = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == name)
+    case = baseline.case_as_measured(load_case(ARCH_CASES_DIR / f"{name}.yaml"))
+    assert applies_model_stream(case) and not applies(case)
+    arch = load_model(case.model)
+    layers = case.layers or arch.layers
+    run = simulate(build(*trace_pair(TraceSpec.of(case, arch)), OnePoolShape.of(case, arch, layers, "none")),
+                   AllocatorConf())
+
+    timeline = MemoryTimeline.load(ROOT / f"results/architectures/timelines/nvidia-h200-x2/{name}@2ga.json.gz")
+    data = timeline.model_dump()
+    keep = [s == 0 for s in data["stream"]]  # the model's stream: the coordinator's and the reduce path's apart
+    for column in ("t_us", "action", "addr", "size", "stream", "site", "phase"):
+        data[column] = [v for v, k in zip(data[column], keep, strict=True) if k]
+    model = MemoryTimeline.model_validate(data)
+    reserved = replay(model, limit=None).reserved
+    recorded = [(phase, reserved[end - 1]) for phase, _, end in model.phase_spans()]
+    assert [p for p, _ in run.phase_ends] == [p for p, _ in recorded]
+    for (phase, built), (_, want) in zip(run.phase_ends, recorded, strict=True):
+        if phase == "load" and not load:
+            assert built < want
+            continue
+        assert abs(built - want) < 16 * 2**20, (phase, built / GiB, want / GiB)
+    assert abs(run.peak_reserved - max(reserved)) < 16 * 2**20
+    assert abs(run.peak_allocated - model.curve().peak("allocated")[1]) < 16 * 2**20

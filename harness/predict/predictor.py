@@ -34,7 +34,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    lacks DeepSpeed's buckets and offload buffers; a ZeRO-3 full fine-tune with its parameters on the
    device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
    all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
-   zero3_cached_gathers; under ZeRO-3 without optimizer offload, at least the
+   zero3_cached_gathers; with the optimizer on the host the model's pool is the allocator model's over
+   its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); under ZeRO-3 without
+   optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
    sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
    beside the allocator
@@ -282,6 +284,31 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
     return None
 
 
+def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
+    """A ZeRO-3 full fine-tune with `overlap_comm` and its parameters on the device
+    (harness.predict.zero3_stream.applies_model_stream): the allocator model over the model's own stream
+    (zero.Init's load, the flat partition buffer, the IPG bucket, the hook registration's gathers, four
+    micro-steps of the traced step and, with the optimizer on the device, its fp32 partitions, gradient
+    partitions and sub-group steps; the coordinator's gathers left to their own stream). Phi-3-mini's
+    recorded rank-0 model stream (optimizer offload) reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end
+    of its load, engine, first forward and first backward, the built one the same to the MiB (the ratio gave
+    6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in the second optimizer step, the
+    built one the same (the ratio and the fp32 gradient segment gave 32.85). None elsewhere, or where the
+    stream cannot be built."""
+    from harness.predict import zero3_stream
+
+    if not zero3_stream.applies_model_stream(case):
+        return None
+    try:
+        return zero3_stream.simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"))
+    except ImportError as exc:
+        notes.append(f"reserved: the model's pool by the ratio; DeepSpeed's coordinator could not be imported for "
+                     f"the model's stream ({exc})")
+    except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
+        notes.append(f"reserved: the model's pool by the ratio; the model's stream could not be built ({exc})")
+    return None
+
+
 def _alloc_conf(case: Case):
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot
     read is bad input."""
@@ -394,10 +421,11 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      f"with DeepSpeed's gathers in the model's pool (overlap_comm false; peak during the "
                      f"{one_pool.peak_phase}), not allocated x reserved_over_allocated ({ratio:.3f}) and "
                      "zero3_cached_gathers")
-    elif case.deepspeed is not None and not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf)
-                                             is not None):
-        notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does not "
-                     "see DeepSpeed's buckets, gathers and offload buffers")
+    elif case.deepspeed is not None:
+        if not (case.deepspeed.stage == 3 and _zero3_gather_pool(case, gathered, conf) is not None):
+            notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model does "
+                         "not see DeepSpeed's buckets, gathers and offload buffers")
+        # else: the model's pool beside the gather stream's, below
     elif conf.backend != "native":
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); backend:{conf.backend} hands "
                      "memory to CUDA's own pool allocator, which the allocator model does not follow")
@@ -424,15 +452,27 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         from harness.predict.calibration import largest_gather_bytes
 
         gather_pool = _zero3_gather_pool(case, gathered, conf)
+        model_stream = None
         if gather_pool is not None:
             # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
             # the model's own pool: allocated less what is gathered at its peak, times the ratio
             held_gathered = gathered.backward_start_bytes + (above if allocated == gather_peak else 0)
-            reserved = int((allocated - held_gathered) * ratio) + gather_pool
+            model_stream = _zero3_model_stream(case, arch, layers, trace_spec, notes)
+            if model_stream is not None:
+                # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)
+                terms["reserved_by_ratio"] = reserved
+                model_pool = max(model_stream.peak_reserved, allocated - held_gathered)
+                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's flat buffers, four "
+                       f"micro-steps and their optimizer steps: {model_pool / GiB:.2f} GiB, peak during the "
+                       f"{model_stream.peak_phase})")
+            else:
+                model_pool = int((allocated - held_gathered) * ratio)
+                how = (f"(allocated - {held_gathered / GiB:.2f} GiB gathered) x reserved_over_allocated "
+                       f"({ratio:.3f})")
+            reserved = model_pool + gather_pool
             terms["zero3_gather_stream_pool"] = gather_pool
             beyond_allocated += gather_pool - held_gathered
-            notes.append(f"reserved: the model's pool as (allocated - {held_gathered / GiB:.2f} GiB gathered) x "
-                         f"reserved_over_allocated ({ratio:.3f}), beside DeepSpeed's gather stream's pool, "
+            notes.append(f"reserved: the model's pool as {how}, beside DeepSpeed's gather stream's pool, "
                          f"{gather_pool / GiB:.2f} GiB (the replayed all-gathers through the allocator model), in "
                          "place of zero3_cached_gathers")
         else:
@@ -442,7 +482,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             beyond_allocated += cached
         # the optimizer step's fp32 gradient on top of the forward and backward's reserve
         forward_backward = max(backward_peak, retention_peak, gather_peak)
-        segment = _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
+        segment = 0 if model_stream is not None else _zero3_fp32_grad_segment(case, r1, r2, layers, notes)
         if segment:
             extra = max(0, int(forward_backward * ratio) + segment - int(allocated * ratio))
             reserved += extra

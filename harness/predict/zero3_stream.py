@@ -30,6 +30,23 @@ offloaded (`applies`), whose engine keeps little else on the device:
    comes with the first matmul, in the first layer (the recording has it in the block the embedding's
    gather had freed), the autograd thread's where the backward begins.
 
+**A full fine-tune with `overlap_comm`** (`applies_model_stream`) gathers on the coordinator's stream,
+whose pool `zero3.gather_pool` replays; its model's stream (stream 0) is `build` with `full` and no gathers:
+zero.Init's load (every parameter built whole, its partition kept), the engine (the partitions moved to the
+host, `empty_cache()`, `defragment()`'s flat buffer of every partition, the IPG bucket, each trainable
+parameter gathered alone and partitioned again as `create_reduce_and_remove_grad_hooks` registers its hook),
+then the four micro-steps. With the optimizer on the device the engine also makes the fp32 master
+partitions of each sub-group, `initialize_optimizer_states`' transient buffer and the gradient partitions'
+flat buffer, and each accumulation boundary runs the optimizer step (`_device_step`: the fp64 norm copies,
+each sub-group's flattened gradient and its fp32 cast, the Adam moments in the first step) before the
+training loop drops the step's outputs. Phi-3-mini's recorded rank-0 stream 0 (optimizer offload, 32
+layers) reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end of its load, engine, first forward and first
+backward and 6.754 from then on; the built stream the same at every phase end to 2 MiB (the ratio gave
+6.53). Gemma-2-2B's (optimizer on the device, 26 layers) reserves 14.768 at the engine's end, 20.631 after
+the first micro-step, 28.088 after the first optimizer step and 33.770 in the second; the built stream the
+same at every phase end but the load's (2.56 against 4.21: the run gathers parameters while loading), its
+allocated peak 27.64 GiB as recorded (the ratio and the fp32 gradient segment gave 32.85).
+
 The trace tags its allocations by decoder layer and pass, not by module, so where inside a layer's
 chunk each module's hooks fire is not known: `build` spreads a chunk's hook events evenly over its
 allocations and frees (each hook's gathers before the allocations that follow it). The reserved figure
@@ -49,6 +66,7 @@ from dataclasses import dataclass
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
 from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
+from harness.predict.zero3_step import DS_DEFAULT_SUB_GROUP_SIZE, NORM_BYTES, sub_groups
 from harness.spec.schema import Case, Offload
 
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
@@ -68,6 +86,9 @@ class OnePoolShape:
     micro_steps: int
     alloc_conf: str = ""
     placement: str = "spread"
+    full: bool = False  # a full fine-tune: every parameter trains, its flat partition buffer on the device
+    sub_group_size: int = 0  # a full fine-tune's optimizer on the device: DeepSpeed's sub_group_size; 0 on the host
+    accumulation: int = 2  # micro-steps per optimizer step
 
     @classmethod
     def of(cls, case: Case, arch, layers: int, placement: str = "spread") -> OnePoolShape:
@@ -77,10 +98,14 @@ class OnePoolShape:
         ds = case.deepspeed
         spec = dataclasses.replace(spec_for(case, arch, layers), pool_rounds=MICRO_STEPS)
         bucket = ds.reduce_bucket_size or auto_sizes(int(arch.config["hidden_size"]))["reduce_bucket_size"]
+        full = case.method.kind == "full"
+        on_device = full and ds.offload_optimizer == Offload.none
         return cls(zero3_spec=json.dumps(dataclasses.asdict(spec), sort_keys=True), ranks=case.launch.ranks,
                    half_bytes=spec.half_bytes, ipg_bucket=bucket if ds.contiguous_gradients else 0,
                    micro_steps=MICRO_STEPS, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                   placement=placement)
+                   placement=placement, full=full,
+                   sub_group_size=(ds.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE) if on_device else 0,
+                   accumulation=max(1, min(case.train.grad_accum, 2)))
 
 
 @dataclass(frozen=True)
@@ -100,6 +125,17 @@ def applies(case: Case) -> bool:
     return (ds is not None and ds.stage == 3 and not ds.overlap_comm and ds.offload_param != Offload.cpu
             and ds.offload_optimizer == Offload.cpu and case.method.kind == "lora"
             and case.method.quantization is None)
+
+
+def applies_model_stream(case: Case) -> bool:
+    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`), a full fine-tune of a
+    half-precision model with its parameters on the device and the optimizer on the host or the device: the
+    configs whose model's stream (stream 0) is zero.Init's load, the flat partition buffer, the IPG bucket,
+    the traced step and, with the optimizer on the device, its fp32 partitions, gradient partitions and
+    sub-group steps (`build` with `full` and no gathers)."""
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param != Offload.cpu
+            and case.method.kind == "full" and case.method.quantization is None)
 
 
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
@@ -145,6 +181,111 @@ def _params(layout, layers: int) -> list[tuple[int, bool]]:
     return out
 
 
+def _lora_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
+                 threshold: int) -> None:
+    """zero.Init's load of a LoRA model and the engine's buffers (module docstring, steps 1 and 2)."""
+    stream.mark("load")
+    for n, trainable in params:  # zero.Init: each frozen parameter built whole, its partition kept
+        if not trainable:
+            whole = stream.alloc(n * half)
+            stream.alloc(-(-n // ranks) * half)
+            stream.free(whole)
+    adapters = []
+    for n, trainable in params:  # peft moves each adapter in the half dtype and casts it to fp32
+        if trainable:
+            moved = stream.alloc(n * half)
+            adapters.append((n, stream.alloc(n * FP32_BYTES)))
+            stream.free(moved)
+    stream.mark("engine")
+    for n, ident in adapters:  # made ZeRO parameters: a partition each, a persistent one's in defragment's buffer
+        stream.free(ident)
+        if n > threshold:
+            stream.alloc(-(-n // ranks) * FP32_BYTES)
+    stream.ops.append(EMPTY_CACHE)
+    stream.alloc(sum(n * (FP32_BYTES if t else half) for n, t in params if n <= threshold))  # defragment()
+    if ipg_bucket:
+        stream.alloc(ipg_bucket * half)
+
+
+def _full_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
+                 groups: list[int]) -> None:
+    """zero.Init's load of a full fine-tune and the engine's buffers, as DeepSpeed 0.19.8's stage 3 makes
+    them with the optimizer on the host (`stage3.py`): each parameter built whole in the half dtype, its
+    partition kept; `_create_fp16_partitions_with_defragmentation` moves every partition to the host
+    (`move_to_cpu`), empties the cache and copies them back into one flat buffer (`defragment`); the IPG
+    bucket (`_setup_for_real_optimizer`); then `create_reduce_and_remove_grad_hooks` gathers each
+    trainable parameter alone (`param.all_gather()`: `_allgather_params_sequential`'s buffer of the
+    partition times the ranks, on the current stream) and partitions it again. With the optimizer on the
+    device (`groups`, the sub-groups' elements) the engine also makes, after the flat buffer,
+    `_create_fp32_partitions`' master weights (each sub-group's half partition cast to fp32, `.to`, and
+    its `.clone()` kept; the cast freed when the next one's name is rebound), `initialize_optimizer_states`'
+    zeroed fp32 buffer of the largest sub-group (freed at once) and, after the IPG bucket,
+    `grad_partitions_flat_buffer` (every partition, in the gradient dtype: the half one)."""
+    stream.mark("load")
+    parts = []
+    for n, _ in params:
+        whole = stream.alloc(n * half)
+        parts.append(stream.alloc(-(-n // ranks) * half))
+        stream.free(whole)
+    stream.mark("engine")
+    for ident in parts:
+        stream.free(ident)
+    stream.ops.append(EMPTY_CACHE)
+    total = sum(-(-n // ranks) for n, _ in params)
+    stream.alloc(total * half)  # defragment()
+    cast = None
+    for g in groups:  # _create_fp32_partitions: `converted = ....to(fp32)`, its clone kept
+        previous, cast = cast, stream.alloc(g * FP32_BYTES)
+        if previous is not None:
+            stream.free(previous)
+        stream.alloc(g * FP32_BYTES)
+    if cast is not None:
+        stream.free(cast)
+    if groups:  # initialize_optimizer_states' gradient_buffer
+        stream.free(stream.alloc(max(groups) * FP32_BYTES))
+    if ipg_bucket:
+        stream.alloc(ipg_bucket * half)
+    if groups:  # grad_partitions_flat_buffer
+        stream.alloc(total * half)
+    for n, trainable in params:
+        if trainable:
+            stream.free(stream.alloc(-(-n // ranks) * ranks * half))
+
+
+def _outputs_dropped(stream: Stream) -> list[int]:
+    """Take off the end of `stream` the frees that drop the step's outputs and return their ids: the trace
+    ends its step with `del out` (the loss and the logits, allocated in the forward) after the backward,
+    where the training loop drops them only after `engine.step()` (`harness.runtime.train`). They are the
+    frees after the micro-step's last allocation of blocks allocated before its backward began."""
+    begin = next(start for name, start in reversed(stream.phases) if name == "backward")
+    after = [op for op in stream.ops[begin:] if op is not EMPTY_CACHE and op >= 0]
+    first_backward_id = min(after) if after else len(stream.sizes)
+    end = len(stream.ops)
+    while end > begin and stream.ops[end - 1] is not EMPTY_CACHE and stream.ops[end - 1] < 0:
+        end -= 1
+    held = [-op - 1 for op in stream.ops[end:] if -op - 1 < first_backward_id]
+    stream.ops[end:] = [op for op in stream.ops[end:] if -op - 1 >= first_backward_id]
+    return held
+
+
+def _device_step(stream: Stream, partitions: list[int], groups: list[int], half: int, first: bool) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 optimizer step on the device at an accumulation boundary (`stage3.py`):
+    `get_grad_norm_direct` casts each gradient partition to fp64 for its norm, one at a time; then for each
+    sub-group `_prepare_fp32_grad_for_sub_group` flattens its gradient partitions (the half dtype) and casts
+    them to fp32 (the flat copy freed), the first step creates the Adam moments (`fused_adam.py`, fp32,
+    lazily), and `_release_sub_group` frees the fp32 gradient."""
+    for n in partitions:
+        stream.free(stream.alloc(n * NORM_BYTES))
+    for g in groups:
+        flat = stream.alloc(g * half)
+        grad = stream.alloc(g * FP32_BYTES)
+        stream.free(flat)
+        if first:
+            stream.alloc(g * FP32_BYTES)
+            stream.alloc(g * FP32_BYTES)
+        stream.free(grad)
+
+
 def build(r1, r2, shape: OnePoolShape) -> Stream:
     """The one-pool stream of rank 0."""
     from harness.predict import zero3
@@ -162,28 +303,12 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
 
     stream = Stream([], [], [])
-    stream.mark("load")
-    for n, trainable in params:  # zero.Init: each frozen parameter built whole, its partition kept
-        if not trainable:
-            whole = stream.alloc(n * half)
-            stream.alloc(-(-n // ranks) * half)
-            stream.free(whole)
-    adapters = []
-    for n, trainable in params:  # peft moves each adapter in the half dtype and casts it to fp32
-        if trainable:
-            moved = stream.alloc(n * half)
-            adapters.append((n, stream.alloc(n * FP32_BYTES)))
-            stream.free(moved)
-    stream.mark("engine")
-    threshold = spec.persistence_threshold
-    for n, ident in adapters:  # made ZeRO parameters: a partition each, a persistent one's in defragment's buffer
-        stream.free(ident)
-        if n > threshold:
-            stream.alloc(-(-n // ranks) * FP32_BYTES)
-    stream.ops.append(EMPTY_CACHE)
-    stream.alloc(sum(n * (FP32_BYTES if t else half) for n, t in params if n <= threshold))  # defragment()
-    if shape.ipg_bucket:
-        stream.alloc(shape.ipg_bucket * half)
+    partitions = [-(-n // ranks) for n, trainable in params if trainable]
+    groups = sub_groups(partitions, shape.sub_group_size) if shape.sub_group_size else []
+    if shape.full:
+        _full_engine(stream, params, half, ranks, shape.ipg_bucket, groups)
+    else:
+        _lora_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold)
 
     ids: dict[int, int] = {}
 
@@ -231,6 +356,11 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
                 for item in piece:
                     put(item)
         stream.mark("optimizer")
+        if groups and (step + 1) % shape.accumulation == 0:  # engine.step(), before the loop drops its outputs
+            held = _outputs_dropped(stream)
+            _device_step(stream, partitions, groups, half, first=step + 1 == shape.accumulation)
+            for ident in held:
+                stream.free(ident)
         for ident in left:  # the loss and logits the training loop held, dropped after the micro-step
             stream.free(ident)
     return stream
