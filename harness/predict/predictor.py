@@ -110,7 +110,17 @@ def _inventory(r1, r2, layers: int):
                      trainable=ex(p1.trainable, p2.trainable), head=p1.head,
                      largest_layer_module=p1.largest_layer_module, sizes=sizes,
                      layer_sizes=list(per_layer.elements()), layers=layers,
-                     largest_trainable=max((row[0] for row in (*r1.layout, *r2.layout) if row[3]), default=0))
+                     largest_trainable=max((row[0] for row in (*r1.layout, *r2.layout) if row[3]), default=0),
+                     trainable_sizes=_trainable_rows(r1, layers))
+
+
+def _trainable_rows(r1, layers: int) -> list[int]:
+    """The element counts of r1's trainable parameters at the case's depth (layer 0's repeated)."""
+    from harness.predict.step import LAYER_POST, LAYER_PRE
+
+    rows = [r for r in r1.layout if r[3]]
+    return ([r[0] for r in rows if r[4] in (LAYER_PRE, LAYER_POST)]
+            + [r[0] for r in rows if r[4] not in (LAYER_PRE, LAYER_POST)] * layers)
 
 
 def _zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str]):

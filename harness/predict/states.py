@@ -60,6 +60,7 @@ class Inventory:
     layer_sizes: list[int] = field(default_factory=list)  # element counts of one decoder layer's base parameters
     layers: int = 0  # decoder layers at the case's depth
     largest_trainable: int = 0  # element count of the largest trainable parameter (adapter or base)
+    trainable_sizes: list[int] = field(default_factory=list)  # element counts of every trainable parameter
 
     @property
     def total(self) -> int:
@@ -149,7 +150,17 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
     else:
         # adapters: cast to the half dtype by the engine, except in a ZeRO-Init model (peft's fp32)
         tbytes = 4 if (kind in ("lora", "qlora") and zero_init(case)) else half
-        if kind in ("lora", "qlora"):
+        if kind in ("lora", "qlora") and ds.stage == 3 and gathered is not None and inv.trainable_sizes:
+            # ZeRO-3 keeps whole only the adapters at or below the persistence threshold; the others are
+            # partitioned like the base weights (on the host with parameter offload) and, gathered, counted
+            # in the replayed gathered set. Guide 000's recorded 4-layer peak holds 6.0 MiB of persistent
+            # parameters (the optimizer step's `_allgather_params_coalesced`) against 16 MiB of adapters.
+            thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
+            kept = sum(n for n in inv.trainable_sizes if n <= thr)
+            if ds.offload_param != Offload.cpu:
+                kept += sum(-(-n // W) for n in inv.trainable_sizes if n > thr)
+            dev["lora_params"] = kept * tbytes
+        elif kind in ("lora", "qlora"):
             dev["lora_params"] = T * tbytes  # small; under ZeRO-3 mostly below the persistence threshold
         shard = W if ds.stage >= 1 else 1
         opt = 12 * T // shard
