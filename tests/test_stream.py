@@ -355,6 +355,35 @@ def test_the_trace_sees_what_the_cuda_softmax_kernels_allocate_beside_their_outp
     assert len(fp32) >= 4  # scores, softmax; in backward its gradient, the softmax's gradient and grad * output
 
 
+def test_the_fake_4bit_forward_frees_the_restored_absmax_after_its_output():
+    """bitsandbytes' `_dequant_linear_fallback` keeps the restored absmax, its sum with the offset and
+    the dequantized weight as locals until `F.linear` has made its output (Mistral-7B's timeline:
+    `cuda/ops.py` 911, 913, 914, 916, then the three freed); the backward's `dequantize_4bit` frees
+    its one absmax copy before the matmul."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.predict.fake import AllocationLog, _Fake4bitMatmul
+
+    log = AllocationLog()
+    with FakeTensorMode():
+        x = torch.empty(2, 128, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(256, 128)
+        with log:
+            log.start_log()
+            out = _Fake4bitMatmul.apply(x, weight, None)
+            forward = log.stop_log()
+            log.start_log()
+            out.sum().backward()
+            backward = log.stop_log()
+    absmax, w, o = 256 * 128 // 64 * 4, 256 * 128 * 2, 2 * 256 * 2
+    assert [(op, size) for op, _, size, _, _ in forward] == [
+        (1, absmax), (1, absmax), (1, w), (1, o), (0, absmax), (0, absmax), (0, w)]
+    sizes = [(op, size) for op, _, size, _, _ in backward]
+    start = sizes.index((1, absmax))
+    assert sizes[start:start + 3] == [(1, absmax), (1, w), (0, absmax)]
+
+
 def _attention_spec(model: str, attn: str | None):
     """A traced full fine-tune of `model` shrunk to tiny width (2 x 128 tokens), with `attn`."""
     import json

@@ -134,15 +134,16 @@ def _attention_interfaces():
 
 def _dequantize(shape, dtype, device, steps: int = 2):
     """bitsandbytes' dequantization of a double-quantized 4-bit weight: the fp32 absmax (one per 64
-    elements) restored in `steps` allocations, then the weight in the compute dtype; the absmax copies
-    are freed when the weight is made. The forward's `_dequant_linear_fallback` makes two
-    (`absmax_dq + absmax_offset` is a new tensor), the backward's `functional.dequantize_4bit` one
-    (`absmax += quant_state.offset`, in place)."""
+    elements) restored in `steps` allocations, then the weight in the compute dtype; returns the weight
+    and the absmax copies, for the caller to free where bitsandbytes does. The forward's
+    `_dequant_linear_fallback` makes two (`absmax_dq + absmax_offset` is a new tensor) and keeps them,
+    as locals, until the `F.linear` it returns has made its output; the backward's
+    `functional.dequantize_4bit` makes one (`absmax += quant_state.offset`, in place), freed when it
+    returns the weight, before the matmul."""
     blocks = -(-shape[0] * shape[1] // 64)
     absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(steps)]
     w = torch.empty(shape, dtype=dtype, device=device)
-    del absmax
-    return w
+    return w, absmax
 
 
 class _Fake4bitMatmul(torch.autograd.Function):
@@ -151,14 +152,19 @@ class _Fake4bitMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        w = _dequantize(weight.shape, x.dtype, x.device)
+        w, absmax = _dequantize(weight.shape, x.dtype, x.device)
         ctx.shape, ctx.dtype = weight.shape, x.dtype
         ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        out = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        # the fallback's locals go when it returns, in the order CPython clears them: the rebound
+        # `absmax` (the sum), `absmax_dq`, `B_dq`
+        del absmax[1:], absmax[0], w
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        w = _dequantize(ctx.shape, grad.dtype, grad.device, steps=1)
+        w, absmax = _dequantize(ctx.shape, grad.dtype, grad.device, steps=1)
+        del absmax
         return grad @ w, None, None
 
 
