@@ -133,7 +133,6 @@ def _gather_pools(timeline) -> tuple[int, int] | None:
     POOL_ROUNDS steps)."""
     import dataclasses
 
-    from harness.measure.timeline import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
     from harness.models.source import load_model
     from harness.predict import zero3
 
@@ -141,16 +140,9 @@ def _gather_pools(timeline) -> tuple[int, int] | None:
     stream = _gather_stream(timeline)
     if case is None or stream is None:
         return None
-    current = recorded = 0
-    for act, size, s in zip(timeline.action, timeline.size, timeline.stream, strict=True):
-        if s == stream and act in (SEGMENT_ALLOC, SEGMENT_MAP):
-            current += size
-        elif s == stream and act in (SEGMENT_FREE, SEGMENT_UNMAP):
-            current -= size
-        recorded = max(recorded, current)
     arch = load_model(case.model)
     spec = dataclasses.replace(zero3.spec_for(case, arch, case.layers or arch.layers), pool_rounds=zero3.POOL_ROUNDS)
-    return recorded, zero3.replay(spec).pool_bytes
+    return timeline.reserved_peak_on(stream), zero3.replay(spec).pool_bytes
 
 
 def _zero3_case(timeline):

@@ -290,20 +290,13 @@ def test_the_activations_beside_a_backward_gather_peak_are_those_held_at_its_lay
 
 def _recorded_gather_pool(path) -> int:
     """The most the recorded run reserved on the stream DeepSpeed's all-gathers allocated on."""
-    from harness.measure.timeline import ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, MemoryTimeline
+    from harness.measure.timeline import ALLOC, MemoryTimeline
 
     timeline = MemoryTimeline.load(path)
     stream = next(t for i, t in enumerate(timeline.stream) if timeline.action[i] == ALLOC
                   and "partition_parameters.py" in timeline.sites[timeline.site[i]]
                   and " _all_gather_" in timeline.sites[timeline.site[i]])  # not zero.Init's at the load
-    current = peak = 0
-    for act, size, s in zip(timeline.action, timeline.size, timeline.stream, strict=True):
-        if s == stream and act in (SEGMENT_ALLOC, SEGMENT_MAP):
-            current += size
-        elif s == stream and act in (SEGMENT_FREE, SEGMENT_UNMAP):
-            current -= size
-        peak = max(peak, current)
-    return peak
+    return timeline.reserved_peak_on(stream)
 
 
 ARCH_TIMELINES, ARCH_CASES = "results/architectures/timelines/nvidia-h200-x2", "benchmarks/architectures/cases"

@@ -104,20 +104,9 @@ def test_nothing_is_added_with_optimizer_offload_or_where_a_step_block_holds_the
 
 def _stream_reserve_peak(timeline: MemoryTimeline, site: str) -> int:
     """The most the recorded run reserved for the stream on which `site` allocated."""
-    from harness.measure.timeline import SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
-
     stream = next(t for i, t in enumerate(timeline.stream)
                   if timeline.action[i] == ALLOC and site in timeline.sites[timeline.site[i]])
-    current = peak = 0
-    for act, size, s in zip(timeline.action, timeline.size, timeline.stream, strict=True):
-        if s != stream:
-            continue
-        if act in (SEGMENT_ALLOC, SEGMENT_MAP):
-            current += size
-        elif act in (SEGMENT_FREE, SEGMENT_UNMAP):
-            current -= size
-        peak = max(peak, current)
-    return peak
+    return timeline.reserved_peak_on(stream)
 
 
 def test_the_reduce_streams_pool_under_optimizer_offload_is_the_recorded_one():

@@ -133,6 +133,20 @@ class MemoryTimeline(BaseModel):
             reserved.append(r)
         return Curve(allocated, reserved)
 
+    def reserved_peak_on(self, stream: int) -> int:
+        """The most the run held reserved in segments of one CUDA stream (the caching allocator keeps
+        each stream's blocks apart, so DeepSpeed's gather and reduce streams hold pools of their own)."""
+        current = peak = 0
+        for act, size, s in zip(self.action, self.size, self.stream, strict=True):
+            if s != stream:
+                continue
+            if act in (SEGMENT_ALLOC, SEGMENT_MAP):
+                current += size
+            elif act in (SEGMENT_FREE, SEGMENT_UNMAP):
+                current -= size
+            peak = max(peak, current)
+        return peak
+
     def phase_spans(self) -> list[tuple[str, int, int]]:
         """(phase, first action index, last action index + 1) for each run of one phase, in order."""
         spans: list[tuple[str, int, int]] = []
