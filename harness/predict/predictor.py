@@ -284,14 +284,8 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
 
     if not zero3_stream.applies(case) or conf.backend != "native" or conf.expandable_segments:
         return None
-    try:
-        return zero3_stream.simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers))
-    except ImportError as exc:
-        notes.append(f"reserved: the ratio; DeepSpeed's coordinator could not be imported for the one-pool stream "
-                     f"({exc})")
-    except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
-        notes.append(f"reserved: the ratio; the one-pool stream could not be built ({exc})")
-    return None
+    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers),
+                                   "the one-pool stream", "the ratio", notes)
 
 
 def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
@@ -309,13 +303,22 @@ def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec,
 
     if not zero3_stream.applies_model_stream(case):
         return None
+    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"),
+                                   "the model's stream", "the model's pool by the ratio", notes)
+
+
+def _zero3_stream_simulated(trace_spec, shape, what: str, instead: str, notes: list[str]):
+    """The allocator model over a ZeRO-3 stream built by harness.predict.zero3_stream (`what`, in words);
+    None, with a note that `instead` stands in, where DeepSpeed cannot be imported or the build cannot
+    follow the trace or the hook order."""
+    from harness.predict import zero3_stream
+
     try:
-        return zero3_stream.simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"))
+        return zero3_stream.simulated(trace_spec, shape)
     except ImportError as exc:
-        notes.append(f"reserved: the model's pool by the ratio; DeepSpeed's coordinator could not be imported for "
-                     f"the model's stream ({exc})")
+        notes.append(f"reserved: {instead}; DeepSpeed's coordinator could not be imported for {what} ({exc})")
     except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
-        notes.append(f"reserved: the model's pool by the ratio; the model's stream could not be built ({exc})")
+        notes.append(f"reserved: {instead}; {what} could not be built ({exc})")
     return None
 
 

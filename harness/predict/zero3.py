@@ -174,7 +174,7 @@ class _Ledger:
 
 
 class _Tee(list):
-    """Appends to two lists: every step's events, and the caller's of the steady-state step."""
+    """Appends to several lists at once (every step's events, the caller's of one step)."""
 
     def __init__(self, *targets: list):
         super().__init__()
@@ -354,8 +354,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     """`record`: a list to append (hook event, module name, gathered bytes after it) to, for every event
     of the steady-state step. `stream`: a list to append the steady-state step's allocations and frees
     to, in order (`StreamEvent`); the same list as `record` interleaves them with the hook events.
-    `every_step`: a list to append every replayed step's hook events (`HookEvent`) and allocations and
-    frees to, interleaved, each step opened by its index (an int)."""
+    `every_step`: a list to append one list per replayed step to, holding that step's hook events
+    (`HookEvent`) and allocations and frees, interleaved."""
     ppc, ZeroParamStatus = _deepspeed()
     layout = ModelLayout.from_dict(json.loads(spec.layout_json))
     step = build_step(layout, spec.layers)
@@ -388,7 +388,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
 
     def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if every_step is not None:
-            every_step.append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
+            every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
         if round_ != ROUNDS - 1:
             return
         if record is not None:
@@ -417,7 +417,6 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     every: list[StreamEvent] = []  # every step's allocations and frees, for the gather stream's pool
-    ledger.stream = every
     with _single_process(ppc):
         for round_ in range(max(ROUNDS, spec.pool_rounds)):
             if round_ >= (ROUNDS if spec.pool_rounds else ROUNDS - 1):
@@ -428,14 +427,13 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 for p in params.values():
                     if p.ds_persist:
                         p.ds_status = ZeroParamStatus.AVAILABLE
+            targets = [every]  # every step's allocations (the pool), the caller's of the steady state, this step's
             if round_ == ROUNDS - 1 and stream is not None:
-                ledger.stream = _Tee(every, stream)
-            elif round_ == ROUNDS:
-                ledger.stream = every
+                targets.append(stream)
             if every_step is not None:
-                every_step.append(round_)
-                ledger.stream = _Tee(every, every_step, *(
-                    [stream] if round_ == ROUNDS - 1 and stream is not None else []))
+                every_step.append([])
+                targets.append(every_step[-1])
+            ledger.stream = every if len(targets) == 1 else _Tee(*targets)
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == ROUNDS - 1:

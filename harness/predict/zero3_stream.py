@@ -24,8 +24,9 @@ offloaded (`applies`), whose engine keeps little else on the device:
    half dtype, with contiguous gradients). The optimizer's fp32 partitions and gradients are on the host.
 3. **Four micro-steps** (two optimizer steps of two, as the recorded runs made): the traced step at full
    depth (`harness.predict.stream.expand`), with the coordinator's allocations and frees of the same
-   step (`harness.predict.zero3.replay(..., every_step=[])`: the first step records the module order,
-   the next prefetch along it, the third on start with the persistent parameters gathered) put into the
+   step (`harness.predict.zero3.replay(..., every_step=[])`, one list per step: the first step
+   records the module order, the next prefetch along it, the third on start with the persistent
+   parameters gathered) put into the
    chunk of the decoder layer and pass whose module hooks made them. The forward's cuBLAS workspace
    comes with the first matmul, in the first layer (the recording has it in the block the embedding's
    gather had freed), the autograd thread's where the backward begins.
@@ -291,14 +292,8 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     from harness.predict import zero3
 
     spec = zero3.Zero3Spec(**json.loads(shape.zero3_spec))
-    every: list = []
-    zero3.replay(spec, every_step=every)
     steps: list[list] = []
-    for item in every:
-        if isinstance(item, int):
-            steps.append([])
-        else:
-            steps[-1].append(item)
+    zero3.replay(spec, every_step=steps)
     half, ranks, layers = shape.half_bytes, shape.ranks, spec.layers
     params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
 
