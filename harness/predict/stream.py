@@ -239,7 +239,7 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
     stream.mark("load")
     base = [row for row in layout if not row[5]]
     if shape.model_source == "config":
-        _built_from_config(base, r1.params, half, stream)
+        built_from_config(base, r1.params, half, stream)
     else:
         _loaded_from_checkpoint(base, shape, stream)
     # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
@@ -263,14 +263,19 @@ def module_order(layout: list[list[int]]) -> list[list[int]]:
     return [row for _, row in sorted(enumerate(layout), key=key)]
 
 
-def _built_from_config(base: list[list[int]], params, half: int, stream: Stream) -> None:
+def built_from_config(base: list[list[int]], params, half: int, stream: Stream) -> list[int]:
     """`from_config` on the device: each parameter allocated as its module is built, in the half
     dtype (`module_order`; a checkpoint's name order within a layer), no warm-up block; a tied output
-    head is built as a Linear of its own, then tied to the embedding and its weight freed."""
-    for n, *_ in module_order(base):
-        stream.alloc(n * half)
+    head is built as a Linear of its own, then tied to the embedding and its weight freed. Returns the
+    ids of the trainable parameters' storage."""
+    trainable = []
+    for n, _, _, grad, *_ in module_order(base):
+        ident = stream.alloc(n * half)
+        if grad:
+            trainable.append(ident)
     if params.tied_head and params.head:
         stream.free(stream.alloc(params.head * half))
+    return trainable
 
 
 def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stream) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import TraceResult, TraceSpec
-from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE, Stream, expand, layout_at, module_order
+from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE, Stream, built_from_config, expand, layout_at, module_order
 from harness.spec.schema import Case, Offload
 
 DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
@@ -117,13 +117,7 @@ def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tup
     rows = module_order(layout_at(r1.layout, r2.layout, shape.layers))
 
     stream.mark("load")
-    trainable: list[int] = []  # the ids of the trainable parameters' storage
-    for n, size, _, grad, *_ in rows:
-        ident = stream.alloc(n * size)
-        if grad:
-            trainable.append(ident)
-    if r1.params.tied_head and r1.params.head:  # built last (the head after the decoder), then tied
-        stream.free(stream.alloc(r1.params.head * half))
+    trainable = built_from_config(rows, r1.params, half, stream)  # the ids of the trainable parameters' storage
     flat_sizes = [r[0] for r in rows if r[3]]
     largest = max(flat_sizes, default=0)
 
