@@ -9,6 +9,7 @@ See `harness.predict.trace` for what is reproduced and why.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 import warnings
@@ -351,6 +352,13 @@ def _clear_peft_caches() -> None:
                     fn.cache_clear()
 
 
+def build_as_traced(spec: TraceSpec, layers: int):
+    """The model and its parameters' info as `trace` builds them, on the meta device: bitsandbytes
+    hidden as there, so a build before the trace does not import it for the trace's sake."""
+    with _without_bitsandbytes():
+        return _build(spec, layers)
+
+
 def _set_checkpointing(model, reentrant: bool) -> None:
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -454,24 +462,29 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             p.register_hook(tracker.note_grad)
         tracker.register(list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable
                                                                              if p.grad is not None])
-        with tracker, _layer_tags(model, tracker, layers):
-            tracker.start_log()
-            ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
-            base = tracker.current()
-            out = model(input_ids=ids, labels=ids)
-            held = tracker.current() - base
-            logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
-            tracker.backward = True
-            tracker.tag = (BACKWARD, tracker.tag[1])
-            with warnings.catch_warnings():  # the layer tags' backward hooks on a layer whose input needs no grad
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                out.loss.backward()
-            peak = tracker.peak_bytes() - base
-            del out
-            import gc
-
-            gc.collect()  # the step's last frees (loss, logits) belong to it
-            events = tracker.stop_log()
+        # Everything made so far (the libraries, the model) is moved out of the collector's reach, so the
+        # collections during the step and the one after it look at the step's objects only: a full
+        # collection over torch's and transformers' objects takes about a second.
+        gc.freeze()
+        try:
+            with tracker, _layer_tags(model, tracker, layers):
+                tracker.start_log()
+                ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
+                base = tracker.current()
+                out = model(input_ids=ids, labels=ids)
+                held = tracker.current() - base
+                logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
+                tracker.backward = True
+                tracker.tag = (BACKWARD, tracker.tag[1])
+                with warnings.catch_warnings():  # the layer tags' backward hooks on a layer whose input needs no grad
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    out.loss.backward()
+                peak = tracker.peak_bytes() - base
+                del out
+                gc.collect()  # the step's last frees (loss, logits) belong to it
+                events = tracker.stop_log()
+        finally:
+            gc.unfreeze()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
                        seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
                        grads=tracker.grads,

@@ -559,9 +559,9 @@ def _cached(kind: str, payload: str, compute, encode, decode):
 def layout(trace_spec) -> ModelLayout:
     """The module layout of the case's model as its stack builds it (harness.predict.fake's builder)."""
     def compute():
-        from harness.predict.fake import _build
+        from harness.predict.fake import build_as_traced
 
-        model, _ = _build(trace_spec, 1)
+        model, _ = build_as_traced(trace_spec, 1)
         return layout_of(model)
 
     from harness.predict.trace import _code_key as model_code_key  # the builder's code and library versions
