@@ -50,6 +50,7 @@ class _Prediction:
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
     margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
+    missing: list = field(default_factory=list)
 
 
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)

@@ -32,6 +32,7 @@ class FakePrediction:
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
     margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
+    missing: list = field(default_factory=list)
 
 
 @pytest.fixture
@@ -90,6 +91,26 @@ def test_margin_decides_the_verdict(capsys, predicted):
         1, False, 52, 6.24, 57.6)
     assert result["card_peak_with_margin_gib"] == 58.24 and result["margin_fraction"] == 0.12
     assert "a test margin" in result["margin_basis"]
+
+
+def test_a_prediction_that_lacks_a_part_is_undecided_never_fits(capsys, predicted, monkeypatch):
+    calls = predicted(20)  # far within 57.6 GiB
+    fake = check._predictor()
+
+    def lacking(*args, **kwargs):
+        p = fake(*args, **kwargs)
+        p.missing = ["the widget's buffers: measure them"]
+        return p
+
+    monkeypatch.setattr(check, "_predictor", lambda: lacking)
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS)
+    assert code == 1 and calls
+    assert ("verdict: UNDECIDED (predicted 20.00 GiB + margin 0.00 GiB (0.0%) = 20.00 GiB <= budget 57.60 GiB; "
+            "not in it: the widget's buffers: measure them)") in " ".join(out.split())
+    code, out, _ = run(capsys, GUIDE000, *DCU_ARGS, "--json")
+    result = json.loads(out)
+    assert (code, result["fits"], result["decided"], result["missing"]) == (
+        1, False, False, ["the widget's buffers: measure them"])
 
 
 def test_margin_covers_every_process_on_the_card(capsys, predicted):

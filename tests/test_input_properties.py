@@ -44,6 +44,7 @@ class FixedPrediction:
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
     margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
+    missing: list = field(default_factory=list)
 
 
 def _fixed_predictor():

@@ -31,6 +31,7 @@ class FakePrediction:
     calibrated_on: list = field(default_factory=list)
     platform: str = "cuda"
     margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
+    missing: list = field(default_factory=list)
 
 
 LF = {

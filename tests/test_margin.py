@@ -129,6 +129,24 @@ def test_verdict_adds_the_margin_of_every_process_before_the_budget():
     assert edge.fits  # at the budget exactly: fits
 
 
+def test_a_cold_triton_cache_nobody_measured_leaves_the_verdict_undecided():
+    """With no run on a cold Triton cache to size what compiling fla's kernels holds, the prediction says
+    it lacks that part and no verdict claims the job fits; with one, the part is in the figure."""
+    case = load_case(CASES_DIR / "004-gla-plan-c-1proc.yaml")
+    cold = case.model_copy(update={"launch": case.launch.model_copy(update={"triton_cache": "cold"})})
+    gla = frozenset(p.stem for p in CASES_DIR.glob("004-*.yaml")) | {"004-gla-failing.fitted"}
+    sized = predict(cold, platform="nvidia-h200-x1")
+    unsized = predict(cold, platform="nvidia-h200-x1", exclude=gla)
+    assert not sized.missing and sized.device > unsized.device + 2 * GiB
+    [what] = unsized.missing
+    assert "cold Triton cache" in what and "launch.triton_cache: cold" in what
+    budget = dict(gpu_memory=case.target.card.memory, headroom=case.target.headroom)
+    verdict = fit_verdict(unsized.device, unsized.margin, missing=unsized.missing, **budget)
+    assert verdict.needed <= verdict.budget and not verdict.decided and not verdict.fits
+    assert fit_verdict(sized.device, sized.margin, missing=sized.missing, **budget).fits
+    assert not predict(case, platform="nvidia-h200-x1", exclude=gla).missing  # a warm cache lacks nothing
+
+
 def test_every_prediction_carries_its_margin():
     case = load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
     p = predict(case, platform="nvidia-h100-80gb-hbm3-x1")

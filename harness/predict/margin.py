@@ -257,14 +257,21 @@ class FitVerdict:
     margin: int
     budget: int  # card memory times the headroom
     margin_of: Margin = field(compare=False)
+    missing: tuple[str, ...] = ()  # what the prediction could not size (`Prediction.missing`)
 
     @property
     def needed(self) -> int:
         return self.predicted + self.margin
 
     @property
+    def decided(self) -> bool:
+        """False where the prediction lacks a part of the job: then nothing is claimed either way."""
+        return not self.missing
+
+    @property
     def fits(self) -> bool:
-        return self.needed <= self.budget
+        """Within the budget with the margin, and nothing of the job left unsized."""
+        return self.decided and self.needed <= self.budget
 
     @property
     def headroom(self) -> int:
@@ -272,13 +279,17 @@ class FitVerdict:
         return self.budget - self.needed
 
     def summary(self) -> str:
-        return (f"predicted {fmt_gib(self.predicted)} + margin {fmt_gib(self.margin)} ({self.margin_of.fraction:.1%}) "
-                f"= {fmt_gib(self.needed)} {'<=' if self.fits else '>'} budget {fmt_gib(self.budget)}")
+        sign = "<=" if self.needed <= self.budget else ">"
+        line = (f"predicted {fmt_gib(self.predicted)} + margin {fmt_gib(self.margin)} ({self.margin_of.fraction:.1%}) "
+                f"= {fmt_gib(self.needed)} {sign} budget {fmt_gib(self.budget)}")
+        return line + "".join(f"; not in it: {m}" for m in self.missing)
 
 
-def fit_verdict(device: int, margin: Margin, *, gpu_memory: int, headroom: float, procs_per_gpu: int = 1) -> FitVerdict:
+def fit_verdict(device: int, margin: Margin, *, gpu_memory: int, headroom: float, procs_per_gpu: int = 1,
+                missing: tuple[str, ...] | list[str] = ()) -> FitVerdict:
     """Does the predicted card peak (`device`, one process's predicted device figure, times the processes
-    sharing the card), with its margin, stay within the card times the headroom?"""
+    sharing the card), with its margin, stay within the card times the headroom? Undecided where the
+    prediction says it could not size part of the job (`missing`)."""
     predicted = device * procs_per_gpu
     return FitVerdict(predicted=predicted, margin=margin.bytes_of(predicted), budget=int(gpu_memory * headroom),
-                      margin_of=margin)
+                      margin_of=margin, missing=tuple(missing))

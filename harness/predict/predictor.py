@@ -90,6 +90,9 @@ class Prediction:
     params_total: int = 0  # logical parameter count at the predicted depth (unquantized, unpartitioned)
     largest_layer_params: int = 0  # largest single module (the head or a layer's biggest linear)
     margin: Margin | None = None  # the uncertainty of `device` (harness.predict.margin); predict() always sets it
+    # what the job holds that the prediction could not size, each with how to measure it: a verdict on a
+    # prediction with something missing is undecided, never "fits" (harness.predict.margin.FitVerdict)
+    missing: list[str] = field(default_factory=list)
 
     def gib(self) -> str:
         return (f"allocated {self.allocated / GiB:.2f} GiB, reserved {self.reserved / GiB:.2f} GiB, "
@@ -352,6 +355,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     layers = case.layers or arch.layers
     hidden = int(arch.config["hidden_size"])
     notes: list[str] = []
+    missing: list[str] = []
     if case.layers:
         notes.append(f"predicted at {layers} of {arch.layers} layers (the case's `layers`)")
 
@@ -518,6 +522,10 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         cold = cal.values.get("triton_cold_overhead")
         if cold is None:
             notes.append("fla/Triton on a cold cache: no cold run measured to fit what compiling adds; not included")
+            missing.append("what compiling and autotuning flash-linear-attention's kernels holds on a cold Triton "
+                           "cache (GiBs per process, outside the allocator; no baseline it is calibrated on ran on "
+                           "a cold cache): bless a run of a case with `launch.triton_cache: cold`, or judge the job "
+                           "on a warm cache (--triton-cache warm)")
         else:
             overhead += int(cold)
             terms["triton_cold_compile"] = int(cold)
@@ -547,5 +555,5 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         margin=margin, allocated=int(allocated), reserved=reserved, device=device, host_ram=int(host), terms=terms,
         notes=notes, calibrated_on=cal.calibrated_on, fitted=[k for k in cal.values],
         platform=cal.platform, seconds=time.perf_counter() - t0,
-        params_total=inv.total, largest_layer_params=max(inv.head, inv.largest_layer_module),
+        params_total=inv.total, largest_layer_params=max(inv.head, inv.largest_layer_module), missing=missing,
     )

@@ -6,8 +6,9 @@ Import the config (`harness.premerge.importers`), predict its per-GPU peaks at f
 lint it (`harness.premerge.lints`), and judge: it fits when the predicted device peak of every process on a
 card, summed, plus the prediction's margin (`harness.predict.margin.fit_verdict`, the one verdict every
 caller uses), stays within the card's memory times the headroom, and (with --host-ram) the node's
-predicted host RAM within its usable share of the host. Exit codes: 0 fits and no lint of
-severity error; 1 it does not fit, or an error lint fired; 2 bad input (one message, no traceback);
+predicted host RAM within its usable share of the host. A prediction that could not size part of
+the job (`Prediction.missing`) is UNDECIDED, never FITS. Exit codes: 0 fits and no lint of
+severity error; 1 it does not fit, is undecided, or an error lint fired; 2 bad input (one message, no traceback);
 3 the predictor failed on a config it should size (harness.cli.main logs the traceback).
 """
 
@@ -50,7 +51,7 @@ class CheckResult:
         if p is None:
             return None
         return fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
-                           procs_per_gpu=c.procs_per_gpu)
+                           procs_per_gpu=c.procs_per_gpu, missing=p.missing)
 
     @property
     def node_host_ram(self) -> int | None:
@@ -95,6 +96,8 @@ class CheckResult:
     def verdict(self) -> str:
         if self.fits is None:
             return "NOT PREDICTED: " + (self.config.unpredictable or "no prediction")
+        if not self.fit.decided:
+            return f"UNDECIDED ({self.fit.summary()})"
         head = ("FITS" if self.fits else "DOES NOT FIT") + f" ({self.fit.summary()})"
         if self.host_fits is False:
             head += (f" (host RAM: {fmt_gib(self.node_host_ram)} predicted on the node, "
@@ -137,6 +140,8 @@ def as_json(result: CheckResult) -> dict[str, Any]:
     c, p = result.config, result.prediction
     return {
         "fits": result.fits,
+        "decided": result.fit.decided if result.fit else None,
+        "missing": list(result.fit.missing) if result.fit else [],
         "ok": result.ok,
         "verdict": result.verdict,
         "peak_allocated_gib": gib_rounded(p.allocated if p else None),

@@ -231,8 +231,9 @@ def qlora_zero3(c: ImportedConfig, p) -> list[Lint]:
 def procs_per_card_oversubscribed(c: ImportedConfig, p) -> list[Lint]:
     if c.procs_per_gpu < 2 or p is None:
         return []
-    fit = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom, procs_per_gpu=c.procs_per_gpu)
-    if fit.fits:
+    fit = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom, procs_per_gpu=c.procs_per_gpu,
+                      missing=p.missing)
+    if fit.fits or not fit.decided:
         return []
     return [Lint(
         "procs-per-card-oversubscribed", "error",
