@@ -14,7 +14,17 @@ import pytest
 from harness.measure.timeline import MemoryTimeline
 from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
 from harness.predict.stream import Stream, head_matmul_index, module_order
-from harness.predict.zero2_stream import REDUCTION_STREAM, Zero2Shape, _Reducer, applies, partition_slices
+from harness.predict.zero2_stream import (
+    REDUCTION_STREAM,
+    Zero2Shape,
+    _merged,
+    _Reducer,
+    _Shared,
+    _shared_run,
+    applies,
+    partition_slices,
+    simulate,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_ID = "qwen25-1.5b-full-z2-offload-mb4-s1024-gc"
@@ -141,66 +151,94 @@ ON_DEVICE = {  # case id, suite, recorded timeline
 }
 
 
-def _shape(bucket: int, ranks: int = 1, overlap: bool = True) -> Zero2Shape:
-    return Zero2Shape(layers=1, grad_accum=2, ranks=ranks, half_bytes=2, overlap_comm=overlap, offload=False,
+def _shape(bucket: int, ranks: int = 1) -> Zero2Shape:
+    return Zero2Shape(layers=1, grad_accum=2, ranks=ranks, half_bytes=2, overlap_comm=True, offload=False,
                       bucket=bucket)
 
 
+def _hook(bucket: int, sizes: list[int], ranks: int = 1, keep: bool = True):
+    shared = _Shared(Stream([], [], []), [[] for _ in range(ranks)], [], [], True)
+    return shared, _Reducer(shared, _shape(bucket, ranks), sizes, keep_partition=keep)
+
+
+def _own_allocations(shared, rank: int) -> list[int]:
+    return [op for _, op in shared.side[rank] if op >= 0]
+
+
 def test_the_gradient_hook_fills_the_bucket_and_reduces_it_before_it_overflows():
-    stream, side = Stream([], [], []), set()
     sizes = [4, 4, 4, 4]  # one rank: every parameter is in its partition
-    hook = _Reducer(stream, side, _shape(bucket=8), sizes, rank=0, keep_partition=True)
+    shared, hook = _hook(8, sizes)
+    stream = shared.stream
     grads = [stream.alloc(n * 2) for n in reversed(sizes)]
-    freed = [hook(g) for g in grads[:2]]
-    assert freed == [True, True]  # copied into the bucket, then freed
-    assert [stream.sizes[i] for i in stream.ops if i is not None and i >= 0][4:6] == [16, 16]  # two IPG buffers
-    assert hook.partition is None  # the bucket holds 8 elements: not reduced yet
+    assert [hook(g) for g in grads[:2]] == [True, True]  # copied into the bucket, then freed
+    assert [stream.sizes[i] for i in hook.buffers] == [16, 16]  # setup_buckets: two IPG buffers (overlap_comm)
+    assert shared.side[0] == []  # the bucket holds 8 elements: not reduced yet
     hook(grads[2])  # 8 + 4 > 8: the bucket is reduced first, and the partition buffer is made
-    assert hook.partition is not None and stream.sizes[hook.partition] == 16 * 2 and hook.partition in side
+    assert _own_allocations(shared, 0) == [16 * 2]
     kept = hook.epilogue()
-    assert kept == hook.partition  # the first micro-step's buffer is held to the step
+    assert kept == {0: 0}  # the first micro-step's buffer is held to the step
     assert stream.ops[-2:] == [-hook.buffers[1] - 1, -hook.buffers[0] - 1]  # the IPG buffers dropped
 
 
 def test_a_later_micro_steps_partition_buffer_is_freed_at_its_backwards_end():
-    stream, side = Stream([], [], []), set()
-    hook = _Reducer(stream, side, _shape(bucket=100), [4, 4], rank=0, keep_partition=False)
+    shared, hook = _hook(100, [4, 4], keep=False)
     for n in (4, 4):
-        hook(stream.alloc(n * 2))
-    assert hook.epilogue() is None
-    assert -hook.partition - 1 in stream.ops
+        hook(shared.stream.alloc(n * 2))
+    assert hook.epilogue() == {}
+    assert [op for _, op in shared.side[0]] == [8 * 2, -1]
 
 
 def test_a_reduction_over_two_ranks_partitions_flattens_it_and_only_the_ranks_own_make_its_buffer():
     sizes = [4, 4, 4, 4]  # two ranks: rank 0 holds parameters 0 and 1, which come last in the backward
-    for rank in (0, 1):
-        stream, side = Stream([], [], []), set()
-        hook = _Reducer(stream, side, _shape(bucket=8, ranks=2), sizes, rank=rank, keep_partition=True)
-        grads = [stream.alloc(n * 2) for n in reversed(sizes)]
-        for g in grads[:3]:
-            hook(g)  # the third reduces parameters 3 and 2: rank 1's
-        assert (hook.partition is not None) == (rank == 1)
-        hook(grads[3])
-        hook.epilogue()  # reduces parameters 1 and 0: rank 0's
-        assert side == {hook.partition}  # no bucket spanned both partitions: nothing flattened
-        assert stream.sizes[hook.partition] == 8 * 2
-    stream, side = Stream([], [], []), set()
-    hook = _Reducer(stream, side, _shape(bucket=12, ranks=2), sizes, rank=0, keep_partition=True)
+    shared, hook = _hook(8, sizes, ranks=2)
+    grads = [shared.stream.alloc(n * 2) for n in reversed(sizes)]
+    for g in grads[:3]:
+        hook(g)  # the third reduces parameters 3 and 2: rank 1's
+    assert _own_allocations(shared, 0) == [] and _own_allocations(shared, 1) == [8 * 2]
+    hook(grads[3])
+    hook.epilogue()  # reduces parameters 1 and 0: rank 0's
+    assert _own_allocations(shared, 0) == [8 * 2]  # no bucket spanned both partitions: nothing flattened
+    shared, hook = _hook(12, sizes, ranks=2)
     for n in reversed(sizes):
-        hook(stream.alloc(n * 2))  # parameters 3, 2 and 1 fill the bucket; 0 reduces them
+        hook(shared.stream.alloc(n * 2))  # parameters 3, 2 and 1 fill the bucket; 0 reduces them
     hook.epilogue()
-    flattened = side - {hook.partition}
-    assert [stream.sizes[i] for i in flattened] == [12 * 2]  # allreduce_bucket's transient: they span both ranks
-    assert all(-i - 1 in stream.ops for i in flattened)
+    for rank in (0, 1):  # they span both partitions: allreduce_bucket's transient, on every rank, freed at once
+        assert shared.side[rank][:2] == [(shared.side[rank][0][0], 12 * 2), (shared.side[rank][0][0], -1)]
+    assert _own_allocations(shared, 1)[1] == 8 * 2 and _own_allocations(shared, 0)[1] == 8 * 2
 
 
 def test_a_gradient_larger_than_the_bucket_is_kept_until_its_reduction():
-    stream, side = Stream([], [], []), set()
-    hook = _Reducer(stream, side, _shape(bucket=4), [2, 10], rank=0, keep_partition=True)
+    shared, hook = _hook(4, [2, 10])
+    stream = shared.stream
     big = stream.alloc(20)
     assert hook(big) is False and -big - 1 not in stream.ops
     hook(stream.alloc(4))  # 10 + 2 > 4: the bucket (the large gradient) is reduced, and the gradient freed
     assert -big - 1 in stream.ops
+
+
+def test_one_replay_for_every_rank_gives_each_ranks_own_replay():
+    """The ranks differ only in their own allocations on the reduction stream and the step's norm casts:
+    one replay of the shared stream, each rank's own allocations beside it, gives what replaying each
+    rank's whole stream gives."""
+    from harness.predict.allocator import AllocatorConf
+
+    shared = _Shared(Stream([], [], []), [[], []], [], [[3 * 2**20], [2**20, 2**20]], True)
+    stream = shared.stream
+    stream.mark("step")
+    a = stream.alloc(30 * 2**20)
+    shared.side[0].append((len(stream.ops), 12 * 2**20))  # rank 0's buffer, then rank 1's larger one
+    b = stream.alloc(8 * 2**20)
+    shared.side[1].append((len(stream.ops), 25 * 2**20))
+    stream.free(a)
+    shared.casts.append(len(stream.ops))
+    stream.alloc(40 * 2**20)
+    stream.free(b)
+    shared.side[0].append((len(stream.ops), -1))
+    shared.side[1].append((len(stream.ops), -1))
+    run = _shared_run(shared, AllocatorConf())
+    whole = [simulate(*_merged(shared, rank), AllocatorConf()) for rank in (0, 1)]
+    assert run.rank == 1 and run.peak_reserved == whole[1][0] > whole[0][0]
+    assert run.reduction_stream_reserved == whole[1][3]
 
 
 def test_the_backwards_workspace_comes_after_the_heads_input_gradient():
@@ -259,7 +297,7 @@ def test_the_on_device_stream_against_the_recorded_timeline(name):
     from harness.models.source import load_model
     from harness.predict.allocator import AllocatorConf
     from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero2_stream import build, simulate
+    from harness.predict.zero2_stream import build
 
     case_id, suite, path = ON_DEVICE[name]
     tl = MemoryTimeline.load(path)

@@ -221,7 +221,7 @@ def _micro_steps(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, stream: St
 def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tuple[Stream, set[int]]:
     """The stream of `rank` and the ids of its allocations on the reduction stream."""
     if not shape.offload:
-        return _build_on_device(r1, r2, shape, rank)
+        return _merged(_build_shared(r1, r2, shape), rank)
     stream = Stream([], [], [])
     side: set[int] = set()
     half = shape.half_bytes
@@ -249,35 +249,43 @@ def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tup
     return stream, side
 
 
+@dataclass
+class _Shared:
+    """The on-device build of every rank at once. Under ZeRO-2 the ranks' streams differ only in what their
+    partition decides: when `grads_in_partition` is made and how large it is, and the step's fp64 norm
+    casts. `stream` holds the rest, the same on every rank; `side[rank]` that rank's own allocations
+    (position in `stream.ops` before which each comes, size, or -1 - the index of the allocation it frees:
+    the partition buffer, and under `overlap_comm` allreduce_bucket's transients, the same on every rank);
+    `casts`, the positions of the step's norm casts; `slices[rank]`, the elements each casts; `on_side`,
+    whether the rank's own allocations are on DeepSpeed's reduction stream (`overlap_comm`)."""
+
+    stream: Stream
+    side: list[list[tuple[int, int]]]
+    casts: list[int]
+    slices: list[list[int]]
+    on_side: bool
+
+
 class _Reducer:
     """DeepSpeed's gradient hook over one micro-step (`reduce_independent_p_g_buckets_and_remove_grads`),
-    the gradients in the reverse of the flat buffer's order."""
+    for every rank at once, the gradients in the reverse of the flat buffer's order."""
 
-    def __init__(self, stream: Stream, side: set[int], shape: Zero2Shape, sizes: list[int], rank: int,
-                 keep_partition: bool):
-        self.stream, self.side, self.shape = stream, side, shape
+    def __init__(self, shared: _Shared, shape: Zero2Shape, sizes: list[int], keep_partition: bool):
+        self.shared, self.stream, self.shape = shared, shared.stream, shape
         self.sizes = sizes
-        self.lo, self.hi = _partition_range(sizes, shape.ranks, rank)
         self.bounds = [_partition_range(sizes, shape.ranks, r) for r in range(shape.ranks)]
         self.position = sum(sizes)  # the flat offset where the next gradient's parameter ends
         self.next = len(sizes) - 1
         self.buffers: list[int] = []
         self.bucket: list[tuple[int, int]] = []  # (start, elements) of each parameter in the bucket
         self.large: list[int] = []  # gradients larger than the bucket, kept until their reduction
-        self.partition: int | None = None
+        self.partition: dict[int, int] = {}  # rank -> index of its grads_in_partition in its side list
         self.keep_partition = keep_partition
-        self.partition_elements = sum(n for start, n in self._params() if start < self.hi and start + n > self.lo)
 
-    def _params(self):
-        start = 0
-        for n in self.sizes:
-            yield start, n
-            start += n
-
-    def _on_side(self, ident: int) -> int:
-        if self.shape.overlap_comm:
-            self.side.add(ident)
-        return ident
+    def _own(self, rank: int, op: int) -> int:
+        side = self.shared.side[rank]
+        side.append((len(self.stream.ops), op))
+        return len(side) - 1
 
     def __call__(self, ident: int) -> bool:
         if self.next < 0:
@@ -301,33 +309,45 @@ class _Reducer:
     def reduce(self) -> None:
         if not self.bucket:
             return
-        lo = min(s for s, _ in self.bucket)
-        hi = max(s + n for s, n in self.bucket)
-        elements = sum(n for _, n in self.bucket)
-        spanned = sum(1 for a, b in self.bounds if a < hi and b > lo)
-        if spanned > 1:  # allreduce_bucket flattens the slices bound for several ranks
-            self.stream.free(self._on_side(self.stream.alloc(elements * self.shape.half_bytes)))
-        if self.partition is None and lo < self.hi and hi > self.lo:  # copy_grads_in_partition
-            self.partition = self._on_side(self.stream.alloc(self.partition_elements * self.shape.half_bytes))
+        lo = min(start for start, _ in self.bucket)
+        hi = max(start + n for start, n in self.bucket)
+        if sum(1 for a, b in self.bounds if a < hi and b > lo) > 1:  # allreduce_bucket flattens the slices
+            size = sum(n for _, n in self.bucket) * self.shape.half_bytes
+            if self.shape.overlap_comm:  # on the reduction stream, among each rank's own allocations
+                for rank in range(self.shape.ranks):
+                    self._own(rank, -1 - self._own(rank, size))
+            else:
+                self.stream.free(self.stream.alloc(size))
+        for rank, (a, b) in enumerate(self.bounds):  # copy_grads_in_partition, at the rank's first reduction
+            if rank not in self.partition and lo < b and hi > a:
+                elements = sum(n for start, n in _starts(self.sizes) if start < b and start + n > a)
+                self.partition[rank] = self._own(rank, elements * self.shape.half_bytes)
         for ident in self.large:
             self.stream.free(ident)
         self.large, self.bucket = [], []
 
-    def epilogue(self) -> int | None:
-        """The backward's end: the last reduction, the IPG buffers dropped. Returns the partition buffer
-        the step uses, or None when this micro-step's is freed here."""
+    def epilogue(self) -> dict[int, int]:
+        """The backward's end: the last reduction, the IPG buffers dropped. Returns the partition buffers
+        the step uses (rank -> index in its side list); a later micro-step's are freed here."""
         self.reduce()
-        kept = self.partition if self.keep_partition else None
-        if self.partition is not None and not self.keep_partition:
-            self.stream.free(self.partition)
+        if not self.keep_partition:
+            for rank, index in self.partition.items():
+                self._own(rank, -1 - index)
         for ident in reversed(self.buffers):
             self.stream.free(ident)
-        return kept
+        return self.partition if self.keep_partition else {}
 
 
-def _build_on_device(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tuple[Stream, set[int]]:
-    stream = Stream([], [], [])
-    side: set[int] = set()
+def _starts(sizes: list[int]):
+    start = 0
+    for n in sizes:
+        yield start, n
+        start += n
+
+
+def _build_shared(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> _Shared:
+    shared = _Shared(Stream([], [], []), [[] for _ in range(shape.ranks)], [], [], shape.overlap_comm)
+    stream = shared.stream
     half = shape.half_bytes
     run = RunShape(layers=shape.layers, grad_accum=shape.grad_accum, half_bytes=half,
                    double_quant=shape.double_quant, accumulated_grads=False, alloc_conf=shape.alloc_conf,
@@ -335,6 +355,7 @@ def _build_on_device(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: 
     loaded = load_stream(r1, r2, run, stream, before_engine=True, kbit_fp32=shape.kbit_fp32)
     rows = module_order(layout_at(r1.layout, r2.layout, shape.layers))
     sizes = [r[0] for r in rows if r[3]]
+    shared.slices = [partition_slices(sizes, shape.ranks, rank) for rank in range(shape.ranks)]
 
     trainable = list(loaded.trainable)
     for ident, n, _, grad in sorted(loaded.wide, key=lambda w: w[2]):  # _cast_module_mixed_precision
@@ -347,26 +368,25 @@ def _build_on_device(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: 
     stream.alloc(part * FP32_BYTES)
     stream.free(clone)
     stream.free(stream.alloc(part * FP32_BYTES))  # initialize_optimizer_states' gradient partition
-    slices = partition_slices(sizes, shape.ranks, rank)
-    state = {"partition": None, "reducer": None, "first_step": True}
+    state: dict = {"kept": {}, "reducer": None, "first_step": True}
 
     def on_grad(micro):
-        state["reducer"] = _Reducer(stream, side, shape, sizes, rank, keep_partition=micro == 0)
+        state["reducer"] = _Reducer(shared, shape, sizes, keep_partition=micro == 0)
         return state["reducer"]
 
     def after_backward(micro):
         kept = state["reducer"].epilogue()
         if micro == 0:
-            state["partition"] = kept
+            state["kept"] = kept
 
     def boundary(step):
         stream.mark("optimizer")
-        _norm_casts(stream, slices)  # get_grad_norm_direct
+        shared.casts.append(len(stream.ops))  # get_grad_norm_direct: each slice of the partition in fp64
         flat = stream.alloc(part * half)
         grad32 = stream.alloc(part * FP32_BYTES)
         stream.free(flat)
-        if state["partition"] is not None:
-            stream.free(state["partition"])
+        for rank, index in state["kept"].items():  # free_grad_in_param_list: the gradients' buffer
+            shared.side[rank].append((len(stream.ops), -1 - index))
         if state["first_step"]:
             stream.alloc(part * FP32_BYTES)  # exp_avg
             stream.alloc(part * FP32_BYTES)  # exp_avg_sq
@@ -374,7 +394,119 @@ def _build_on_device(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: 
         stream.free(grad32)
 
     _micro_steps(r1, r2, shape, stream, boundary, on_grad, after_backward)
+    return shared
+
+
+def _merged(shared: _Shared, rank: int) -> tuple[Stream, set[int]]:
+    """One rank's whole stream: the shared one with the rank's own allocations and norm casts put in."""
+    src = shared.stream
+    stream = Stream([], [], [])
+    side: set[int] = set()
+    own = shared.side[rank]
+    ids: dict[int, int] = {}  # index in `own` -> id in the merged stream
+    mapping: dict[int, int] = {}
+    starts = dict((start, name) for name, start in reversed(src.phases))
+    casts = set(shared.casts)
+    j = 0
+    for p in range(len(src.ops) + 1):
+        while j < len(own) and own[j][0] == p:
+            op = own[j][1]
+            if op >= 0:
+                ids[j] = stream.alloc(op)
+                if shared.on_side:
+                    side.add(ids[j])
+            else:
+                stream.free(ids[-1 - op])
+            j += 1
+        if p in casts:
+            _norm_casts(stream, shared.slices[rank])
+        if p == len(src.ops):
+            break
+        if p in starts:
+            stream.mark(starts[p])
+        op = src.ops[p]
+        if op is EMPTY_CACHE:
+            stream.ops.append(EMPTY_CACHE)
+        elif op >= 0:
+            mapping[op] = stream.alloc(src.sizes[op])
+        else:
+            stream.free(mapping[-op - 1])
     return stream, side
+
+
+def _shared_run(shared: _Shared, conf: AllocatorConf) -> Zero2Run | None:
+    """Every rank's figures from one replay of the shared stream, where the ranks' own allocations are on
+    the reduction stream (the caching allocator serves each stream from its own segments, so that stream's
+    reserve adds to the default stream's) and each norm cast fits a cached block (allocated and freed at
+    once, it leaves the allocator's blocks as they were). None where that does not hold: every rank is
+    then replayed whole."""
+    if not shared.on_side or conf.expandable_segments or conf.garbage_collection_threshold > 0.0:
+        return None
+    src = shared.stream
+    sim = CachingAllocator(conf)
+    stats = sim.stats
+    blocks: dict[int, object] = {}
+    reserved = [0] * len(src.ops)  # the default stream's after each op
+    allocated = [0] * len(src.ops)
+    cast_peak: dict[int, int] = {}  # position -> allocated there plus the largest cast of any rank
+    casts = set(shared.casts)
+    for p, op in enumerate(src.ops):
+        if p in casts:
+            for slices in shared.slices:
+                if not all(sim.fits(n * NORM_BYTES) for n in slices):
+                    return None
+            cast_peak[p] = stats.allocated + max((n * NORM_BYTES for s in shared.slices for n in s), default=0)
+        if op is EMPTY_CACHE:
+            sim.empty_cache()
+        elif op >= 0:
+            blocks[op] = sim.malloc(src.sizes[op])
+        else:
+            block = blocks.pop(-op - 1, None)
+            if block is not None:
+                sim.free(block)
+        reserved[p], allocated[p] = stats.reserved, stats.allocated
+    best = None
+    for rank, own in enumerate(shared.side):
+        side = CachingAllocator(conf)
+        held: dict[int, object] = {}
+        events = []  # (position, side reserved, side allocated) after each own op
+        for index, (position, op) in enumerate(own):
+            if op >= 0:
+                held[index] = side.malloc(op, REDUCTION_STREAM)
+            else:
+                side.free(held.pop(-1 - op))
+            events.append((position, side.stats.reserved, side.stats.allocated))
+        peak, at, peak_alloc = -1, 0, 0
+        prev, s_res, s_alloc = 0, 0, 0
+        for position, res, alloc in [*events, (len(src.ops), None, None)]:
+            if position > prev:  # shared ops prev..position-1 with the rank's own reserve s_res
+                top = max(range(prev, position), key=reserved.__getitem__)
+                if reserved[top] + s_res > peak:
+                    peak, at = reserved[top] + s_res, top
+                peak_alloc = max(peak_alloc, max(allocated[prev:position]) + s_alloc)
+                prev = position
+            if res is None:
+                break
+            before = reserved[position - 1] if position > 0 else 0
+            if before + res > peak:
+                peak, at = before + res, max(position - 1, 0)
+            s_res, s_alloc = res, alloc
+        for position, value in cast_peak.items():
+            peak_alloc = max(peak_alloc, value + _side_at(events, position, 2))
+        phase = next((name for name, start in reversed(src.phases) if start <= at), "load")
+        run = Zero2Run(max(peak, 0), peak_alloc, phase, side.stats.reserved, rank)
+        if best is None or run.peak_reserved > best.peak_reserved:
+            best = run
+    return best
+
+
+def _side_at(events, position: int, column: int) -> int:
+    value = 0
+    for event in events:
+        if event[0] > position:
+            break
+        value = event[column]
+    return value
 
 
 def simulate(stream: Stream, side: set[int], conf: AllocatorConf | None = None) -> tuple[int, int, str, int]:
@@ -402,11 +534,19 @@ def simulate(stream: Stream, side: set[int], conf: AllocatorConf | None = None) 
 def zero2_run(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> Zero2Run:
     """The allocator model over each rank's stream; the rank with the highest reserved peak."""
     conf = AllocatorConf.parse(shape.alloc_conf, "PYTORCH_CUDA_ALLOC_CONF")
+    if not shape.offload:
+        shared = _build_shared(r1, r2, shape)
+        run = _shared_run(shared, conf)
+        if run is not None:
+            return run
+        streams = (_merged(shared, rank) for rank in range(shape.ranks))
+    else:
+        streams = (build(r1, r2, shape, rank) for rank in range(shape.ranks))
     best = None
-    for rank in range(shape.ranks):
-        peak, allocated, phase, side = simulate(*build(r1, r2, shape, rank), conf)
+    for rank, (stream, side) in enumerate(streams):
+        peak, allocated, phase, side_reserved = simulate(stream, side, conf)
         if best is None or peak > best.peak_reserved:
-            best = Zero2Run(peak, allocated, phase, side, rank)
+            best = Zero2Run(peak, allocated, phase, side_reserved, rank)
     return best
 
 
