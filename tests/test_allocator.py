@@ -235,3 +235,14 @@ def test_a_programs_empty_cache_is_read_from_the_segments_it_released_and_the_al
     assert capped.oom_index is None and capped.peak_reserved == 2 * seg
     # the same releases, the allocation after them fitting under the cap: the program's call again
     assert replay(_timeline(actions, card=500 * MiB), limit=500 * MiB).peak_reserved == 2 * seg
+
+
+def test_fits_says_whether_a_cached_block_serves_a_request_and_changes_nothing():
+    sim = CachingAllocator()
+    block = sim.malloc(30 * 2**20)
+    sim.free(block)
+    before = sim.fingerprint()
+    assert sim.fits(12 * 2**20)  # from the cached 30 MiB segment
+    assert not sim.fits(40 * 2**20)  # would need a segment of its own
+    assert sim.fingerprint() == before
+    assert not CachingAllocator(AllocatorConf.parse("expandable_segments:True")).fits(2**20)

@@ -1,6 +1,9 @@
-"""ZeRO-2 with optimizer offload (harness.predict.zero2_stream): the stream with DeepSpeed's flat buffer
-and the boundary's gradient casts, against the recorded timeline of the architecture benchmark's full
-fine-tune (Qwen2.5-1.5B, rank 0 of 2, 2 x H200)."""
+"""ZeRO-2 (harness.predict.zero2_stream): the stream with DeepSpeed's buffers in it. With the optimizer on
+the host: the flat buffer and the boundary's gradient casts, against the recorded timeline of the
+architecture benchmark's full fine-tune (Qwen2.5-1.5B, rank 0 of 2, 2 x H200). With the optimizer on the
+device: the engine's casts and partitions, the IPG buckets and the gradient partition, against the three
+recorded LoRA timelines (fit's config for guide 001's rung 1 on one H200, Qwen2.5-7B and OLMoE-1B-7B on
+rank 0 of 2 x H200)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,19 @@ from pathlib import Path
 import pytest
 
 from harness.measure.timeline import MemoryTimeline
-from harness.predict.step import LAYER_POST, LAYER_PRE
-from harness.predict.stream import module_order
-from harness.predict.zero2_stream import applies, partition_slices
+from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
+from harness.predict.stream import Stream, head_matmul_index, module_order
+from harness.predict.zero2_stream import (
+    REDUCTION_STREAM,
+    Zero2Shape,
+    _merged,
+    _Reducer,
+    _Shared,
+    _shared_run,
+    applies,
+    partition_slices,
+    simulate,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_ID = "qwen25-1.5b-full-z2-offload-mb4-s1024-gc"
@@ -31,27 +44,30 @@ def test_module_order_puts_the_layers_between_what_comes_before_and_after():
     assert [r[0] for r in module_order(rows)] == [3, 4, 2, 1]
 
 
-def _measured():
+def _measured(case_id: str = CASE_ID, suite: str = "architectures"):
     import statistics
 
     from harness.baselines.store import load_baselines
-    from harness.predict.errors import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+    from harness.predict.errors import SUITES
     from harness.spec.cases import load_case
 
-    b = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == CASE_ID)
+    baselines, cases = SUITES[suite]
+    b = next(b for b in load_baselines(baselines) if b.case_id == case_id)
     ok = [r for r in b.runs if r.outcome == "ok"]
-    case = b.case_as_measured(load_case(ARCH_CASES_DIR / f"{CASE_ID}.yaml"))
+    case = b.case_as_measured(load_case(Path(cases) / f"{case_id}.yaml"))
     return case, b.platform.key, {k: statistics.median(getattr(r, f"{k}_peak") for r in ok)
                                   for k in ("allocated", "reserved")}
 
 
-def test_only_full_fine_tunes_under_zero2_with_optimizer_offload_take_the_stream():
+def test_which_zero2_configs_take_the_stream():
     from harness.spec.cases import CASES_DIR, load_case
 
     case, _, _ = _measured()
-    assert applies(case)
-    assert not applies(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA: the ratio
-    assert not applies(load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml"))  # no offload
+    assert applies(case)  # a full fine-tune, the optimizer on the host
+    assert not applies(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA offloaded: the ratio
+    assert applies(load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml"))  # LoRA, the optimizer on the device
+    assert applies(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"))  # QLoRA, on the device
+    assert not applies(load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml"))  # ZeRO-3
 
 
 def test_the_stream_against_the_recorded_timeline():
@@ -121,3 +137,209 @@ def test_the_prediction_of_the_full_fine_tune_under_zero2_offload():
     assert p.reserved == pytest.approx(measured["reserved"], rel=0.02)  # 16.21 GiB (the ratio gave 13.57)
     assert p.terms["zero2_reduction_stream_segments"] > 1.5 * GiB
     assert any("reduction stream" in n for n in p.notes)
+
+
+# --- the optimizer on the device -------------------------------------------------------------------------
+
+ON_DEVICE = {  # case id, suite, recorded timeline
+    "rung1": ("001-rung1-zero2.fitted", "fitted",
+              ROOT / "results/fitted/timelines/nvidia-h200-x1/001-rung1-zero2.fitted@2ga.json.gz"),
+    "qwen25-7b": ("qwen25-7b-lora-z2-mb2-s1024-gc", "architectures",
+                  ROOT / "results/architectures/timelines/nvidia-h200-x2/qwen25-7b-lora-z2-mb2-s1024-gc@2ga.json.gz"),
+    "olmoe": ("olmoe-1b-7b-lora-z2-mb2-s1024-gc", "architectures",
+              ROOT / "results/architectures/timelines/nvidia-h200-x2/olmoe-1b-7b-lora-z2-mb2-s1024-gc@2ga.json.gz"),
+}
+
+
+def _shape(bucket: int, ranks: int = 1) -> Zero2Shape:
+    return Zero2Shape(layers=1, grad_accum=2, ranks=ranks, half_bytes=2, overlap_comm=True, offload=False,
+                      bucket=bucket)
+
+
+def _hook(bucket: int, sizes: list[int], ranks: int = 1, keep: bool = True):
+    shared = _Shared(Stream([], [], []), [[] for _ in range(ranks)], [], [], True)
+    return shared, _Reducer(shared, _shape(bucket, ranks), sizes, keep_partition=keep)
+
+
+def _own_allocations(shared, rank: int) -> list[int]:
+    return [op for _, op in shared.side[rank] if op >= 0]
+
+
+def test_the_gradient_hook_fills_the_bucket_and_reduces_it_before_it_overflows():
+    sizes = [4, 4, 4, 4]  # one rank: every parameter is in its partition
+    shared, hook = _hook(8, sizes)
+    stream = shared.stream
+    grads = [stream.alloc(n * 2) for n in reversed(sizes)]
+    assert [hook(g) for g in grads[:2]] == [True, True]  # copied into the bucket, then freed
+    assert [stream.sizes[i] for i in hook.buffers] == [16, 16]  # setup_buckets: two IPG buffers (overlap_comm)
+    assert shared.side[0] == []  # the bucket holds 8 elements: not reduced yet
+    hook(grads[2])  # 8 + 4 > 8: the bucket is reduced first, and the partition buffer is made
+    assert _own_allocations(shared, 0) == [16 * 2]
+    kept = hook.epilogue()
+    assert kept == {0: 0}  # the first micro-step's buffer is held to the step
+    assert stream.ops[-2:] == [-hook.buffers[1] - 1, -hook.buffers[0] - 1]  # the IPG buffers dropped
+
+
+def test_a_later_micro_steps_partition_buffer_is_freed_at_its_backwards_end():
+    shared, hook = _hook(100, [4, 4], keep=False)
+    for n in (4, 4):
+        hook(shared.stream.alloc(n * 2))
+    assert hook.epilogue() == {}
+    assert [op for _, op in shared.side[0]] == [8 * 2, -1]
+
+
+def test_a_reduction_over_two_ranks_partitions_flattens_it_and_only_the_ranks_own_make_its_buffer():
+    sizes = [4, 4, 4, 4]  # two ranks: rank 0 holds parameters 0 and 1, which come last in the backward
+    shared, hook = _hook(8, sizes, ranks=2)
+    grads = [shared.stream.alloc(n * 2) for n in reversed(sizes)]
+    for g in grads[:3]:
+        hook(g)  # the third reduces parameters 3 and 2: rank 1's
+    assert _own_allocations(shared, 0) == [] and _own_allocations(shared, 1) == [8 * 2]
+    hook(grads[3])
+    hook.epilogue()  # reduces parameters 1 and 0: rank 0's
+    assert _own_allocations(shared, 0) == [8 * 2]  # no bucket spanned both partitions: nothing flattened
+    shared, hook = _hook(12, sizes, ranks=2)
+    for n in reversed(sizes):
+        hook(shared.stream.alloc(n * 2))  # parameters 3, 2 and 1 fill the bucket; 0 reduces them
+    hook.epilogue()
+    for rank in (0, 1):  # they span both partitions: allreduce_bucket's transient, on every rank, freed at once
+        assert shared.side[rank][:2] == [(shared.side[rank][0][0], 12 * 2), (shared.side[rank][0][0], -1)]
+    assert _own_allocations(shared, 1)[1] == 8 * 2 and _own_allocations(shared, 0)[1] == 8 * 2
+
+
+def test_a_gradient_larger_than_the_bucket_is_kept_until_its_reduction():
+    shared, hook = _hook(4, [2, 10])
+    stream = shared.stream
+    big = stream.alloc(20)
+    assert hook(big) is False and -big - 1 not in stream.ops
+    hook(stream.alloc(4))  # 10 + 2 > 4: the bucket (the large gradient) is reduced, and the gradient freed
+    assert -big - 1 in stream.ops
+
+
+def test_one_replay_for_every_rank_gives_each_ranks_own_replay():
+    """The ranks differ only in their own allocations on the reduction stream and the step's norm casts:
+    one replay of the shared stream, each rank's own allocations beside it, gives what replaying each
+    rank's whole stream gives."""
+    from harness.predict.allocator import AllocatorConf
+
+    shared = _Shared(Stream([], [], []), [[], []], [], [[3 * 2**20], [2**20, 2**20]], True)
+    stream = shared.stream
+    stream.mark("step")
+    a = stream.alloc(30 * 2**20)
+    shared.side[0].append((len(stream.ops), 12 * 2**20))  # rank 0's buffer, then rank 1's larger one
+    b = stream.alloc(8 * 2**20)
+    shared.side[1].append((len(stream.ops), 25 * 2**20))
+    stream.free(a)
+    shared.casts.append(len(stream.ops))
+    stream.alloc(40 * 2**20)
+    stream.free(b)
+    shared.side[0].append((len(stream.ops), -1))
+    shared.side[1].append((len(stream.ops), -1))
+    run = _shared_run(shared, AllocatorConf())
+    whole = [simulate(*_merged(shared, rank), AllocatorConf()) for rank in (0, 1)]
+    assert run.rank == 1 and run.peak_reserved == whole[1][0] > whole[0][0]
+    assert run.reduction_stream_reserved == whole[1][3]
+
+
+def test_the_backwards_workspace_comes_after_the_heads_input_gradient():
+    events = [(1, 0, 8, F_, LAYER_POST), (1, 1, 60, F_, LAYER_POST),  # hidden states, logits (60 bytes)
+              (1, 2, 120, B_, LAYER_POST), (1, 3, 60, B_, LAYER_POST),  # the loss's gradient, the logits'
+              (0, 2, 120, B_, LAYER_POST), (1, 4, 8, B_, LAYER_POST),  # the head's matmul: its output
+              (0, 3, 60, B_, LAYER_POST), (1, 5, 8, B_, 0)]
+    r = TraceResult(layers=1, peak=0, held_after_forward=0, logits=60, params=ParamInfo(), seconds=0.0,
+                    events=[list(e) for e in events])
+    assert head_matmul_index(r) == 4  # after event 3 of the backward's first chunk (the 8-byte output)
+    assert head_matmul_index(TraceResult(layers=1, peak=0, held_after_forward=0, logits=7, params=ParamInfo(),
+                                         seconds=0.0, events=[list(e) for e in events])) is None
+
+
+F_, B_ = 0, 1
+
+
+def _recorded_phases(tl: MemoryTimeline) -> list[tuple[str, int, int]]:
+    curve = tl.curve()
+    return [(phase, max(curve.allocated[start:end]), curve.reserved[end - 1]) for phase, start, end in tl.phase_spans()]
+
+
+def _built_phases(stream: Stream, side: set[int]) -> list[tuple[str, int, int]]:
+    from harness.predict.allocator import AllocatorConf, CachingAllocator
+    from harness.predict.zero2_stream import EMPTY_CACHE
+
+    sim, blocks, out = CachingAllocator(AllocatorConf()), {}, []
+    starts: dict[int, str] = {}
+    for name, start in stream.phases:
+        starts.setdefault(start, name)
+    current, peak = None, 0
+    for i, op in enumerate([*stream.ops, 0]):
+        if i in starts or i == len(stream.ops):
+            if current is not None:
+                out.append((current, peak, sim.stats.reserved))
+            if i == len(stream.ops):
+                break
+            current, peak = starts[i], 0
+        if op is EMPTY_CACHE:
+            sim.empty_cache()
+        elif op >= 0:
+            blocks[op] = sim.malloc(stream.sizes[op], REDUCTION_STREAM if op in side else 0)
+        else:
+            block = blocks.pop(-op - 1, None)
+            if block is not None:
+                sim.free(block)
+        peak = max(peak, sim.stats.allocated)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ON_DEVICE))
+def test_the_on_device_stream_against_the_recorded_timeline(name):
+    """The load and the engine land on the recorded reserve; after the first micro-step's backward the
+    reserve is the recording's (three fp32 segments of the loss, not four: the backward's cuBLAS workspace
+    comes after the loss's backward); the reserved peak is the recording's to 1 %."""
+    from harness.models.source import load_model
+    from harness.predict.allocator import AllocatorConf
+    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.predict.zero2_stream import build
+
+    case_id, suite, path = ON_DEVICE[name]
+    tl = MemoryTimeline.load(path)
+    case, _, _ = _measured(case_id, suite)
+    arch = load_model(case.model)
+    r1, r2 = trace_pair(TraceSpec.of(case, arch))
+    shape = Zero2Shape.of(case, arch.layers, int(arch.config["hidden_size"]))
+    assert not shape.offload and applies(case)
+    stream, side = build(r1, r2, shape, tl.rank)
+    recorded, built = _recorded_phases(tl), _built_phases(stream, side)
+    assert [p for p, _, _ in built[:3]] == ["load", "engine", "step"]
+    for (phase, _, rec), (_, _, got) in zip(recorded[:2], built[:2], strict=True):
+        assert got == pytest.approx(rec, rel=0.005), phase
+    first_backward = next(r for p, _, r in recorded if p == "backward")
+    assert built[2][2] == pytest.approx(first_backward, rel=0.005)
+    _, recorded_peak = tl.curve().peak("reserved")
+    peak, _, _, _ = simulate(stream, side, AllocatorConf())
+    assert peak == pytest.approx(recorded_peak, rel=0.01)
+
+
+def test_the_prediction_of_fits_rung1_config_under_zero2():
+    """-11.0 % on reserved with the ratio (8.30 against 9.33 GiB)."""
+    from harness.predict.predictor import predict
+
+    case, platform, measured = _measured("001-rung1-zero2.fitted", "fitted")
+    p = predict(case, platform=platform, exclude={case.id})
+    assert p.reserved == pytest.approx(measured["reserved"], rel=0.01)
+    assert p.terms["reserved_by_ratio"] < 0.92 * measured["reserved"]
+
+
+def test_the_load_before_the_engine_holds_the_adapters_and_a_peft_4bit_models_rest_in_fp32():
+    from harness.predict.stream import RunShape, load_stream
+
+    # as a DeepSpeed trace holds them: every parameter in the half dtype
+    layout = [[64, 2, 0, 0, LAYER_PRE, 0], [256, 2, 1, 0, 0, 0], [8, 2, 0, 1, 0, 1]]
+    r = TraceResult(layers=1, peak=0, held_after_forward=0, logits=0, params=ParamInfo(), seconds=0.0,
+                    layout=[list(row) for row in layout])
+    shape = RunShape(1, 1, 2, False, False)
+    for kbit, wide in ((False, [(8, True)]), (True, [(64, False), (8, True)])):
+        stream = Stream([], [], [])
+        loaded = load_stream(r, r, shape, stream, before_engine=True, kbit_fp32=kbit)
+        assert [(n, grad) for _, n, _, grad in loaded.wide] == wide
+        assert all(stream.sizes[ident] == n * 4 for ident, n, _, _ in loaded.wide)
+    stream = Stream([], [], [])
+    assert load_stream(r, r, shape, stream).wide == []  # without an engine: as the layout holds them

@@ -393,6 +393,20 @@ class CachingAllocator:
                 self.pending.remove(block)
             self._free_block(block)
 
+    def fits(self, size: int, stream: int = 0) -> bool:
+        """Whether `malloc(size, stream)` would be served from a cached block, without a new segment or a
+        mapped page; the allocator is left as it was. A block allocated so and freed at once leaves the
+        allocator's blocks as they were (the split-off rest merges back)."""
+        if self.conf.expandable_segments or self._gc_on:
+            return False
+        rsize = round_size(size, self.conf)
+        pool = self.small if rsize <= SMALL_SIZE else self.large
+        block = self._get_free_block(pool, stream, rsize)
+        if block is None:
+            return False
+        pool.insert(block)
+        return True
+
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): every unsplit cached segment back to the driver."""
         self._release_cached_blocks()

@@ -26,9 +26,10 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    (`harness.predict.states.zero3_reentrant_retention`).
 5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
    the run's allocation stream built from the traces (`harness.predict.stream`: the load, optimizer
-   steps until the allocator's state repeats from one step to the next); a full fine-tune under
-   ZeRO-2 with optimizer offload the same, over a stream with DeepSpeed's buffers in it
-   (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated (`harness.predict.calibration`,
+   steps until the allocator's state repeats from one step to the next); ZeRO-2 with the optimizer on
+   the device (LoRA, QLoRA, full) or, for a full fine-tune, on the host the same, over a stream with
+   DeepSpeed's buffers in it (`harness.predict.zero2_stream`); other DeepSpeed configs, calibrated
+   (`harness.predict.calibration`,
    fitted on results/baselines at call time, per platform): allocated x reserved_over_allocated
    (+ zero3_cached_gathers x the largest gathered parameter's bytes under ZeRO-3), since the stream
    lacks DeepSpeed's buckets and offload buffers; a ZeRO-3 full fine-tune with its parameters on the
@@ -419,15 +420,18 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
 
     one_pool = None
     if zero2_stream.applies(case) and conf.backend == "native":
-        # ZeRO-2 with optimizer offload: the allocator model over the run's stream with DeepSpeed's
-        # buffers in it (harness.predict.zero2_stream)
-        run = zero2_stream.simulated(trace_spec, zero2_stream.Zero2Shape.of(case, layers))
+        # ZeRO-2: the allocator model over the run's stream with DeepSpeed's buffers in it
+        # (harness.predict.zero2_stream)
+        shape = zero2_stream.Zero2Shape.of(case, layers, int(arch.config["hidden_size"]))
+        run = zero2_stream.simulated(trace_spec, shape)
         terms["reserved_by_ratio"] = reserved
         terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
         reserved = max(run.peak_reserved, allocated)
-        notes.append(f"reserved: the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps, "
-                     f"the boundary's fp64/fp32 gradient casts on the reduction stream (rank {run.rank}: "
-                     f"{run.reduction_stream_reserved / GiB:.2f} GiB there), not allocated x "
+        what = ("the boundary's fp64/fp32 gradient casts" if shape.offload else
+                "the IPG buckets, the gradient partition, the fp32 master partition and its moments")
+        notes.append(f"reserved: the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps "
+                     f"with {what} (rank {run.rank}: {run.reduction_stream_reserved / GiB:.2f} GiB in segments "
+                     f"of DeepSpeed's reduction stream; peak during the {run.peak_phase}), not allocated x "
                      f"reserved_over_allocated ({ratio:.3f})")
     elif one_pool := _zero3_one_pool(case, arch, layers, trace_spec, conf, notes):
         # ZeRO-3 gathering on the current stream: the allocator model over the model's allocations and

@@ -120,7 +120,7 @@ def _counterparts(chunks) -> dict[int, int]:
 
 
 def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None,
-           keep_grads: bool = False, between=None) -> list[int]:
+           keep_grads: bool = False, between=None, on_grad=None, on_head_matmul=None) -> list[int]:
     """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
     `on_backward()` is called where the backward begins (to allocate what the real step allocates
     there and the trace had before it: the autograd thread's cuBLAS workspace). `keep_grads`: the
@@ -128,12 +128,15 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
     run with gradients there, added and freed it), where the backward makes it. `between(phase, layer, i,
     n)` is called before event i of each layer's chunk of n events and after its last (i == n): layer the
     decoder layer at full depth (0 the first), or LAYER_PRE / LAYER_POST; what another source allocates
-    in that chunk goes into the stream there."""
+    in that chunk goes into the stream there. `on_grad(ident)` is called after each allocation handed to a
+    trainable parameter's AccumulateGrad (what a gradient hook sees); when it returns True the hook has freed
+    it. `on_head_matmul()` is called after the output head's input-gradient matmul allocates its output
+    (`head_matmul_index`): the autograd thread's first cuBLAS call, where its handle takes its workspace."""
     if layers <= 1:
         chunks = _chunks(r1.events)
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
         return _emit(plan, {}, {}, 1, stream, on_backward, kept=frozenset(r1.grads) if keep_grads else frozenset(),
-                     between=between)
+                     between=between, grads=_grad_hook(r1, on_grad), head=_head_hook(r1, on_head_matmul))
     chunks = _chunks(r2.events)
     if not any(layer == 1 for _, layer, _ in chunks):
         raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
@@ -153,7 +156,31 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
     counterpart = _counterparts(chunks)
     return _emit(plan, where, counterpart, layers, stream, on_backward, _handed_down(chunks, where),
                  _kept_by_every_layer(chunks, counterpart), frozenset(r2.grads) if keep_grads else frozenset(),
-                 between)
+                 between, _grad_hook(r2, on_grad), _head_hook(r2, on_head_matmul))
+
+
+def _grad_hook(r: TraceResult, on_grad):
+    return (frozenset(r.grads), on_grad) if on_grad is not None else None
+
+
+def _head_hook(r: TraceResult, on_head_matmul):
+    return (head_matmul_index(r), on_head_matmul) if on_head_matmul is not None else None
+
+
+def head_matmul_index(r: TraceResult) -> int | None:
+    """Where, in the backward's first chunk (the loss and the output head, after the decoder layers), the
+    head's input-gradient matmul has allocated its output: the index of the event after the allocation that
+    follows the last allocation of the logits' size (the logits' gradient, which the loss's backward hands the
+    head). The loss's backward (cross entropy, log-softmax) runs no matmul, so this is the autograd thread's
+    first cuBLAS call. None when the chunk holds no such allocation."""
+    chunks = _chunks(r.events)
+    first = next((evs for ph, _, evs in chunks if ph == BACKWARD), None)
+    if not first:
+        return None
+    last = max((i for i, e in enumerate(first) if e[0] == 1 and e[2] == r.logits), default=None)
+    if last is None:
+        return None
+    return next((i + 1 for i in range(last + 1, len(first)) if first[i][0] == 1), None)
 
 
 def _kept_by_every_layer(chunks, counterpart: dict[int, int]) -> set[int]:
@@ -181,9 +208,14 @@ def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
 
 
 def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None,
-          every_copy=frozenset(), kept=frozenset(), between=None) -> list[int]:
+          every_copy=frozenset(), kept=frozenset(), between=None, grads=None, head=None) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
+    grad_ids, on_grad = grads or (frozenset(), None)
+    head_at, on_head = head or (None, None)
+    if on_head is not None and head_at is None:  # no head matmul found: where the backward begins
+        on_backward = _both(on_backward, on_head)
+        on_head = None
 
     def release(target):
         ident = ids.get(target)
@@ -192,12 +224,18 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             stream.free(ident)
 
     for phase, layer, evs, k in plan:
+        head_here = None
         if phase == BACKWARD and on_backward is not None:
             on_backward()
             on_backward = None
+        if phase == BACKWARD and on_head is not None:
+            head_here, on_head = on_head, None
         down = list((handed or {}).get(phase, ())) if layer == 1 and k + 1 < layers else []
         at = k if layer in (0, 1) else layer  # the decoder layer this chunk stands for at full depth
         for index, (op, tid, size, _, _) in enumerate(evs):
+            if head_here is not None and index == head_at:
+                head_here()
+                head_here = None
             if between is not None:
                 between(phase, at, index, len(evs))
             while down and down[0][0] <= index:  # the block the copy above handed down to this one
@@ -206,6 +244,8 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
                 ident = stream.alloc(size)
                 ids[(k, tid)] = ident
                 live.add(ident)
+                if tid in grad_ids and on_grad(ident):
+                    live.discard(ident)
                 continue
             if tid in kept:
                 continue  # a parameter's gradient, kept by the parameter
@@ -225,6 +265,8 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             else:
                 target = (0, tid)
             release(target)
+        if head_here is not None:
+            head_here()
         for _, tid in down:
             release((k + 1, tid))
         if between is not None:
@@ -232,24 +274,54 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
     return sorted(live)
 
 
-def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Stream) -> None:
-    """Append the model's load to `stream`."""
+def _both(a, b):
+    if a is None:
+        return b
+
+    def both():
+        a()
+        b()
+    return both
+
+
+@dataclass
+class Loaded:
+    """What the load leaves each parameter in: `wide`, (id, elements, layer, trainable) of every parameter
+    held wider than the half dtype (peft's fp32 adapters, the k-bit preparation's fp32 upcasts), in load
+    order; `trainable`, the ids of the trainable parameters held in the half dtype."""
+
+    wide: list[tuple[int, int, int, bool]]
+    trainable: list[int]
+
+
+def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Stream, before_engine: bool = False,
+                kbit_fp32: bool = False) -> Loaded:
+    """Append the model's load to `stream`. `before_engine`: a DeepSpeed engine casts the module to the half
+    dtype after the load, so the traced layout holds every parameter at that width; before it, peft held
+    the adapters in fp32 (`autocast_adapter_dtype`), as without DeepSpeed, and with `kbit_fp32` (peft's
+    stack on a 4-bit model) `prepare_model_for_kbit_training` every parameter it did not quantize."""
     layout = layout_at(r1.layout, r2.layout, shape.layers)
     half = shape.half_bytes
     stream.mark("load")
     base = [row for row in layout if not row[5]]
+    if before_engine and kbit_fp32:
+        base = [[n, size if q else max(size, 4), q, *rest] for n, size, q, *rest in base]
     if shape.model_source == "config":
-        built_from_config(base, r1.params, half, stream)
+        loaded = Loaded([], built_from_config(base, r1.params, half, stream))
     else:
-        _loaded_from_checkpoint(base, shape, stream)
+        loaded = Loaded(_loaded_from_checkpoint(base, shape, stream), [])
     # peft moves every adapter to its base layer's device in the half dtype, then casts each to fp32
     # (autocast_adapter_dtype): the half copies are freed one by one
-    adapters = [(n, size) for n, size, _, _, _, adapter in layout if adapter]
-    moved = [stream.alloc(n * min(size, half)) for n, size in adapters]
-    for (n, size), ident in zip(adapters, moved, strict=True):
+    adapters = [(n, max(size, 4) if before_engine else size, layer, grad)
+                for n, size, _, grad, layer, adapter in layout if adapter]
+    moved = [stream.alloc(n * min(size, half)) for n, size, _, _ in adapters]
+    for (n, size, layer, grad), ident in zip(adapters, moved, strict=True):
         if size > half:
-            stream.alloc(n * size)
+            loaded.wide.append((stream.alloc(n * size), n, layer, bool(grad)))
             stream.free(ident)
+        elif grad:
+            loaded.trainable.append(ident)
+    return loaded
 
 
 def module_order(layout: list[list[int]]) -> list[list[int]]:
@@ -278,8 +350,9 @@ def built_from_config(base: list[list[int]], params, half: int, stream: Stream) 
     return trainable
 
 
-def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stream) -> None:
-    """`from_pretrained`: the warm-up block, then each parameter in checkpoint order."""
+def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stream) -> list[tuple[int, int, int, bool]]:
+    """`from_pretrained`: the warm-up block, then each parameter in checkpoint order. Returns (id, elements,
+    layer, False) of each parameter copied wider than it loads."""
     half = shape.half_bytes
     stream.free(stream.alloc(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base)))  # caching_allocator_warmup
     kept_half: list[tuple[int, int, int, int]] = []  # (id, elements, layer, bytes each as trained) of the rest
@@ -300,10 +373,12 @@ def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stre
     # a parameter the stack holds wider than it loads (peft's prepare_model_for_kbit_training, an fp32
     # upcast of trainable weights) is copied, in module order, and its loaded copy freed
     kept_half.sort(key=lambda item: item[2])
-    for ident, n, _, size in kept_half:
+    wide = []
+    for ident, n, layer, size in kept_half:
         if size > half:
-            stream.alloc(n * size)
+            wide.append((stream.alloc(n * size), n, layer, False))
             stream.free(ident)
+    return wide
 
 
 def _gradients(layout: list[list[int]], stream: Stream) -> list[int]:
