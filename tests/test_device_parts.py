@@ -4,6 +4,7 @@ the probe itself (harness.runtime.device_probe; on a GPU only in the `gpu` test)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,15 +24,17 @@ MiB = 2**20
 H100 = "nvidia-h100-80gb-hbm3-x1"
 
 
-def record(platform=H100, count=1, nccl=None, **parts) -> DeviceRecord:
-    base = {"cuda_context": 500, "cublas": 70, "attention": 20, "triton": 30, "bitsandbytes": 12, "deepspeed": 40}
+def record(platform=H100, count=1, nccl=None, deepspeed=None, **parts) -> DeviceRecord:
+    base = {"cuda_context": 500, "cublas": 70, "attention": 20, "triton": 30, "bitsandbytes": 12}
     base.update(parts)
     return DeviceRecord(
         platform=platform, card="NVIDIA H100 80GB HBM3", device_count=count, vendor="nvidia", driver="580.159.04",
         torch="2.11.0+cu130", cuda="13.0", hip=None, date="2026-11-26", memory_source="NVML (per process)",
         parts={k: Part(bytes=None if v is None else v * MiB, how=PARTS[k], error=None if v is not None else "absent")
                for k, v in base.items()},
-        nccl={w: Part(bytes=b * MiB, how="nccl") for w, b in (nccl or {1: 200, 2: 400}).items()})
+        nccl={w: Part(bytes=b * MiB, how="nccl") for w, b in (nccl or {1: 200, 2: 400}).items()},
+        deepspeed={w: Part(bytes=b * MiB, how="deepspeed")
+                   for w, b in ({1: 150, 2: 450} if deepspeed is None else deepspeed).items()})
 
 
 @pytest.fixture
@@ -66,6 +69,14 @@ def test_record_round_trips_and_bad_fields_are_named(tmp_path):
     data["parts"], data["nccl"] = {}, {"two": {"bytes": 1}}
     path.write_text(json.dumps(data))
     with pytest.raises(DeviceRecordError, match=r"nccl.two: the key is a world size"):
+        DeviceRecord.read(path)
+    data["nccl"], data["deepspeed"] = {}, {"0": {"bytes": 1}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(DeviceRecordError, match=r"deepspeed.0: the key is a world size"):
+        DeviceRecord.read(path)
+    data["deepspeed"], data["schema"] = {}, 1  # DeepSpeed measured once, beyond NCCL: measured again
+    path.write_text(json.dumps(data))
+    with pytest.raises(DeviceRecordError, match=r"schema: 1, this harness reads 2. Measure it again"):
         DeviceRecord.read(path)
 
 
@@ -107,14 +118,15 @@ def test_predictor_adds_the_probes_parts_the_config_uses(device_dir):
     assert gla.device - gla.reserved == (500 + 70 + 30) * MiB  # Triton, not the attention kernels
 
 
-def test_deepspeed_jobs_add_nccl_at_their_world_size_and_the_engine(device_dir):
-    (device_dir / f"{H100}.json").write_text(record(nccl={1: 200, 2: 400}).to_json())
+def test_deepspeed_jobs_add_the_deepspeed_job_at_their_world_size_not_nccl_on_top(device_dir):
+    (device_dir / f"{H100}.json").write_text(record(nccl={1: 200, 2: 400}, deepspeed={1: 150, 2: 450}).to_json())
     case = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")  # one rank, ZeRO-2
     p = predict(case, platform=H100)
-    assert p.device - p.reserved == (500 + 70 + 20 + 200 + 40) * MiB
+    assert p.device - p.reserved == (500 + 70 + 20 + 150) * MiB  # the job makes its communicators: no NCCL term
+    assert "device_nccl" not in p.terms and "DeepSpeed at 1 ranks: measured at 1 ranks" in p.notes
     eight = predict(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"), platform=H100)  # 8 ranks
-    assert eight.terms["device_nccl"] == 400 * MiB  # the largest world measured; one rank's NCCL has no peers
-    assert "NCCL at 8 ranks: measured at 2 ranks, used for 8" in eight.notes
+    assert eight.terms["device_deepspeed"] == 450 * MiB  # the largest world measured; one rank has no peers
+    assert "DeepSpeed at 8 ranks: measured at 2 ranks, used for 8" in eight.notes
 
 
 def test_fitted_overhead_where_no_record_or_a_part_is_missing(device_dir):
@@ -126,7 +138,7 @@ def test_fitted_overhead_where_no_record_or_a_part_is_missing(device_dir):
     assert p.device - p.reserved == fitted
     said = "device = reserved + the overhead fitted on the baselines (no probe record"
     assert any(n.startswith(said) for n in p.notes)
-    (device_dir / f"{H100}.json").write_text(record(deepspeed=None).to_json())
+    (device_dir / f"{H100}.json").write_text(record(deepspeed={}).to_json())
     p = predict(case, platform=H100)
     assert p.device - p.reserved == fitted
     assert any("has no figure for deepspeed: the fitted overhead is used" in n for n in p.notes)
@@ -166,3 +178,5 @@ def test_probe_on_a_gpu_writes_a_record(tmp_path):
     assert path.stem == platform_key(torch.cuda.get_device_name(0), torch.cuda.device_count()) == r.platform
     assert r.part("cuda_context") > 100 * MiB and r.part("cublas") is not None
     assert r.nccl[1].bytes is not None and r.seconds < 120
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert r.deepspeed and all(p.bytes is not None for p in r.deepspeed.values())

@@ -24,10 +24,13 @@ PARTS: dict[str, str] = {
     "attention": "scaled-dot-product attention kernels (flash, memory-efficient, cuDNN), bf16 forward and backward",
     "triton": "the Triton runtime and a compiled kernel's image, after one launch",
     "bitsandbytes": "bitsandbytes' 4-bit (nf4) Linear4bit forward and backward",
-    "deepspeed": "per rank, DeepSpeed's engine (ZeRO-2 over NCCL, a small model, one step) beyond NCCL itself",
 }
 NCCL = "per rank: the NCCL communicator, its buffers and channels after all-reduce, all-gather and reduce-scatter"
-RECORD_SCHEMA = 1
+# A DeepSpeed job is measured whole, in processes of its own: whether and how NCCL's communicators are
+# made is DeepSpeed's to decide (one rank of ZeRO-2 holds less than NCCL's own probe at one rank).
+DEEPSPEED = ("per rank: a DeepSpeed job from deepspeed.initialize (NCCL's communicators included) through one "
+             "ZeRO-2 step of a small model, in fresh processes whose context and cuBLAS were loaded first")
+RECORD_SCHEMA = 2  # 2: DeepSpeed by world size, NCCL's communicators included (1: one figure beyond NCCL)
 
 
 class DeviceRecordError(ValueError):
@@ -76,6 +79,7 @@ class DeviceRecord:
     memory_source: str  # how the device figure was read (NVML per process, nvidia-smi, the card's used memory)
     parts: dict[str, Part]
     nccl: dict[int, Part] = field(default_factory=dict)  # by world size, per rank
+    deepspeed: dict[int, Part] = field(default_factory=dict)  # by world size, per rank (DEEPSPEED)
     versions: dict[str, str] = field(default_factory=dict)  # the libraries whose parts were measured
     seconds: float = 0.0
     schema: int = RECORD_SCHEMA
@@ -83,6 +87,7 @@ class DeviceRecord:
     def to_json(self) -> str:
         data = asdict(self)
         data["nccl"] = {str(k): v for k, v in data["nccl"].items()}
+        data["deepspeed"] = {str(k): v for k, v in data["deepspeed"].items()}
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
     @classmethod
@@ -104,37 +109,49 @@ class DeviceRecord:
         unknown = sorted(set(parts) - set(PARTS))
         if unknown:
             raise DeviceRecordError(path, f"parts.{unknown[0]}", f"not a part this harness knows ({', '.join(PARTS)})")
-        nccl = {}
-        for k, v in _mapping(path, "nccl", data.get("nccl", {})).items():
-            if not str(k).isdigit() or int(k) < 1:
-                raise DeviceRecordError(path, f"nccl.{k}", "the key is a world size, a whole number of at least 1")
-            nccl[int(k)] = _part(path, f"nccl.{k}", v)
+        by_world = {}
+        for name in ("nccl", "deepspeed"):
+            by_world[name] = {}
+            for k, v in _mapping(path, name, data.get(name, {})).items():
+                if not str(k).isdigit() or int(k) < 1:
+                    raise DeviceRecordError(path, f"{name}.{k}",
+                                            "the key is a world size, a whole number of at least 1")
+                by_world[name][int(k)] = _part(path, f"{name}.{k}", v)
         return cls(platform=data["platform"], card=data["card"], device_count=data["device_count"],
                    vendor=str(data.get("vendor", "nvidia")), driver=data.get("driver"), torch=data["torch"],
                    cuda=data.get("cuda"), hip=data.get("hip"), date=data["date"], memory_source=data["memory_source"],
-                   parts=parts, nccl=nccl, versions=dict(data.get("versions") or {}),
-                   seconds=float(data.get("seconds") or 0.0))
+                   parts=parts, nccl=by_world["nccl"], deepspeed=by_world["deepspeed"],
+                   versions=dict(data.get("versions") or {}), seconds=float(data.get("seconds") or 0.0))
 
     def part(self, name: str) -> int | None:
         p = self.parts.get(name)
         return None if p is None else p.bytes
 
     def nccl_for(self, ranks: int) -> tuple[int | None, str]:
-        """NCCL's bytes per rank at `ranks` ranks, and how: measured at that world size, else linear in
-        the world size through the two nearest measured sizes of several ranks, else the one measured."""
-        measured = {w: p.bytes for w, p in self.nccl.items() if p.bytes is not None}
-        if ranks in measured:
-            return measured[ranks], f"measured at {ranks} ranks"
-        several = sorted(w for w in measured if w > 1) if ranks > 1 else sorted(measured)
-        if not several:
-            return None, "not measured"
-        if len(several) == 1:
-            w = several[0]
-            return measured[w], f"measured at {w} ranks, used for {ranks}"
-        a, b = sorted(several, key=lambda w: (abs(w - ranks), w))[:2]
-        a, b = min(a, b), max(a, b)
-        value = measured[a] + (measured[b] - measured[a]) * (ranks - a) / (b - a)
-        return max(0, round(value)), f"linear in the world size through {a} and {b} ranks"
+        """NCCL's bytes per rank at `ranks` ranks, and how (`at_world_size`)."""
+        return at_world_size(self.nccl, ranks)
+
+    def deepspeed_for(self, ranks: int) -> tuple[int | None, str]:
+        """A DeepSpeed job's bytes per rank at `ranks` ranks, NCCL's included, and how (`at_world_size`)."""
+        return at_world_size(self.deepspeed, ranks)
+
+
+def at_world_size(table: dict[int, Part], ranks: int) -> tuple[int | None, str]:
+    """A part measured by world size, at `ranks` ranks, and how: measured at that world size, else linear in
+    the world size through the two nearest measured sizes of several ranks, else the one measured."""
+    measured = {w: p.bytes for w, p in table.items() if p.bytes is not None}
+    if ranks in measured:
+        return measured[ranks], f"measured at {ranks} ranks"
+    several = sorted(w for w in measured if w > 1) if ranks > 1 else sorted(measured)
+    if not several:
+        return None, "not measured"
+    if len(several) == 1:
+        w = several[0]
+        return measured[w], f"measured at {w} ranks, used for {ranks}"
+    a, b = sorted(several, key=lambda w: (abs(w - ranks), w))[:2]
+    a, b = min(a, b), max(a, b)
+    value = measured[a] + (measured[b] - measured[a]) * (ranks - a) / (b - a)
+    return max(0, round(value)), f"linear in the world size through {a} and {b} ranks"
 
 
 def _mapping(path, key, value) -> dict:
@@ -157,7 +174,7 @@ def _part(path, key, value) -> Part:
 
 def record_for(platform: str | None, folder: Path) -> tuple[DeviceRecord | None, str]:
     """The probe record of a platform, and where it came from: `<folder>/<platform>.json`, else a record
-    of the same card with another count (its NCCL sizes merged from every record of that card)."""
+    of the same card with another count (its NCCL and DeepSpeed sizes merged from every record of that card)."""
     if platform is None:
         return None, "no platform named"
     folder = Path(folder)
@@ -167,10 +184,13 @@ def record_for(platform: str | None, folder: Path) -> tuple[DeviceRecord | None,
         return None, f"no probe record {own}"
     records = {p: DeviceRecord.read(p) for p in same_card}
     main = records.get(own) or max(records.values(), key=lambda r: r.device_count)
-    nccl = {}
+    nccl, deepspeed = {}, {}
     for r in sorted(records.values(), key=lambda r: r.platform != main.platform):  # the platform's own first
         for w, p in r.nccl.items():
             nccl.setdefault(w, p)
+        for w, p in r.deepspeed.items():
+            deepspeed.setdefault(w, p)
     where = own if own in records else folder / f"{main.platform}.json"
-    merged = DeviceRecord(**{**{f: getattr(main, f) for f in main.__dataclass_fields__}, "nccl": nccl})
+    merged = DeviceRecord(**{**{f: getattr(main, f) for f in main.__dataclass_fields__}, "nccl": nccl,
+                             "deepspeed": deepspeed})
     return merged, str(where)

@@ -1,8 +1,8 @@
 """The device figure beyond reserved memory: the probe's measured parts a config uses, or the fitted overhead.
 
 device = reserved + CUDA/HIP context + cuBLAS + attention kernels (or Triton, for
-flash-linear-attention models) + bitsandbytes (QLoRA) + NCCL at the job's world size (DeepSpeed or
-several ranks) + DeepSpeed's engine (DeepSpeed). The parts are named constants per platform,
+flash-linear-attention models) + bitsandbytes (QLoRA) + NCCL at the job's world size (several
+ranks), or a DeepSpeed job's part at it, NCCL included. The parts are named constants per platform,
 measured by `python -m harness.runtime.device_probe` and kept with their provenance in
 `results/device/<platform>.json` (`harness.measure.device_parts`). Where the platform has no record,
 or its record lacks a part the config uses, the overhead fitted on the baselines stands in
@@ -42,10 +42,10 @@ def parts_used(case: Case, arch: Architecture) -> list[str]:
     used.append("triton" if arch.uses_triton_kernels else "attention")
     if case.method.kind == "qlora":
         used.append("bitsandbytes")
-    if case.deepspeed is not None or case.launch.ranks > 1:
-        used.append("nccl")
     if case.deepspeed is not None:
-        used.append("deepspeed")
+        used.append("deepspeed")  # the job's NCCL communicators as DeepSpeed makes them, included
+    elif case.launch.ranks > 1:
+        used.append("nccl")
     return used
 
 
@@ -62,9 +62,9 @@ def overhead(case: Case, arch: Architecture, platform: str | None, fitted: dict[
     if record is not None:
         terms, missing = {}, []
         for name in parts_used(case, arch):
-            if name == "nccl":
-                value, how = record.nccl_for(case.launch.ranks)
-                notes.append(f"NCCL at {case.launch.ranks} ranks: {how}")
+            if name in ("nccl", "deepspeed"):
+                value, how = (record.nccl_for if name == "nccl" else record.deepspeed_for)(case.launch.ranks)
+                notes.append(f"{'NCCL' if name == 'nccl' else 'DeepSpeed'} at {case.launch.ranks} ranks: {how}")
             else:
                 value = record.part(name)
             if value is None:

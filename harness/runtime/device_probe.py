@@ -13,7 +13,9 @@ How: one fresh process measures the single-process parts in order (`PARTS`: the 
 cuBLAS, attention, Triton, bitsandbytes; each is the growth of device figure minus reserved over
 its step, so a library's lazily loaded kernels count to it). Then, for each world size (1, 2 and
 every visible GPU, at most `--ranks`), fresh processes, one per GPU, measure NCCL (init, all-reduce,
-all-gather, reduce-scatter) and, at the largest size, DeepSpeed's engine on top. A part that
+all-gather, reduce-scatter), and other fresh ones a DeepSpeed job (deepspeed.initialize, which makes
+the process group, and one ZeRO-2 step of a small model; NCCL's communicators are the job's to make,
+and one rank of it holds less than NCCL's own probe at one rank). A part that
 fails or is missing its library is recorded with the reason, never a failed probe; a step past
 `--timeout` ends its processes. On CPU only, it says so and exits 2.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.measure.device_parts import NCCL, PARTS, DeviceRecord, Part, platform_key
+from harness.measure.device_parts import DEEPSPEED, NCCL, PARTS, DeviceRecord, Part, platform_key
 
 DEFAULT_OUT = Path("results") / "device"
 EXIT_NO_GPU = 2
@@ -219,8 +222,9 @@ def _identity(torch) -> dict:
 # --- NCCL and DeepSpeed, one process per GPU -------------------------------------------------------
 
 
-def ranked(rank: int, world: int, port: int, with_deepspeed: bool, queue) -> None:
-    """Child: rank `rank` of `world` on GPU `rank`: NCCL's part, then DeepSpeed's on top."""
+def ranked(rank: int, world: int, port: int, job: str, queue) -> None:
+    """Child: rank `rank` of `world` on GPU `rank`: NCCL's part (`job` "nccl"), or a DeepSpeed job's
+    (`job` "deepspeed": DeepSpeed makes the process group and its communicators as a training job's does)."""
     import torch
     import torch.distributed as dist
 
@@ -228,7 +232,15 @@ def ranked(rank: int, world: int, port: int, with_deepspeed: bool, queue) -> Non
                       LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
     torch.zeros(1, device="cuda")
+    if job == "deepspeed":
+        _cublas(torch)  # the engine's step runs matmuls: cuBLAS is a part of its own
     steps = _Steps(rank)
+    if job == "deepspeed":
+        steps.measure("deepspeed", DEEPSPEED, lambda: _deepspeed(torch))
+        queue.put({"rank": rank, "parts": steps.parts})
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
 
     def nccl():
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -240,8 +252,6 @@ def ranked(rank: int, world: int, port: int, with_deepspeed: bool, queue) -> Non
         dist.barrier()
 
     steps.measure("nccl", NCCL, nccl)
-    if with_deepspeed and dist.is_initialized():
-        steps.measure("deepspeed", PARTS["deepspeed"], lambda: _deepspeed(torch))
     queue.put({"rank": rank, "parts": steps.parts})
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -320,23 +330,25 @@ def probe(out: Path, ranks: int | None = None, timeout: float = 90.0) -> Path:
     single = found[0]
     ident = single["identity"]
     gpus = torch.cuda.device_count()
-    nccl: dict[int, Part] = {}
     parts = {k: Part(**v) for k, v in single["parts"].items()}
-    sizes = world_sizes(gpus, ranks)
-    for world in sizes:
-        top = world == sizes[-1]
-        port = _free_port()
-        results, problem = _run([(this.ranked, (r, world, port, top)) for r in range(world)], timeout)
-        if problem or len(results) < world:
-            nccl[world] = Part(bytes=None, how=NCCL, error=problem or "a rank gave no result")
-            continue
-        nccl[world] = _worst(results, "nccl", NCCL)
-        if top:
-            parts["deepspeed"] = _worst(results, "deepspeed", PARTS["deepspeed"])
+    jobs = {"nccl": (NCCL, {}), "deepspeed": (DEEPSPEED, {})}
+    for world in world_sizes(gpus, ranks):
+        for job, (how, table) in jobs.items():
+            if job == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+                table[world] = Part(bytes=None, how=how, error="deepspeed is not installed")
+                continue
+            port = _free_port()
+            results, problem = _run([(this.ranked, (r, world, port, job)) for r in range(world)], timeout)
+            if problem or len(results) < world:
+                table[world] = Part(bytes=None, how=how, error=problem or "a rank gave no result")
+            else:
+                table[world] = _worst(results, job, how)
+    nccl, deepspeed = jobs["nccl"][1], jobs["deepspeed"][1]
     record = DeviceRecord(
         platform=platform_key(ident["card"], gpus), card=ident["card"], device_count=gpus, vendor=ident["vendor"],
         driver=ident["driver"], torch=ident["torch"], cuda=ident["cuda"], hip=ident["hip"],
         date=dt.date.today().isoformat(), memory_source=single["memory_source"], parts=parts, nccl=nccl,
+        deepspeed=deepspeed,
         versions=ident["versions"], seconds=round(time.monotonic() - t0, 1))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record.platform}.json"
@@ -379,7 +391,9 @@ def main(argv=None) -> int:
     record = DeviceRecord.read(path)
     print(f"{path}: {record.card} x{record.device_count}, torch {record.torch}, CUDA {record.cuda or record.hip}, "
           f"driver {record.driver}, {record.seconds:.0f} s; device figure from {record.memory_source}")
-    for name, part in [*record.parts.items(), *((f"nccl at {w} ranks", p) for w, p in sorted(record.nccl.items()))]:
+    by_world = [(f"{job} at {w} ranks", p) for job, table in (("nccl", record.nccl), ("deepspeed", record.deepspeed))
+                for w, p in sorted(table.items())]
+    for name, part in [*record.parts.items(), *by_world]:
         value = f"{part.bytes / MiB:8.1f} MiB" if part.bytes is not None else f"not measured: {part.error}"
         kept = f" (+{part.in_allocator / MiB:.1f} MiB reserved)" if part.in_allocator else ""
         print(f"  {name:22s} {value}{kept}")
