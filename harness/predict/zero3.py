@@ -98,6 +98,9 @@ class Zero3Spec:
     input_requires_grad: bool
     alloc_conf: str = ""  # the case's PYTORCH_CUDA_ALLOC_CONF: the gather stream's pool is replayed under it
     pool_rounds: int = 0  # steps whose gathers the pool is replayed over (0: no pool, `Gathered.pool_bytes` 0)
+    # bytes per element of the trainable parameters (0: half_bytes): peft's LoRA adapters stay fp32 in a
+    # model built under zero.Init (harness.predict.step.zero_init), and DeepSpeed gathers each dtype apart
+    trainable_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,9 +201,9 @@ class _Handle:
     `AllGatherCoalescedHandle.wait`) and freed once the coordinator has popped the handle for every
     parameter of it (each registry entry holds the handle, the handle holds the buffer)."""
 
-    def __init__(self, params, ledger: _Ledger, status, flat: int = 0, staging: int = 0):
+    def __init__(self, params, ledger: _Ledger, status, flats: list[int] | None = None, staging: int = 0):
         self.params, self.ledger, self.status = params, ledger, status
-        self.flat = ledger.alloc(flat, "coalesced all-gather buffer")
+        self.flats = flats or []  # the ledger's ids of the flat buffers (one per dtype)
         self.staging = ledger.alloc(staging, "host partition copied to the device")
         self.pending = len(params)
         self.done = False
@@ -211,20 +214,22 @@ class _Handle:
             self.done = True
             self.ledger.free(self.staging)
             for p in self.params:
-                if self.flat:
-                    p.own = self.ledger.alloc(p.ds_numel * self.ledger.half, "parameter copied out of the buffer")
+                if self.flats:
+                    p.own = self.ledger.alloc(p.ds_numel * p.nbytes, "parameter copied out of the buffer")
                 p.ds_status = self.status.AVAILABLE
         if self.pending == 0:
-            self.ledger.free(self.flat)
-            self.flat = 0
+            for flat in self.flats:
+                self.ledger.free(flat)
+            self.flats = []
 
 
 def _param_class(status, ledger: _Ledger):
     class StandIn:
         """A parameter as DeepSpeed's coordinator sees it; its gathers only book bytes in the ledger."""
 
-        def __init__(self, ds_id: int, numel: int, trainable: bool, persist: bool):
+        def __init__(self, ds_id: int, numel: int, trainable: bool, persist: bool, nbytes: int):
             self.ds_id, self.ds_numel, self.requires_grad, self.ds_persist = ds_id, numel, trainable, persist
+            self.nbytes = nbytes  # bytes per element: the parameter's dtype, which is its communication dtype
             self.ds_shape = (numel,)
             self.ds_status = status.NOT_AVAILABLE
             self.ds_active_sub_modules: set[int] = set()
@@ -241,7 +246,7 @@ def _param_class(status, ledger: _Ledger):
             return f"param {self.ds_id} ({self.ds_numel} elements, {self.ds_status})"
 
         def all_gather_coalesced(self, params, quantize: bool = False, **_kwargs) -> _Handle:
-            params = list(params)
+            params = sorted(params, key=lambda p: p.ds_id)  # as DeepSpeed's all_gather_coalesced sorts them
             for p in params:
                 p.ds_status = status.INFLIGHT
             if all(p.ds_persist for p in params):  # kept on the device whole: counted with the model states
@@ -249,22 +254,27 @@ def _param_class(status, ledger: _Ledger):
             if ledger.ranks == 1:  # NoGatherCoalescedHandle: `param.ds_tensor.to(device)`, a copy of a
                 for p in params:  # host partition; a partition already on the device is used as it is
                     if ledger.offload and not p.ds_persist:
-                        p.own = ledger.alloc(p.ds_numel * ledger.half, "host partition copied to the device")
+                        p.own = ledger.alloc(p.ds_numel * p.nbytes, "host partition copied to the device")
                 return _Handle(params, ledger, status)
             if len(params) == 1:  # _all_gather_sequential: the parameter is a view of its own buffer
                 p = params[0]
-                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * ledger.half, "all-gather buffer")
+                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * p.nbytes, "all-gather buffer")
                 # param_ds_tensor.to(device): a host partition's copy lives until the gather is waited on
-                staging = ledger.part(p.ds_numel) * ledger.half if ledger.offload else 0
+                staging = ledger.part(p.ds_numel) * p.nbytes if ledger.offload else 0
                 return _Handle(params, ledger, status, staging=staging)
-            flat = sum(ledger.part(p.ds_numel) for p in params) * ledger.ranks * ledger.half
-            handle = _Handle(params, ledger, status, flat=flat)
-            if ledger.offload:  # _all_gather_dtype's `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each
-                copies = [ledger.alloc(ledger.part(p.ds_numel) * ledger.half, COALESCED_STAGING)
-                          for p in params]  # host partition's copy, freed once the cat has filled the buffer
-                for token in copies:
-                    ledger.free(token)
-            return handle
+            # _all_gather_coalesced: one `_all_gather_dtype` per communication dtype, in `sort_dtypes` order
+            # (by name: bfloat16 and float16 before float32), each its own flat buffer
+            groups = [[p for p in params if p.nbytes == b] for b in sorted({p.nbytes for p in params})]
+            flats = []
+            for group in groups:
+                flats.append(ledger.alloc(sum(ledger.part(p.ds_numel) for p in group) * ledger.ranks
+                                          * group[0].nbytes, "coalesced all-gather buffer"))
+                if ledger.offload:  # `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each host partition's
+                    copies = [ledger.alloc(ledger.part(p.ds_numel) * p.nbytes, COALESCED_STAGING)
+                              for p in group]  # copy, freed once the cat has filled the buffer (the list's
+                    for token in reversed(copies):  # items released last first)
+                        ledger.free(token)
+            return _Handle([p for group in groups for p in group], ledger, status, flats=flats)
 
         def partition(self, free_data: bool = True, **_kwargs) -> None:
             ledger.free(self.own)
@@ -366,7 +376,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     for ds_id, (key, p) in enumerate(sorted(step.params.items())):  # DeepSpeed's mark_persistent_parameters
         persist = p.numel <= spec.persistence_threshold and persistent + p.numel <= spec.model_persistence_threshold
         persistent += p.numel if persist else 0
-        params[key] = StandIn(ds_id, p.numel, p.trainable, persist)
+        params[key] = StandIn(ds_id, p.numel, p.trainable, persist,
+                              spec.trainable_bytes if p.trainable and spec.trainable_bytes else spec.half_bytes)
     modules: dict[int, _StandInModule] = {}
 
     def stand_in(m: Module) -> _StandInModule:
@@ -580,7 +591,7 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
     """The replay's settings for a ZeRO-3 case at `layers` decoder layers: DeepSpeed's values as the
     harness writes its config (harness.spec.dsconfig: the case's, else transformers' 'auto' sizes,
     else DeepSpeed's defaults)."""
-    from harness.predict.step import TraceSpec, reentrant_checkpointing
+    from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
     from harness.spec.dsconfig import auto_sizes
     from harness.spec.schema import Offload
 
@@ -614,6 +625,8 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         input_requires_grad=gc or case.method.kind == "full",
         alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
+        # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
+        trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
     )
 
 
