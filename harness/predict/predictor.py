@@ -35,7 +35,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
    all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
    zero3_cached_gathers; with the optimizer on the host the model's pool is the allocator model's over
-   its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); under ZeRO-3 without
+   its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); LoRA under ZeRO-3
+   with its parameters offloaded (no or reentrant checkpointing) the same: the model's stream built
+   (`_lora_offload_engine`) beside the replayed gather pool and the reduce stream's; under ZeRO-3 without
    optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
    sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
@@ -258,16 +260,16 @@ def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) 
 
 def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
     """What DeepSpeed's all-gather stream reserves of its own (`Gathered.pool_bytes`), where the rest of the
-    reserve is checked to be the model's pool at the ratio: a full fine-tune with its parameters on the
-    device, under the allocator's native backend without expandable segments (Phi-3-mini's and Gemma-2-2B's
-    recorded timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; the
-    model's pool 6.75 GiB against 6.20 allocated there, and 30.04 less the optimizer step's fp32 gradient
-    segment against 27.64). None elsewhere (zero3_cached_gathers is used): with parameter offload,
-    zero.Init builds each parameter whole on the device before its partition goes to the host, and the
-    model's pool keeps those segments (guide 000's 32B: 2.19 GiB cached from the load beside 1.05 GiB
-    allocated there at the step's peak); fit's LoRA config for guide 000 (no timeline) reserves 2.8 to 3.2
-    GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked on one run (guide
-    002: 6.96 GiB replayed, 8.05 recorded)."""
+    reserve is checked to be the model's pool: a full fine-tune with its parameters on the device, and LoRA
+    with its parameters offloaded (without checkpointing or with reentrant checkpointing), under the
+    allocator's native backend without expandable segments. Phi-3-mini's and Gemma-2-2B's recorded
+    timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; Mistral-7B's
+    LoRA with parameter offload and guide 000's reentrant 32B at 4 layers: 13.959 and 6.809, the recorded
+    pools to the MiB. None elsewhere (zero3_cached_gathers is used): under non-reentrant checkpointing the
+    replayed pool is off the recorded one (guide 000: -9.0% and +12.0% at 2 and 4 layers); a full fine-tune
+    with its parameters offloaded has no model's stream built; fit's LoRA config for guide 000 (no timeline)
+    reserves 2.8 to 3.2 GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked
+    on one run (guide 002: 6.96 GiB replayed, 8.05 recorded)."""
     from harness.predict.zero3 import uses_gather_pool
 
     if gathered is None or not uses_gather_pool(case) or conf.backend != "native" or conf.expandable_segments:
@@ -289,19 +291,20 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
 
 
 def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
-    """A ZeRO-3 full fine-tune with `overlap_comm` and its parameters on the device
-    (harness.predict.zero3_stream.applies_model_stream): the allocator model over the model's own stream
-    (zero.Init's load, the flat partition buffer, the IPG bucket, the hook registration's gathers, four
-    micro-steps of the traced step and, with the optimizer on the device, its fp32 partitions, gradient
-    partitions and sub-group steps; the coordinator's gathers left to their own stream). Phi-3-mini's
-    recorded rank-0 model stream (optimizer offload) reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end
-    of its load, engine, first forward and first backward, the built one the same to the MiB (the ratio gave
-    6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in the second optimizer step, the
-    built one the same (the ratio and the fp32 gradient segment gave 32.85). None elsewhere, or where the
-    stream cannot be built."""
+    """A ZeRO-3 config with `overlap_comm` whose model's stream is built: a full fine-tune with its
+    parameters on the device (harness.predict.zero3_stream.applies_model_stream) or LoRA with them
+    offloaded (`applies_offload_model_stream`): the allocator model over the model's own stream (zero.Init's
+    load, DeepSpeed's buffers on that stream, four micro-steps of the traced step and, with the optimizer on
+    the device, its fp32 partitions, gradient partitions and sub-group steps; the coordinator's gathers left
+    to their own stream). Phi-3-mini's recorded rank-0 model stream (optimizer offload) reserves 4.297 /
+    3.764 / 6.262 / 6.752 GiB at the end of its load, engine, first forward and first backward, the built one
+    the same to the MiB (the ratio gave 6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in
+    the second optimizer step, the built one the same (the ratio and the fp32 gradient segment gave 32.85);
+    Mistral-7B's LoRA with parameter offload 0.533 / 1.689 / 1.939 after its load, first forward and
+    backward, the built one the same. None elsewhere, or where the stream cannot be built."""
     from harness.predict import zero3_stream
 
-    if not zero3_stream.applies_model_stream(case):
+    if not (zero3_stream.applies_model_stream(case) or zero3_stream.applies_offload_model_stream(case)):
         return None
     return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"),
                                    "the model's stream", "the model's pool by the ratio", notes)

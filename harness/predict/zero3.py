@@ -400,7 +400,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if every_step is not None:
             every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
-        if round_ != ROUNDS - 1:
+        if round_ != steady:
             return
         if record is not None:
             record.append((EVENT_NAMES[event], m.name, ledger.live))
@@ -428,9 +428,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     every: list[StreamEvent] = []  # every step's allocations and frees, for the gather stream's pool
+    # the step whose figures are taken: the first to start with the persistent parameters gathered
+    steady = ROUNDS if spec.pool_rounds else ROUNDS - 1
     with _single_process(ppc):
         for round_ in range(max(ROUNDS, spec.pool_rounds)):
-            if round_ >= (ROUNDS if spec.pool_rounds else ROUNDS - 1):
+            if round_ >= steady:
                 # every optimizer step ends with DeepSpeed gathering the persistent parameters again
                 # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered;
                 # the recorded gather streams show the first step that prefetches still gathering them with
@@ -439,7 +441,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                     if p.ds_persist:
                         p.ds_status = ZeroParamStatus.AVAILABLE
             targets = [every]  # every step's allocations (the pool), the caller's of the steady state, this step's
-            if round_ == ROUNDS - 1 and stream is not None:
+            if round_ == steady and stream is not None:
                 targets.append(stream)
             if every_step is not None:
                 every_step.append([])
@@ -447,7 +449,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             ledger.stream = every if len(targets) == 1 else _Tee(*targets)
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
-            if round_ == ROUNDS - 1:
+            if round_ == steady:
                 start_bytes[0] = ledger.live
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
@@ -632,13 +634,16 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
 
 def uses_gather_pool(case) -> bool:
     """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
-    fine-tune with its parameters on the device, the configs whose recorded timelines show the rest of the
-    reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool says why not elsewhere).
-    Elsewhere the extra steps are not replayed: guide 000's 32B at 64 layers and 8 ranks would spend
-    seconds more of a cold `check` on them."""
+    fine-tune with its parameters on the device, and LoRA with its parameters offloaded where its model's
+    stream is built (harness.predict.zero3_stream.applies_offload_model_stream), the configs whose recorded
+    timelines show the rest of the reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool
+    says why not elsewhere). Elsewhere the extra steps are not replayed."""
+    from harness.predict.zero3_stream import applies_offload_model_stream
     from harness.spec.schema import Offload
 
-    return case.method.kind == "full" and case.deepspeed.offload_param != Offload.cpu
+    if case.method.kind == "full":
+        return case.deepspeed.offload_param != Offload.cpu
+    return applies_offload_model_stream(case)
 
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value
