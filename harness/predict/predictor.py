@@ -388,16 +388,35 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     above = states.step_only.get("zero3_gathered_above_backward_start", 0)
     # where the replay puts that peak in a layer's backward, the layers above it are done: their saved
     # layer inputs (the checkpoints) are freed, and what a forward through this layer and those below
-    # it keeps is held beside it (the output the training loop keeps, logits included, stays)
+    # it keeps is held beside it (the output the training loop keeps, logits included, stays); in the
+    # embedding's backward every layer's and the loss's are done, and of what the forward kept only that
+    # output is left. The gathered bytes and the activations peak together where their sum does: each
+    # layer's backward and the embedding's are weighed with what is held there.
     peak_layer = gathered.peak_backward_layer if gathered is not None else -1
     held_at_gather = held if peak_layer < 0 else min(held, int(extrapolate(r1.held_after_forward,
                                                                            r2.held_after_forward, peak_layer + 1)))
-    gather_peak = resident + above + held_at_gather if above else 0
+    gathered_above = above
+    if above and gathered is not None and gathered.layer_backward_peaks:
+        # the replay's own peak where it falls outside the layers' backward and the embedding's, beside all
+        # that a forward keeps
+        outside = gathered.peak_bytes == gathered.outside_peak > max(gathered.layer_backward_peaks)
+        candidates = [(gathered.peak_bytes + held, gathered.peak_bytes, held)] if outside else []
+        for i, g in enumerate(gathered.layer_backward_peaks):
+            h = min(held, int(extrapolate(r1.held_after_forward, r2.held_after_forward, i + 1)))
+            candidates.append((g + h, g, h))
+        if gathered.below_backward_peak:
+            h = min(held, int(r1.logits))
+            candidates.append((gathered.below_backward_peak + h, gathered.below_backward_peak, h))
+        _, at, held_at_gather = max(candidates)
+        gathered_above = max(0, at - gathered.backward_start_bytes)
+    gather_peak = resident + gathered_above + held_at_gather if above else 0
     allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})
     terms["activations_held_after_forward"] = held
+    if gather_peak and gathered_above != above:  # the gathered bytes where they and the activations peak together
+        terms["zero3_gathered_above_backward_start"] = int(gathered_above)
     if gather_peak and held_at_gather != held:
         terms["activations_held_at_gather_peak"] = held_at_gather
     terms["logits"] = int(r1.logits)
@@ -472,7 +491,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         if gather_pool is not None:
             # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
             # the model's own pool: allocated less what is gathered at its peak, times the ratio
-            held_gathered = gathered.backward_start_bytes + (above if allocated == gather_peak else 0)
+            held_gathered = gathered.backward_start_bytes + (gathered_above if allocated == gather_peak else 0)
             model_stream = _zero3_model_stream(case, arch, layers, trace_spec, notes)
             if model_stream is not None:
                 # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)

@@ -35,10 +35,13 @@ Two rounds of (forward, backward) run: DeepSpeed records the module order in the
 from the second, which is the steady state every later micro-step repeats (where the gather stream's
 pool is wanted, `pool_rounds` steps in all); it starts, as every step after an optimizer step does,
 with the persistent parameters gathered (the optimizer step gathers them again at its end,
-`_allgather_params_coalesced`). The result is the
-largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
-backward starts (where the loss and logits live). Persistent parameters are left out: they are
-resident, counted with the model states (`harness.predict.states`).
+`_allgather_params_coalesced`; where the pool's steps are replayed, the step whose figures are taken is
+the third, the second still gathering them with the others). The result is the largest number of bytes
+so gathered at once, over every allocation (a gather's buffer and its host partition's copy are live
+together before the wait frees the copy), where it happens, the same during each decoder layer's
+backward, the embedding's and elsewhere (the predictor weighs each with the activations held there),
+and the bytes gathered when the backward starts (where the loss and logits live). Persistent parameters
+are left out: they are resident, counted with the model states (`harness.predict.states`).
 
 The replay needs DeepSpeed installed (it is imported only here, and only when the result is not in
 the on-disk cache beside the traces, keyed by the model's module layout, the settings, this code and
@@ -134,6 +137,11 @@ class Gathered:
     # the decoder layer (0 the first) whose backward (or recomputation in backward) the peak falls in;
     # -1 where it falls in the forward or outside the layers
     peak_backward_layer: int = -1
+    # the most gathered at once during each decoder layer's backward (its recomputation included), by layer,
+    # and during the backward of the modules before the layers (the embedding's: every layer's is done)
+    layer_backward_peaks: list[int] = dataclasses.field(default_factory=list)
+    below_backward_peak: int = 0
+    outside_peak: int = 0  # the most gathered at once in the forward and in the backward before the layers'
     pool_bytes: int = 0  # what the gather stream's pool reserves over the replayed steps (`gather_pool`)
 
     def describe(self, gib: int = 2**30) -> str:
@@ -151,6 +159,7 @@ class _Ledger:
     def __init__(self, half: int, ranks: int, offload: bool):
         self.half, self.ranks, self.offload = half, ranks, offload
         self.live = 0
+        self.high = 0  # the most live since the last hook event's figure was taken (`take_high`)
         self.sizes: dict[int, int] = {}
         self.stream: list | None = None
 
@@ -164,9 +173,16 @@ class _Ledger:
         token = len(self.sizes) + 1
         self.sizes[token] = nbytes
         self.live += nbytes
+        self.high = max(self.high, self.live)
         if self.stream is not None:
             self.stream.append(StreamEvent("alloc", token, nbytes, what))
         return token
+
+    def take_high(self) -> int:
+        """The most bytes live at once since the last call: within a hook event's fetch or release, a
+        gather's buffer and host partition copy are live together before the wait frees the copy."""
+        high, self.high = max(self.high, self.live), self.live
+        return high
 
     def free(self, token: int) -> None:
         if token:
@@ -394,20 +410,33 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         inflight_param_registry=ppc.InflightParamRegistry())
     available = "_PartitionedParameterCoordinator__n_available_params"
     best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
+    layer_peaks = [0] * spec.layers
+    below_peak, outside = [0], [0]
     start_bytes = [0]
     backward_best = [0]
+
+    below_layers = {m.name for m in step.before}  # the embedding: its backward comes after every layer's
 
     def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if every_step is not None:
             every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
+        most = ledger.take_high()  # over the event's own allocations, not only after them
         if round_ != steady:
             return
         if record is not None:
             record.append((EVENT_NAMES[event], m.name, ledger.live))
         if backward:
-            backward_best[0] = max(backward_best[0], ledger.live)
-        if ledger.live > best["bytes"]:
-            best.update(bytes=ledger.live, where=f"{EVENT_NAMES[event]} of {m.name}",
+            backward_best[0] = max(backward_best[0], most)
+            if layer is not None:
+                layer_peaks[layer] = max(layer_peaks[layer], most)
+            elif m.name in below_layers:
+                below_peak[0] = max(below_peak[0], most)
+            else:
+                outside[0] = max(outside[0], most)
+        else:
+            outside[0] = max(outside[0], most)
+        if most > best["bytes"]:
+            best.update(bytes=most, where=f"{EVENT_NAMES[event]} of {m.name}",
                         elements=getattr(coordinator, available, 0),
                         layer=layer if backward and layer is not None else -1)
 
@@ -455,6 +484,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
                     backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
+                    layer_backward_peaks=layer_peaks, below_backward_peak=below_peak[0], outside_peak=outside[0],
                     peak_elements=int(best["elements"]), events=len(events),
                     pool_bytes=gather_pool(every, spec.alloc_conf) if spec.pool_rounds else 0)
 
