@@ -497,7 +497,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                 # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)
                 terms["reserved_by_ratio"] = reserved
                 model_pool = max(model_stream.peak_reserved, allocated - held_gathered)
-                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's flat buffers, four "
+                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's buffers on it, four "
                        f"micro-steps and their optimizer steps: {model_pool / GiB:.2f} GiB, peak during the "
                        f"{model_stream.peak_phase})")
             else:

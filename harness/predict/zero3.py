@@ -79,6 +79,10 @@ ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
 # the gather stream's pool: over as many steps as the recorded runs made (two optimizer steps of two
 # micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the second
 POOL_ROUNDS = 4
+# LoRA with its parameters offloaded (no or reentrant checkpointing): the recorded gather streams settle in
+# the second micro-step (guide 000's 32B, Mistral-7B), and the third replayed step, the first to start with
+# the persistent parameters gathered, is the steady state; a fourth changes no figure of those runs
+OFFLOAD_POOL_ROUNDS = 3
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 
@@ -656,7 +660,8 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         # embedding again in backward
         input_requires_grad=gc or case.method.kind == "full",
         alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
+        pool_rounds=((POOL_ROUNDS if case.method.kind == "full" else OFFLOAD_POOL_ROUNDS) if uses_gather_pool(case)
+                     else 0),
         # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
         trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
     )

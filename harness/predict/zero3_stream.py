@@ -72,6 +72,10 @@ from harness.spec.schema import Case, Offload
 
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
 MICRO_STEPS = 4  # two optimizer steps of two micro-steps, as the recorded runs made
+# LoRA with its parameters offloaded: no optimizer step on the model's stream (the optimizer is on the host,
+# the gradients' copies on the reduce stream), so every micro-step after the first repeats the second's
+# allocations; the recorded streams peak in the first backward (guide 000, Mistral-7B) or the second (rung 4)
+OFFLOAD_MICRO_STEPS = 2
 FP32_BYTES = 4
 PLACEMENTS = ("spread", "start", "end", "none")  # of a layer chunk's hook events; none: no gathers
 
@@ -102,9 +106,10 @@ class OnePoolShape:
         bucket = ds.reduce_bucket_size or auto_sizes(int(arch.config["hidden_size"]))["reduce_bucket_size"]
         full = case.method.kind == "full"
         on_device = full and ds.offload_optimizer == Offload.none
+        steps = OFFLOAD_MICRO_STEPS if applies_offload_model_stream(case) and placement == "none" else MICRO_STEPS
         return cls(zero3_spec=json.dumps(dataclasses.asdict(spec), sort_keys=True), ranks=case.launch.ranks,
                    half_bytes=spec.half_bytes, ipg_bucket=bucket if ds.contiguous_gradients else 0,
-                   micro_steps=MICRO_STEPS, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                   micro_steps=steps, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    placement=placement, full=full,
                    sub_group_size=(ds.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE) if on_device else 0,
                    accumulation=max(1, min(case.train.grad_accum, 2)), offload_param=spec.offload_param)
