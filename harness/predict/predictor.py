@@ -36,7 +36,9 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    device: (allocated - the gathered bytes in it) x that ratio + the gather stream's pool, DeepSpeed's
    all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
    zero3_cached_gathers; with the optimizer on the host the model's pool is the allocator model's over
-   its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); under ZeRO-3 without
+   its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); LoRA under ZeRO-3
+   with its parameters offloaded (no or reentrant checkpointing) the same: the model's stream built
+   (`_lora_offload_engine`) beside the replayed gather pool and the reduce stream's; under ZeRO-3 without
    optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
    sub-group takes (`harness.predict.zero3_step`); device = reserved + what the process holds
@@ -262,16 +264,16 @@ def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) 
 
 def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
     """What DeepSpeed's all-gather stream reserves of its own (`Gathered.pool_bytes`), where the rest of the
-    reserve is checked to be the model's pool at the ratio: a full fine-tune with its parameters on the
-    device, under the allocator's native backend without expandable segments (Phi-3-mini's and Gemma-2-2B's
-    recorded timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; the
-    model's pool 6.75 GiB against 6.20 allocated there, and 30.04 less the optimizer step's fp32 gradient
-    segment against 27.64). None elsewhere (zero3_cached_gathers is used): with parameter offload,
-    zero.Init builds each parameter whole on the device before its partition goes to the host, and the
-    model's pool keeps those segments (guide 000's 32B: 2.19 GiB cached from the load beside 1.05 GiB
-    allocated there at the step's peak); fit's LoRA config for guide 000 (no timeline) reserves 2.8 to 3.2
-    GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked on one run (guide
-    002: 6.96 GiB replayed, 8.05 recorded)."""
+    reserve is checked to be the model's pool: a full fine-tune with its parameters on the device, and LoRA
+    with its parameters offloaded (without checkpointing or with reentrant checkpointing), under the
+    allocator's native backend without expandable segments. Phi-3-mini's and Gemma-2-2B's recorded
+    timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; Mistral-7B's
+    LoRA with parameter offload and guide 000's reentrant 32B at 4 layers: 13.959 and 6.809, the recorded
+    pools to the MiB. None elsewhere (zero3_cached_gathers is used): under non-reentrant checkpointing the
+    replayed pool is off the recorded one (guide 000: -9.0% and +12.0% at 2 and 4 layers); a full fine-tune
+    with its parameters offloaded has no model's stream built; fit's LoRA config for guide 000 (no timeline)
+    reserves 2.8 to 3.2 GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked
+    on one run (guide 002: 6.96 GiB replayed, 8.05 recorded)."""
     from harness.predict.zero3 import uses_gather_pool
 
     if gathered is None or not uses_gather_pool(case) or conf.backend != "native" or conf.expandable_segments:
@@ -293,19 +295,20 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
 
 
 def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
-    """A ZeRO-3 full fine-tune with `overlap_comm` and its parameters on the device
-    (harness.predict.zero3_stream.applies_model_stream): the allocator model over the model's own stream
-    (zero.Init's load, the flat partition buffer, the IPG bucket, the hook registration's gathers, four
-    micro-steps of the traced step and, with the optimizer on the device, its fp32 partitions, gradient
-    partitions and sub-group steps; the coordinator's gathers left to their own stream). Phi-3-mini's
-    recorded rank-0 model stream (optimizer offload) reserves 4.297 / 3.764 / 6.262 / 6.752 GiB at the end
-    of its load, engine, first forward and first backward, the built one the same to the MiB (the ratio gave
-    6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in the second optimizer step, the
-    built one the same (the ratio and the fp32 gradient segment gave 32.85). None elsewhere, or where the
-    stream cannot be built."""
+    """A ZeRO-3 config with `overlap_comm` whose model's stream is built: a full fine-tune with its
+    parameters on the device (harness.predict.zero3_stream.applies_model_stream) or LoRA with them
+    offloaded (`applies_offload_model_stream`): the allocator model over the model's own stream (zero.Init's
+    load, DeepSpeed's buffers on that stream, four micro-steps of the traced step and, with the optimizer on
+    the device, its fp32 partitions, gradient partitions and sub-group steps; the coordinator's gathers left
+    to their own stream). Phi-3-mini's recorded rank-0 model stream (optimizer offload) reserves 4.297 /
+    3.764 / 6.262 / 6.752 GiB at the end of its load, engine, first forward and first backward, the built one
+    the same to the MiB (the ratio gave 6.53); Gemma-2-2B's (optimizer on the device) 33.770 at its peak, in
+    the second optimizer step, the built one the same (the ratio and the fp32 gradient segment gave 32.85);
+    Mistral-7B's LoRA with parameter offload 0.533 / 1.689 / 1.939 after its load, first forward and
+    backward, the built one the same. None elsewhere, or where the stream cannot be built."""
     from harness.predict import zero3_stream
 
-    if not zero3_stream.applies_model_stream(case):
+    if not (zero3_stream.applies_model_stream(case) or zero3_stream.applies_offload_model_stream(case)):
         return None
     return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"),
                                    "the model's stream", "the model's pool by the ratio", notes)
@@ -390,16 +393,35 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     above = states.step_only.get("zero3_gathered_above_backward_start", 0)
     # where the replay puts that peak in a layer's backward, the layers above it are done: their saved
     # layer inputs (the checkpoints) are freed, and what a forward through this layer and those below
-    # it keeps is held beside it (the output the training loop keeps, logits included, stays)
+    # it keeps is held beside it (the output the training loop keeps, logits included, stays); in the
+    # embedding's backward every layer's and the loss's are done, and of what the forward kept only that
+    # output is left. The gathered bytes and the activations peak together where their sum does: each
+    # layer's backward and the embedding's are weighed with what is held there.
     peak_layer = gathered.peak_backward_layer if gathered is not None else -1
     held_at_gather = held if peak_layer < 0 else min(held, int(extrapolate(r1.held_after_forward,
                                                                            r2.held_after_forward, peak_layer + 1)))
-    gather_peak = resident + above + held_at_gather if above else 0
+    gathered_above = above
+    if above and gathered is not None and gathered.layer_backward_peaks:
+        # the replay's own peak where it falls outside the layers' backward and the embedding's, beside all
+        # that a forward keeps
+        outside = gathered.peak_bytes == gathered.outside_peak > max(gathered.layer_backward_peaks)
+        candidates = [(gathered.peak_bytes + held, gathered.peak_bytes, held)] if outside else []
+        for i, g in enumerate(gathered.layer_backward_peaks):
+            h = min(held, int(extrapolate(r1.held_after_forward, r2.held_after_forward, i + 1)))
+            candidates.append((g + h, g, h))
+        if gathered.below_backward_peak:
+            h = min(held, int(r1.logits))
+            candidates.append((gathered.below_backward_peak + h, gathered.below_backward_peak, h))
+        _, at, held_at_gather = max(candidates)
+        gathered_above = max(0, at - gathered.backward_start_bytes)
+    gather_peak = resident + gathered_above + held_at_gather if above else 0
     allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})
     terms["activations_held_after_forward"] = held
+    if gather_peak and gathered_above != above:  # the gathered bytes where they and the activations peak together
+        terms["zero3_gathered_above_backward_start"] = int(gathered_above)
     if gather_peak and held_at_gather != held:
         terms["activations_held_at_gather_peak"] = held_at_gather
     terms["logits"] = int(r1.logits)
@@ -477,13 +499,13 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         if gather_pool is not None:
             # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
             # the model's own pool: allocated less what is gathered at its peak, times the ratio
-            held_gathered = gathered.backward_start_bytes + (above if allocated == gather_peak else 0)
+            held_gathered = gathered.backward_start_bytes + (gathered_above if allocated == gather_peak else 0)
             model_stream = _zero3_model_stream(case, arch, layers, trace_spec, notes)
             if model_stream is not None:
                 # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)
                 terms["reserved_by_ratio"] = reserved
                 model_pool = max(model_stream.peak_reserved, allocated - held_gathered)
-                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's flat buffers, four "
+                how = (f"the allocator model over its stream (zero.Init's load, DeepSpeed's buffers on it, four "
                        f"micro-steps and their optimizer steps: {model_pool / GiB:.2f} GiB, peak during the "
                        f"{model_stream.peak_phase})")
             else:

@@ -35,10 +35,13 @@ Two rounds of (forward, backward) run: DeepSpeed records the module order in the
 from the second, which is the steady state every later micro-step repeats (where the gather stream's
 pool is wanted, `pool_rounds` steps in all); it starts, as every step after an optimizer step does,
 with the persistent parameters gathered (the optimizer step gathers them again at its end,
-`_allgather_params_coalesced`). The result is the
-largest number of bytes so gathered at once, where it happens, and the bytes gathered when the
-backward starts (where the loss and logits live). Persistent parameters are left out: they are
-resident, counted with the model states (`harness.predict.states`).
+`_allgather_params_coalesced`; where the pool's steps are replayed, the step whose figures are taken is
+the third, the second still gathering them with the others). The result is the largest number of bytes
+so gathered at once, over every allocation (a gather's buffer and its host partition's copy are live
+together before the wait frees the copy), where it happens, the same during each decoder layer's
+backward, the embedding's and elsewhere (the predictor weighs each with the activations held there),
+and the bytes gathered when the backward starts (where the loss and logits live). Persistent parameters
+are left out: they are resident, counted with the model states (`harness.predict.states`).
 
 The replay needs DeepSpeed installed (it is imported only here, and only when the result is not in
 the on-disk cache beside the traces, keyed by the model's module layout, the settings, this code and
@@ -76,6 +79,10 @@ ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
 # the gather stream's pool: over as many steps as the recorded runs made (two optimizer steps of two
 # micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the second
 POOL_ROUNDS = 4
+# LoRA with its parameters offloaded (no or reentrant checkpointing): the recorded gather streams settle in
+# the second micro-step (guide 000's 32B, Mistral-7B), and the third replayed step, the first to start with
+# the persistent parameters gathered, is the steady state; a fourth changes no figure of those runs
+OFFLOAD_POOL_ROUNDS = 3
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 
@@ -98,6 +105,9 @@ class Zero3Spec:
     input_requires_grad: bool
     alloc_conf: str = ""  # the case's PYTORCH_CUDA_ALLOC_CONF: the gather stream's pool is replayed under it
     pool_rounds: int = 0  # steps whose gathers the pool is replayed over (0: no pool, `Gathered.pool_bytes` 0)
+    # bytes per element of the trainable parameters (0: half_bytes): peft's LoRA adapters stay fp32 in a
+    # model built under zero.Init (harness.predict.step.zero_init), and DeepSpeed gathers each dtype apart
+    trainable_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,11 @@ class Gathered:
     # the decoder layer (0 the first) whose backward (or recomputation in backward) the peak falls in;
     # -1 where it falls in the forward or outside the layers
     peak_backward_layer: int = -1
+    # the most gathered at once during each decoder layer's backward (its recomputation included), by layer,
+    # and during the backward of the modules before the layers (the embedding's: every layer's is done)
+    layer_backward_peaks: list[int] = dataclasses.field(default_factory=list)
+    below_backward_peak: int = 0
+    outside_peak: int = 0  # the most gathered at once in the forward and in the backward before the layers'
     pool_bytes: int = 0  # what the gather stream's pool reserves over the replayed steps (`gather_pool`)
 
     def describe(self, gib: int = 2**30) -> str:
@@ -148,6 +163,7 @@ class _Ledger:
     def __init__(self, half: int, ranks: int, offload: bool):
         self.half, self.ranks, self.offload = half, ranks, offload
         self.live = 0
+        self.high = 0  # the most live since the last hook event's figure was taken (`take_high`)
         self.sizes: dict[int, int] = {}
         self.stream: list | None = None
 
@@ -161,9 +177,16 @@ class _Ledger:
         token = len(self.sizes) + 1
         self.sizes[token] = nbytes
         self.live += nbytes
+        self.high = max(self.high, self.live)
         if self.stream is not None:
             self.stream.append(StreamEvent("alloc", token, nbytes, what))
         return token
+
+    def take_high(self) -> int:
+        """The most bytes live at once since the last call: within a hook event's fetch or release, a
+        gather's buffer and host partition copy are live together before the wait frees the copy."""
+        high, self.high = max(self.high, self.live), self.live
+        return high
 
     def free(self, token: int) -> None:
         if token:
@@ -198,9 +221,9 @@ class _Handle:
     `AllGatherCoalescedHandle.wait`) and freed once the coordinator has popped the handle for every
     parameter of it (each registry entry holds the handle, the handle holds the buffer)."""
 
-    def __init__(self, params, ledger: _Ledger, status, flat: int = 0, staging: int = 0):
+    def __init__(self, params, ledger: _Ledger, status, flats: list[int] | None = None, staging: int = 0):
         self.params, self.ledger, self.status = params, ledger, status
-        self.flat = ledger.alloc(flat, "coalesced all-gather buffer")
+        self.flats = flats or []  # the ledger's ids of the flat buffers (one per dtype)
         self.staging = ledger.alloc(staging, "host partition copied to the device")
         self.pending = len(params)
         self.done = False
@@ -211,20 +234,22 @@ class _Handle:
             self.done = True
             self.ledger.free(self.staging)
             for p in self.params:
-                if self.flat:
-                    p.own = self.ledger.alloc(p.ds_numel * self.ledger.half, "parameter copied out of the buffer")
+                if self.flats:
+                    p.own = self.ledger.alloc(p.ds_numel * p.nbytes, "parameter copied out of the buffer")
                 p.ds_status = self.status.AVAILABLE
         if self.pending == 0:
-            self.ledger.free(self.flat)
-            self.flat = 0
+            for flat in self.flats:
+                self.ledger.free(flat)
+            self.flats = []
 
 
 def _param_class(status, ledger: _Ledger):
     class StandIn:
         """A parameter as DeepSpeed's coordinator sees it; its gathers only book bytes in the ledger."""
 
-        def __init__(self, ds_id: int, numel: int, trainable: bool, persist: bool):
+        def __init__(self, ds_id: int, numel: int, trainable: bool, persist: bool, nbytes: int):
             self.ds_id, self.ds_numel, self.requires_grad, self.ds_persist = ds_id, numel, trainable, persist
+            self.nbytes = nbytes  # bytes per element: the parameter's dtype, which is its communication dtype
             self.ds_shape = (numel,)
             self.ds_status = status.NOT_AVAILABLE
             self.ds_active_sub_modules: set[int] = set()
@@ -241,7 +266,7 @@ def _param_class(status, ledger: _Ledger):
             return f"param {self.ds_id} ({self.ds_numel} elements, {self.ds_status})"
 
         def all_gather_coalesced(self, params, quantize: bool = False, **_kwargs) -> _Handle:
-            params = list(params)
+            params = sorted(params, key=lambda p: p.ds_id)  # as DeepSpeed's all_gather_coalesced sorts them
             for p in params:
                 p.ds_status = status.INFLIGHT
             if all(p.ds_persist for p in params):  # kept on the device whole: counted with the model states
@@ -249,22 +274,27 @@ def _param_class(status, ledger: _Ledger):
             if ledger.ranks == 1:  # NoGatherCoalescedHandle: `param.ds_tensor.to(device)`, a copy of a
                 for p in params:  # host partition; a partition already on the device is used as it is
                     if ledger.offload and not p.ds_persist:
-                        p.own = ledger.alloc(p.ds_numel * ledger.half, "host partition copied to the device")
+                        p.own = ledger.alloc(p.ds_numel * p.nbytes, "host partition copied to the device")
                 return _Handle(params, ledger, status)
             if len(params) == 1:  # _all_gather_sequential: the parameter is a view of its own buffer
                 p = params[0]
-                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * ledger.half, "all-gather buffer")
+                p.own = ledger.alloc(ledger.part(p.ds_numel) * ledger.ranks * p.nbytes, "all-gather buffer")
                 # param_ds_tensor.to(device): a host partition's copy lives until the gather is waited on
-                staging = ledger.part(p.ds_numel) * ledger.half if ledger.offload else 0
+                staging = ledger.part(p.ds_numel) * p.nbytes if ledger.offload else 0
                 return _Handle(params, ledger, status, staging=staging)
-            flat = sum(ledger.part(p.ds_numel) for p in params) * ledger.ranks * ledger.half
-            handle = _Handle(params, ledger, status, flat=flat)
-            if ledger.offload:  # _all_gather_dtype's `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each
-                copies = [ledger.alloc(ledger.part(p.ds_numel) * ledger.half, COALESCED_STAGING)
-                          for p in params]  # host partition's copy, freed once the cat has filled the buffer
-                for token in copies:
-                    ledger.free(token)
-            return handle
+            # _all_gather_coalesced: one `_all_gather_dtype` per communication dtype, in `sort_dtypes` order
+            # (by name: bfloat16 and float16 before float32), each its own flat buffer
+            groups = [[p for p in params if p.nbytes == b] for b in sorted({p.nbytes for p in params})]
+            flats = []
+            for group in groups:
+                flats.append(ledger.alloc(sum(ledger.part(p.ds_numel) for p in group) * ledger.ranks
+                                          * group[0].nbytes, "coalesced all-gather buffer"))
+                if ledger.offload:  # `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each host partition's
+                    copies = [ledger.alloc(ledger.part(p.ds_numel) * p.nbytes, COALESCED_STAGING)
+                              for p in group]  # copy, freed once the cat has filled the buffer (the list's
+                    for token in reversed(copies):  # items released last first)
+                        ledger.free(token)
+            return _Handle([p for group in groups for p in group], ledger, status, flats=flats)
 
         def partition(self, free_data: bool = True, **_kwargs) -> None:
             ledger.free(self.own)
@@ -366,7 +396,8 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     for ds_id, (key, p) in enumerate(sorted(step.params.items())):  # DeepSpeed's mark_persistent_parameters
         persist = p.numel <= spec.persistence_threshold and persistent + p.numel <= spec.model_persistence_threshold
         persistent += p.numel if persist else 0
-        params[key] = StandIn(ds_id, p.numel, p.trainable, persist)
+        params[key] = StandIn(ds_id, p.numel, p.trainable, persist,
+                              spec.trainable_bytes if p.trainable and spec.trainable_bytes else spec.half_bytes)
     modules: dict[int, _StandInModule] = {}
 
     def stand_in(m: Module) -> _StandInModule:
@@ -383,20 +414,33 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         inflight_param_registry=ppc.InflightParamRegistry())
     available = "_PartitionedParameterCoordinator__n_available_params"
     best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
+    layer_peaks = [0] * spec.layers
+    below_peak, outside = [0], [0]
     start_bytes = [0]
     backward_best = [0]
+
+    below_layers = {m.name for m in step.before}  # the embedding: its backward comes after every layer's
 
     def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
         if every_step is not None:
             every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
-        if round_ != ROUNDS - 1:
+        most = ledger.take_high()  # over the event's own allocations, not only after them
+        if round_ != steady:
             return
         if record is not None:
             record.append((EVENT_NAMES[event], m.name, ledger.live))
         if backward:
-            backward_best[0] = max(backward_best[0], ledger.live)
-        if ledger.live > best["bytes"]:
-            best.update(bytes=ledger.live, where=f"{EVENT_NAMES[event]} of {m.name}",
+            backward_best[0] = max(backward_best[0], most)
+            if layer is not None:
+                layer_peaks[layer] = max(layer_peaks[layer], most)
+            elif m.name in below_layers:
+                below_peak[0] = max(below_peak[0], most)
+            else:
+                outside[0] = max(outside[0], most)
+        else:
+            outside[0] = max(outside[0], most)
+        if most > best["bytes"]:
+            best.update(bytes=most, where=f"{EVENT_NAMES[event]} of {m.name}",
                         elements=getattr(coordinator, available, 0),
                         layer=layer if backward and layer is not None else -1)
 
@@ -417,9 +461,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     every: list[StreamEvent] = []  # every step's allocations and frees, for the gather stream's pool
+    # the step whose figures are taken: the first to start with the persistent parameters gathered
+    steady = ROUNDS if spec.pool_rounds else ROUNDS - 1
     with _single_process(ppc):
         for round_ in range(max(ROUNDS, spec.pool_rounds)):
-            if round_ >= (ROUNDS if spec.pool_rounds else ROUNDS - 1):
+            if round_ >= steady:
                 # every optimizer step ends with DeepSpeed gathering the persistent parameters again
                 # (`_allgather_params_coalesced`), so each steady-state step starts with all of them gathered;
                 # the recorded gather streams show the first step that prefetches still gathering them with
@@ -428,7 +474,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                     if p.ds_persist:
                         p.ds_status = ZeroParamStatus.AVAILABLE
             targets = [every]  # every step's allocations (the pool), the caller's of the steady state, this step's
-            if round_ == ROUNDS - 1 and stream is not None:
+            if round_ == steady and stream is not None:
                 targets.append(stream)
             if every_step is not None:
                 every_step.append([])
@@ -436,12 +482,13 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             ledger.stream = every if len(targets) == 1 else _Tee(*targets)
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
-            if round_ == ROUNDS - 1:
+            if round_ == steady:
                 start_bytes[0] = ledger.live
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
                     backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
+                    layer_backward_peaks=layer_peaks, below_backward_peak=below_peak[0], outside_peak=outside[0],
                     peak_elements=int(best["elements"]), events=len(events),
                     pool_bytes=gather_pool(every, spec.alloc_conf) if spec.pool_rounds else 0)
 
@@ -580,7 +627,7 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
     """The replay's settings for a ZeRO-3 case at `layers` decoder layers: DeepSpeed's values as the
     harness writes its config (harness.spec.dsconfig: the case's, else transformers' 'auto' sizes,
     else DeepSpeed's defaults)."""
-    from harness.predict.step import TraceSpec, reentrant_checkpointing
+    from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
     from harness.spec.dsconfig import auto_sizes
     from harness.spec.schema import Offload
 
@@ -613,19 +660,25 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         # embedding again in backward
         input_requires_grad=gc or case.method.kind == "full",
         alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
+        pool_rounds=((POOL_ROUNDS if case.method.kind == "full" else OFFLOAD_POOL_ROUNDS) if uses_gather_pool(case)
+                     else 0),
+        # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
+        trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
     )
 
 
 def uses_gather_pool(case) -> bool:
     """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
-    fine-tune with its parameters on the device, the configs whose recorded timelines show the rest of the
-    reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool says why not elsewhere).
-    Elsewhere the extra steps are not replayed: guide 000's 32B at 64 layers and 8 ranks would spend
-    seconds more of a cold `check` on them."""
+    fine-tune with its parameters on the device, and LoRA with its parameters offloaded where its model's
+    stream is built (harness.predict.zero3_stream.applies_offload_model_stream), the configs whose recorded
+    timelines show the rest of the reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool
+    says why not elsewhere). Elsewhere the extra steps are not replayed."""
+    from harness.predict.zero3_stream import applies_offload_model_stream
     from harness.spec.schema import Offload
 
-    return case.method.kind == "full" and case.deepspeed.offload_param != Offload.cpu
+    if case.method.kind == "full":
+        return case.deepspeed.offload_param != Offload.cpu
+    return applies_offload_model_stream(case)
 
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value

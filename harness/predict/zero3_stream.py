@@ -65,13 +65,17 @@ import json
 from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
+from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec, zero_init
 from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
 from harness.predict.zero3_step import DS_DEFAULT_SUB_GROUP_SIZE, NORM_BYTES, sub_groups
 from harness.spec.schema import Case, Offload
 
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
 MICRO_STEPS = 4  # two optimizer steps of two micro-steps, as the recorded runs made
+# LoRA with its parameters offloaded: no optimizer step on the model's stream (the optimizer is on the host,
+# the gradients' copies on the reduce stream), so every micro-step after the first repeats the second's
+# allocations; the recorded streams peak in the first backward (guide 000, Mistral-7B) or the second (rung 4)
+OFFLOAD_MICRO_STEPS = 2
 FP32_BYTES = 4
 PLACEMENTS = ("spread", "start", "end", "none")  # of a layer chunk's hook events; none: no gathers
 
@@ -90,6 +94,7 @@ class OnePoolShape:
     full: bool = False  # a full fine-tune: every parameter trains, its flat partition buffer on the device
     sub_group_size: int = 0  # a full fine-tune's optimizer on the device: DeepSpeed's sub_group_size; 0 on the host
     accumulation: int = 2  # micro-steps per optimizer step
+    offload_param: bool = False  # the partitions on the host (`offload_param`): zero.Init keeps none on the device
 
     @classmethod
     def of(cls, case: Case, arch, layers: int, placement: str = "spread") -> OnePoolShape:
@@ -101,12 +106,13 @@ class OnePoolShape:
         bucket = ds.reduce_bucket_size or auto_sizes(int(arch.config["hidden_size"]))["reduce_bucket_size"]
         full = case.method.kind == "full"
         on_device = full and ds.offload_optimizer == Offload.none
+        steps = OFFLOAD_MICRO_STEPS if applies_offload_model_stream(case) and placement == "none" else MICRO_STEPS
         return cls(zero3_spec=json.dumps(dataclasses.asdict(spec), sort_keys=True), ranks=case.launch.ranks,
                    half_bytes=spec.half_bytes, ipg_bucket=bucket if ds.contiguous_gradients else 0,
-                   micro_steps=MICRO_STEPS, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                   micro_steps=steps, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    placement=placement, full=full,
                    sub_group_size=(ds.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE) if on_device else 0,
-                   accumulation=max(1, min(case.train.grad_accum, 2)))
+                   accumulation=max(1, min(case.train.grad_accum, 2)), offload_param=spec.offload_param)
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,24 @@ def applies_model_stream(case: Case) -> bool:
     ds = case.deepspeed
     return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param != Offload.cpu
             and case.method.kind == "full" and case.method.quantization is None)
+
+
+def applies_offload_model_stream(case: Case) -> bool:
+    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`) and the parameters on
+    the host, LoRA on a half-precision model, without checkpointing or with reentrant checkpointing: the
+    configs whose model's stream (stream 0) is zero.Init's load with the checkpoint's gathers, peft's
+    adapters, the IPG bucket and the hook registration's gathers of the adapters (`build` with
+    `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the optimizer is on the
+    host (with the parameters offloaded DeepSpeed offloads it too). Under non-reentrant checkpointing the
+    model's stream is built as well (guide 000's recorded ones to the MiB), but the gather stream's replayed
+    pool is not the recorded one (-9.0% and +12.0% at 2 and 4 layers: the replay's coalesced groups in the
+    recomputed layers differ from the run's), and the ratio stays."""
+    from harness.predict.step import reentrant_checkpointing
+
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
+            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case)
+            and (not case.train.gradient_checkpointing or reentrant_checkpointing(case)))
 
 
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
@@ -170,15 +194,27 @@ def _groups(items: list) -> list[tuple[int, int, list[list]]]:
 
 
 def _params(layout, layers: int) -> list[tuple[int, bool]]:
-    """(elements, trainable) of every parameter in module definition order at `layers` layers, a tied
-    head once."""
+    """(elements, trainable) of every parameter in module definition order at `layers` layers, each once: a
+    tied head, and a LoRA layer's `lora_A` weight that it holds as DeepSpeed discovers it
+    (`zero3.layout_of`) beside its `lora_A` module."""
     out, seen = [], set()
-    for m in [*layout.before, *(list(layout.layer) * layers), *layout.after]:
+    for m in layout.before:
         for p in m.params:
-            if m not in layout.layer and p.key in seen:
-                continue
-            seen.add(p.key)
-            out.append((p.numel, p.trainable))
+            if p.key not in seen:
+                seen.add(p.key)
+                out.append((p.numel, p.trainable))
+    for _ in range(layers):
+        mine = set()
+        for m in layout.layer:
+            for p in m.params:
+                if p.key not in seen and p.key not in mine:
+                    mine.add(p.key)
+                    out.append((p.numel, p.trainable))
+    for m in layout.after:
+        for p in m.params:
+            if p.key not in seen:
+                seen.add(p.key)
+                out.append((p.numel, p.trainable))
     return out
 
 
@@ -206,6 +242,57 @@ def _lora_engine(stream: Stream, params: list[tuple[int, bool]], half: int, rank
     stream.alloc(sum(n * (FP32_BYTES if t else half) for n, t in params if n <= threshold))  # defragment()
     if ipg_bucket:
         stream.alloc(ipg_bucket * half)
+
+
+def _lora_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
+                         threshold: int, trainable_bytes: int) -> None:
+    """zero.Init's load of a LoRA model with its parameters offloaded, and the engine's buffers, on the
+    model's stream, as DeepSpeed 0.19.8 makes them (`partition_parameters.py`, `stage3.py`; the recorded
+    rank-0 timelines of Mistral-7B and guide 000's 32B):
+
+    * zero.Init builds each frozen parameter whole in the half dtype (`wrapped_fn`) and moves its
+      partition to the host (`_partition_param`), freeing the whole; a persistent one (at most
+      `stage3_param_persistence_threshold` elements) stays whole on the device;
+    * the weights are then set through `GatheredParameters` (transformers' loading and initialization
+      under ZeRO-3): each partitioned parameter gathered alone (`_allgather_params_sequential`: a
+      buffer of the partition times the ranks and the host partition's copy), then freed;
+    * peft moves every adapter to the device in the half dtype (`_move_adapter_to_device_of_base_layer`),
+      then casts each to fp32 (`cast_adapter_dtype`), its half copy freed;
+    * the engine makes each adapter a ZeRO parameter: a partitioned one goes to the host (its fp32
+      storage freed), a persistent one stays; no flat buffer of the partitions on the device (with
+      `offload_param` it is on the host, `_create_param_groups_fp16_flat_cpu_memory`); the IPG bucket
+      (`_setup_for_real_optimizer`); then `create_reduce_and_remove_grad_hooks` gathers each trainable
+      parameter alone and partitions it again (buffer and host partition copy, at its fp32 dtype).
+
+    Between them no `empty_cache()` runs: the blocks the load freed stay cached for the step."""
+    stream.mark("load")
+    for n, trainable in params:
+        if not trainable:
+            whole = stream.alloc(n * half)
+            if n > threshold:
+                stream.free(whole)
+    for n, trainable in params:
+        if not trainable and n > threshold:
+            part = -(-n // ranks) * half
+            buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
+            stream.free(staging)
+            stream.free(buffer)
+    moved = [(n, stream.alloc(n * half)) for n, trainable in params if trainable]  # every adapter, then
+    adapters = []  # each cast in turn, its half copy freed
+    for n, ident in moved:
+        adapters.append((n, stream.alloc(n * trainable_bytes)))
+        stream.free(ident)
+    stream.mark("engine")
+    for n, ident in adapters:
+        if n > threshold:
+            stream.free(ident)
+    if ipg_bucket:
+        stream.alloc(ipg_bucket * half)
+    for n, _ in adapters:
+        part = -(-n // ranks) * trainable_bytes
+        buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
+        stream.free(staging)
+        stream.free(buffer)
 
 
 def _full_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
@@ -292,8 +379,10 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     from harness.predict import zero3
 
     spec = zero3.Zero3Spec(**json.loads(shape.zero3_spec))
-    steps: list[list] = []
-    zero3.replay(spec, every_step=steps)
+    steps: list[list] = [[] for _ in range(shape.micro_steps)]
+    if shape.placement != "none":  # the coordinator's hook events and gathers of each step
+        steps = []
+        zero3.replay(spec, every_step=steps)
     half, ranks, layers = shape.half_bytes, shape.ranks, spec.layers
     params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
 
@@ -302,6 +391,9 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     groups = sub_groups(partitions, shape.sub_group_size) if shape.sub_group_size else []
     if shape.full:
         _full_engine(stream, params, half, ranks, shape.ipg_bucket, groups)
+    elif shape.offload_param:
+        _lora_offload_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold,
+                             spec.trainable_bytes or half)
     else:
         _lora_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold)
 
