@@ -294,11 +294,12 @@ def test_the_run_is_replayed_until_the_allocators_state_repeats():
     """Mistral-7B QLoRA as LLaMA-Factory runs it (4 x 1024 tokens, GA 2, one H200): its recorded reserve
     grows in each of the first three optimizer steps (the third by a 512 MiB segment in the second
     micro-step's backward) and not in the three after. The run is replayed until a step ends in the
-    state the one before it ended in, and no later step reserves more. With each adapter's gradient
-    kept where the backward makes it, the built run makes its last segment (512 MiB) in the second
-    step's first backward, where the recording made a 224 MiB one, and settles a step earlier, 4.1 %
-    under the recorded peak (with every gradient allocated where the backward begins: four steps, on
-    the peak; see docs/predictor.md, Known limits)."""
+    state the one before it ended in, and no later step reserves more. Its layers now allocate as the
+    recorded ones (cuDNN's attention workspace, the engine's sums in place), and from the first micro-step
+    its blocks of 1 MiB and more come and go in the recorded order; the built run still makes its last
+    segment (512 MiB) in the second step's second backward, where the recording made two of 224 MiB
+    and a 512 MiB one a step later, and settles 4.1 % under the recorded peak (see docs/predictor.md,
+    Known limits)."""
     r1, r2, shape = _architecture_run("mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory")
     timeline = MemoryTimeline.load(ARCH_TIMELINES / "mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory@2ga.json.gz")
     recorded = _after_load(timeline)[1]
@@ -570,6 +571,20 @@ def test_the_engine_sums_two_gradients_in_place_unless_the_first_is_a_view():
     assert sum(1 for op, _, size, phase, _ in events if op == 1 and size == grad and phase == B) == 3
     events, _ = _logged(a_view_first)
     assert sum(1 for op, _, size, phase, _ in events if op == 1 and size == grad and phase == B) == 4
+
+
+def test_the_autograd_threads_cublas_workspace_follows_the_backwards_first_matmul():
+    """The autograd thread takes its cuBLAS handle, and its 32 MiB workspace, at the backward's first
+    matmul, after that matmul's output (the head's, after the loss's gradients): where the trace saw it."""
+    from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE
+
+    step = two_layer_step()
+    step.matmuls = [-1, 12]  # after layer 1's first backward allocation (event 11 is the head's free)
+    stream = run_stream(result([]), step, RunShape(2, 1, 2, False, False), 1)
+    sizes = [stream.sizes[op] for op in stream.ops if op >= 0]
+    first_backward = sizes.index(16 * MiB)
+    assert sizes[first_backward + 1] == CUBLAS_HANDLE_WORKSPACE
+    assert sizes.count(CUBLAS_HANDLE_WORKSPACE) == 2
 
 
 def test_a_layers_backward_in_the_trace_allocates_as_the_recorded_one():
