@@ -587,24 +587,49 @@ def test_the_autograd_threads_cublas_workspace_follows_the_backwards_first_matmu
     assert sizes.count(CUBLAS_HANDLE_WORKSPACE) == 2
 
 
-def test_a_layers_backward_in_the_trace_allocates_as_the_recorded_one():
-    """Mistral-7B QLoRA through LLaMA-Factory (4 x 1024 tokens, one H200): one decoder layer's
-    recomputed forward and backward, blocks of 1 MiB and more, in the recorded order and sizes: with the
-    engine's sums in place and cuDNN's attention workspace (the trace's is 256 bytes short of the
-    recorded 128.5 MiB + 256). The trace runs with the gradients of earlier micro-steps there: the
-    recording's second micro-step."""
+@pytest.mark.parametrize("name, layers", [("mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory", 32),
+                                          ("qwen25-1.5b-full-mb4-s1024-gc-llamafactory", 28)])
+def test_a_layers_backward_in_the_trace_allocates_as_the_recorded_one(name, layers):
+    """Mistral-7B QLoRA and Qwen2.5-1.5B's full fine-tune through LLaMA-Factory (4 x 1024 tokens, one
+    H200): one decoder layer's recomputed forward and backward, blocks of 1 MiB and more, in the
+    recorded order and sizes: with the engine's sums in place (out of place where the first gradient is
+    a view: Qwen's biased q, k, v projections), cuDNN's attention workspace (the trace's is 256 bytes
+    short of the recorded one) and, for Qwen's bias and norm gradients, the reductions' staging
+    buffers. The trace runs with the gradients of earlier micro-steps there: the recording's second
+    micro-step, its second layer."""
     from harness.measure.timeline import FREE_COMPLETED
 
-    _, r2, _ = _architecture_run("mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory")
-    timeline = MemoryTimeline.load(ARCH_TIMELINES / "mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory@2ga.json.gz")
-
+    _, r2, _ = _architecture_run(name)
+    timeline = MemoryTimeline.load(ARCH_TIMELINES / f"{name}@2ga.json.gz")
     big = 2**20
     recorded = [(1 if a == ALLOC else 0, s) for a, s in zip(timeline.action, timeline.size, strict=True)
                 if a in (ALLOC, FREE_COMPLETED) and s >= big]
     workspace = next(s for op, s in recorded if op == 1 and s % 512)
     marks = [i for i, (op, s) in enumerate(recorded) if op == 1 and s == workspace]
-    period = recorded[marks[33]:marks[34]]  # the second micro-step's backward, its second layer
+    period = recorded[marks[layers + 1]:marks[layers + 2]]
     traced = [(op, workspace if abs(size - workspace) < 512 else size) for op, _, size, phase, layer in r2.events
               if phase == B and layer == 1 and size >= big]
     start = traced.index((1, workspace))
     assert traced[start:] + traced[:start] == period
+
+
+def test_a_reduction_split_across_blocks_stages_its_partial_sums():
+    """A bias's gradient summed over 4 x 1024 rows of 1536 (Qwen2.5-1.5B's q_proj): `gpu_reduce_kernel`
+    splits each output's rows across 64 blocks and stages their partial sums in a 48 MiB buffer beside
+    48 bytes of semaphores, after the output and freed before the kernel returns; a norm's mean over
+    each row's 1536 needs none."""
+    def biased(torch):
+        x = torch.empty(4, 1024, 1536, dtype=torch.bfloat16)
+        bias = torch.empty(1536, dtype=torch.bfloat16, requires_grad=True)
+        return (x + bias) * x  # a dense gradient reaches the sum
+
+    events, _ = _logged(biased)
+    backward = [(op, size) for op, _, size, phase, _ in events if phase == B]
+    at = backward.index((1, 3072))  # the bias's gradient
+    assert backward[at:at + 5] == [(1, 3072), (1, 48 * MiB), (1, 48), (0, 48), (0, 48 * MiB)]
+
+    def norm(torch):
+        return torch.empty(4, 1024, 1536, requires_grad=True).pow(2).mean(-1, keepdim=True)
+
+    events, _ = _logged(norm, backward_too=False)
+    assert [e[2] for e in events if e[0] == 1][-1] == 4 * 1024 * 4

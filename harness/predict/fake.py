@@ -253,6 +253,87 @@ def _cuda_transients(log: AllocationLog, func, args) -> None:
         del workspace
     elif func is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
         _efficient_attention_transients(log, args[0], args[1], args[3])
+    elif func in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim):
+        staged = _global_reduction(args[0], args[1] if len(args) > 1 else None)
+        if staged is not None:
+            buffer = torch.empty(staged[0], dtype=torch.uint8, device=args[0].device)
+            log._see(buffer)
+            semaphores = torch.empty(staged[1], dtype=torch.uint8, device=args[0].device)
+            log._see(semaphores)
+            del semaphores, buffer
+
+
+# an H100 SXM's and an H200's streaming multiprocessors, and the threads each holds (sm90)
+_SMS, _THREADS_PER_SM = 132, 2048
+
+
+def _global_reduction(x, dims) -> tuple[int, int] | None:
+    """The staging buffer and semaphores, in bytes, that `gpu_reduce_kernel` (aten/src/ATen/native/cuda/
+    Reduce.cuh) takes from the caching allocator when `setReduceConfig` splits each output's inputs
+    across thread blocks (`should_global_reduce`), freed when the launch returns, semaphores first; None
+    where it does not. A dense floating input (fp32 accumulator); the reduced dims, and the kept ones,
+    each coalesced as TensorIterator does for a dense tensor. A sum over the batch and sequence of a
+    bias's or a norm weight's gradient (4 x 1024 rows of 1536) takes 48 MiB and 48 bytes (Qwen2.5-1.5B's
+    timeline)."""
+    if not x.is_floating_point() or x.element_size() > 4 or x.dim() == 0 or not _dense(x):
+        return None
+    reduce = set(range(x.dim())) if not dims else {d % x.dim() for d in dims}
+    reduced = [(n, st) for d, (n, st) in enumerate(zip(x.shape, x.stride(), strict=True)) if d in reduce and n > 1]
+    kept = [(n, st) for d, (n, st) in enumerate(zip(x.shape, x.stride(), strict=True)) if d not in reduce and n > 1]
+    inputs = 1
+    for n, _ in reduced:
+        inputs *= n
+    outputs = x.numel() // inputs if inputs else 0
+    if inputs <= 1 or outputs == 0:
+        return None
+    fastest = not kept or min(st for _, st in reduced) < min(st for _, st in kept)
+    dim0, dim1 = (inputs, outputs) if fastest else (outputs, inputs)
+    out_vec = 1
+    if fastest and min(st for _, st in reduced) == 1 and dim0 > 128 and _coalesced(reduced):
+        dim0 //= 4  # vectorize along the input
+    elif not fastest and min(st for _, st in kept) == 1:
+        inner = outputs if _coalesced(kept) else min(kept, key=lambda d: d[1])[0]
+        out_vec = 4
+        while out_vec > 1 and (inner % out_vec or any(st % out_vec for _, st in reduced)):
+            out_vec //= 2
+        dim0 //= out_vec
+    most = 512 // out_vec
+    dim0_pow2 = most if dim0 >= most else 1 << (dim0.bit_length() - 1)
+    dim1_pow2 = most if dim1 >= most else 1 << (dim1.bit_length() - 1)
+    width = min(dim0_pow2, 32)
+    height = min(dim1_pow2, most // width)
+    width = min(dim0_pow2, most // height)
+    step_in = step_out = 1
+    if fastest:
+        step_in *= width
+    else:
+        step_out *= width
+    per_thread = -(-inputs // step_in)
+    split_warps = per_thread >= height * 16 or per_thread >= 256
+    if split_warps:
+        step_in *= height
+    else:
+        step_out *= height
+    grid = -(-(outputs // out_vec) // step_out)
+    target = _SMS * (_THREADS_PER_SM // (width * height))
+    per_thread = -(-inputs // step_in)
+    if not split_warps or per_thread < 256 or grid > target:
+        return None
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return None
+    size = 4 * outputs * ctas * (1 if fastest else width * out_vec)
+    return size, 4 * grid
+
+
+def _coalesced(dims: list[tuple[int, int]]) -> bool:
+    """Whether these (size, stride) dims lie one inside the next, so TensorIterator merges them into one."""
+    expected = None
+    for n, st in sorted(dims, key=lambda d: d[1]):
+        if expected is not None and st != expected:
+            return False
+        expected = n * st
+    return True
 
 
 def _cudnn_attention_workspace(query, key, value) -> int:
@@ -332,7 +413,8 @@ _DISPATCH_WRAPPERS = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_py
 _CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten._softmax_backward_data.default,
                             torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
-                            torch.ops.aten._scaled_dot_product_efficient_attention_backward.default))
+                            torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+                            torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim))
 
 
 def _cudnn_takes(query, key, value, attn_mask, dropout_p, enable_gqa, grad) -> bool:
