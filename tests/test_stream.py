@@ -294,11 +294,12 @@ def test_the_run_is_replayed_until_the_allocators_state_repeats():
     """Mistral-7B QLoRA as LLaMA-Factory runs it (4 x 1024 tokens, GA 2, one H200): its recorded reserve
     grows in each of the first three optimizer steps (the third by a 512 MiB segment in the second
     micro-step's backward) and not in the three after. The run is replayed until a step ends in the
-    state the one before it ended in, and no later step reserves more. With each adapter's gradient
-    kept where the backward makes it, the built run makes its last segment (512 MiB) in the second
-    step's first backward, where the recording made a 224 MiB one, and settles a step earlier, 4.1 %
-    under the recorded peak (with every gradient allocated where the backward begins: four steps, on
-    the peak; see docs/predictor.md, Known limits)."""
+    state the one before it ended in, and no later step reserves more. Its layers now allocate as the
+    recorded ones (cuDNN's attention workspace, the engine's sums in place), and from the first micro-step
+    its blocks of 1 MiB and more come and go in the recorded order; the built run still makes its last
+    segment (512 MiB) in the second step's second backward, where the recording made two of 224 MiB
+    and a 512 MiB one a step later, and settles 4.1 % under the recorded peak (see docs/predictor.md,
+    Known limits)."""
     r1, r2, shape = _architecture_run("mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory")
     timeline = MemoryTimeline.load(ARCH_TIMELINES / "mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory@2ga.json.gz")
     recorded = _after_load(timeline)[1]
@@ -483,3 +484,152 @@ def test_the_llamafactory_full_fine_tune_is_built_onto_its_recorded_reserved_pea
     curve = MemoryTimeline.load(ARCH_TIMELINES / f"{cid}@2ga.json.gz").curve()
     assert abs(sim.peak_allocated / curve.peak("allocated")[1] - 1) < 0.005
     assert abs(sim.peak_reserved / curve.peak("reserved")[1] - 1) < 0.005
+
+
+def _logged(fn, *, backward_too: bool = True):
+    """The events `AllocationLog` logs while `fn()` builds an output (and, with `backward_too`, while the
+    gradient of its sum flows back), on fake tensors with the trace's SDPA."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.predict.fake import AllocationLog, _cuda_sdpa
+
+    log = AllocationLog()
+    with FakeTensorMode(), _cuda_sdpa(), log:
+        log.start_log()
+        out = fn(torch)
+        if backward_too:
+            log.backward = True
+            log.tag = (B, 0)
+            out.sum().backward()
+        return log.stop_log(), log
+
+
+def test_half_attention_runs_on_cudnn_with_its_seed_offset_and_backward_workspace():
+    """bf16 SDPA on an H100/H200 (torch 2.11, CUDA 13) is cuDNN's: the forward allocates the dropout
+    seed and offset (8 bytes each) before the output and the fp32 log-sum-exp; the backward, after dq,
+    dk and dv, one workspace (fp32 row sums and dQ accumulator, and dK, dV per query head for grouped
+    heads: Mistral-7B's 128.5 MiB at 4 x 1024 tokens), freed at once. Without a gradient no log-sum-exp."""
+    def attention(torch):
+        q = torch.empty(2, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+
+    events, _ = _logged(attention)
+    out, lse = 2 * 4 * 64 * 32 * 2, 2 * 4 * 64 * 4
+    allocs = [(e[2], e[3]) for e in events if e[0] == 1]
+    forward = [size for size, phase in allocs if phase == F]
+    assert forward[-4:] == [8, 8, out, lse]
+    workspace = 2 * 4 * 64 * 4 + 2 * 4 * 64 * 32 * 4 + 2 * (2 * 4 * 64 * 32 * 2)
+    backward = [(op, size) for op, _, size, phase, _ in events if phase == B]
+    at = backward.index((1, workspace))
+    assert backward[at + 1] == (0, workspace)
+    assert [size for op, size in backward[:at] if op == 1][-3:] == [out, out // 2, out // 2]  # dq, dk, dv
+
+    def no_grad(torch):
+        with torch.no_grad():
+            return attention(torch)
+
+    events, _ = _logged(no_grad, backward_too=False)
+    assert [e[2] for e in events if e[0] == 1][-3:] == [8, 8, out]
+
+
+def test_fp32_efficient_attention_backward_allocates_delta_and_its_workspace():
+    """fp32 SDPA without grouped heads is the memory-efficient kernel's; its f32 backward computes
+    `delta` eagerly (a product of the output's shape, two row sums) and takes a workspace for the split
+    keys' dQ accumulator: 128 x 64 tiles for head dim 96 (Phi-3-mini's 64.03 MiB at 4 x 1024 tokens)."""
+    def attention(torch):
+        q = torch.empty(1, 4, 64, 96, requires_grad=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    events, _ = _logged(attention)
+    backward = [(op, size) for op, _, size, phase, _ in events if phase == B]
+    product, rows = 1 * 4 * 64 * 96 * 4, 1 * 64 * 4 * 4
+    workspace = 1 * 4 * (1 * 2 * (4 + 128 * 64)) * 4
+    at = next(i for i in range(len(backward) - 1) if backward[i:i + 2] == [(1, product), (1, rows)])
+    assert [size for op, size in backward[:at] if op == 1][-3:] == [product] * 3  # grad_q, grad_k, grad_v
+    assert backward[at:at + 8] == [(1, product), (1, rows), (1, rows), (0, rows), (0, product),
+                                   (1, workspace), (0, rows), (0, workspace)]
+
+
+def test_the_engine_sums_two_gradients_in_place_unless_the_first_is_a_view():
+    """Where a tensor feeds two branches, the engine adds the second gradient into the first
+    (`InputBuffer::add`, `can_accumulate_inplace`): no block for the sum. A view made in backward keeps
+    its base, which holds the storage too: then the sum is a new block, as on the device."""
+    def two_branches(torch):
+        x = torch.empty(4, 256, requires_grad=True)
+        h = x * 2
+        return (h @ torch.empty(256, 256)) + (h @ torch.empty(256, 256))
+
+    def a_view_first(torch):
+        x = torch.empty(4, 256, requires_grad=True)
+        h = x * 2
+        return (h @ torch.empty(256, 256)).sum() + (h.reshape(8, 128) @ torch.empty(128, 128)).sum()
+
+    grad = 4 * 256 * 4
+    events, _ = _logged(two_branches)
+    assert sum(1 for op, _, size, phase, _ in events if op == 1 and size == grad and phase == B) == 3
+    events, _ = _logged(a_view_first)
+    assert sum(1 for op, _, size, phase, _ in events if op == 1 and size == grad and phase == B) == 4
+
+
+def test_the_autograd_threads_cublas_workspace_follows_the_backwards_first_matmul():
+    """The autograd thread takes its cuBLAS handle, and its 32 MiB workspace, at the backward's first
+    matmul, after that matmul's output (the head's, after the loss's gradients): where the trace saw it."""
+    from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE
+
+    step = two_layer_step()
+    step.matmuls = [-1, 12]  # after layer 1's first backward allocation (event 11 is the head's free)
+    stream = run_stream(result([]), step, RunShape(2, 1, 2, False, False), 1)
+    sizes = [stream.sizes[op] for op in stream.ops if op >= 0]
+    first_backward = sizes.index(16 * MiB)
+    assert sizes[first_backward + 1] == CUBLAS_HANDLE_WORKSPACE
+    assert sizes.count(CUBLAS_HANDLE_WORKSPACE) == 2
+
+
+@pytest.mark.parametrize("name, layers", [("mistral-7b-qlora-r64-mb4-s1024-gc-llamafactory", 32),
+                                          ("qwen25-1.5b-full-mb4-s1024-gc-llamafactory", 28)])
+def test_a_layers_backward_in_the_trace_allocates_as_the_recorded_one(name, layers):
+    """Mistral-7B QLoRA and Qwen2.5-1.5B's full fine-tune through LLaMA-Factory (4 x 1024 tokens, one
+    H200): one decoder layer's recomputed forward and backward, blocks of 1 MiB and more, in the
+    recorded order and sizes: with the engine's sums in place (out of place where the first gradient is
+    a view: Qwen's biased q, k, v projections), cuDNN's attention workspace (the trace's is 256 bytes
+    short of the recorded one) and, for Qwen's bias and norm gradients, the reductions' staging
+    buffers. The trace runs with the gradients of earlier micro-steps there: the recording's second
+    micro-step, its second layer."""
+    from harness.measure.timeline import FREE_COMPLETED
+
+    _, r2, _ = _architecture_run(name)
+    timeline = MemoryTimeline.load(ARCH_TIMELINES / f"{name}@2ga.json.gz")
+    big = 2**20
+    recorded = [(1 if a == ALLOC else 0, s) for a, s in zip(timeline.action, timeline.size, strict=True)
+                if a in (ALLOC, FREE_COMPLETED) and s >= big]
+    workspace = next(s for op, s in recorded if op == 1 and s % 512)
+    marks = [i for i, (op, s) in enumerate(recorded) if op == 1 and s == workspace]
+    period = recorded[marks[layers + 1]:marks[layers + 2]]
+    traced = [(op, workspace if abs(size - workspace) < 512 else size) for op, _, size, phase, layer in r2.events
+              if phase == B and layer == 1 and size >= big]
+    start = traced.index((1, workspace))
+    assert traced[start:] + traced[:start] == period
+
+
+def test_a_reduction_split_across_blocks_stages_its_partial_sums():
+    """A bias's gradient summed over 4 x 1024 rows of 1536 (Qwen2.5-1.5B's q_proj): `gpu_reduce_kernel`
+    splits each output's rows across 64 blocks and stages their partial sums in a 48 MiB buffer beside
+    48 bytes of semaphores, after the output and freed before the kernel returns; a norm's mean over
+    each row's 1536 needs none."""
+    def biased(torch):
+        x = torch.empty(4, 1024, 1536, dtype=torch.bfloat16)
+        bias = torch.empty(1536, dtype=torch.bfloat16, requires_grad=True)
+        return (x + bias) * x  # a dense gradient reaches the sum
+
+    events, _ = _logged(biased)
+    backward = [(op, size) for op, _, size, phase, _ in events if phase == B]
+    at = backward.index((1, 3072))  # the bias's gradient
+    assert backward[at:at + 5] == [(1, 3072), (1, 48 * MiB), (1, 48), (0, 48), (0, 48 * MiB)]
+
+    def norm(torch):
+        return torch.empty(4, 1024, 1536, requires_grad=True).pow(2).mean(-1, keepdim=True)
+
+    events, _ = _logged(norm, backward_too=False)
+    assert [e[2] for e in events if e[0] == 1][-1] == 4 * 1024 * 4

@@ -221,20 +221,22 @@ def _as_bnb_lora(model) -> None:
 
 
 def _cuda_transients(log: AllocationLog, func, args) -> None:
-    """What two CUDA kernels allocate beside their output, which a fake tensor's kernel (its output
-    only) does not show, logged after the op's output and freed. Both are softmax's, over score
-    matrices, so each is one score matrix large:
+    """What CUDA kernels allocate beside their output, which a fake tensor's kernel (its output only)
+    does not show, logged after the op's output and freed. They are made below autograd: nothing of
+    them is saved.
 
     - `_safe_softmax`, which SDPA's math path applies to its scores (`_scaled_dot_product_attention_math`):
       the softmax, then `masked = self.isneginf()` (a boolean of the scores' shape) and
       `masked_rows = all(masked, dim, true)`, both kept until it returns, and `where_out` into the
       softmax's own storage (aten/src/ATen/native/transformers/attention.cpp);
     - `_softmax_backward_data` (`softmax_backward_cuda_out`, aten/src/ATen/native/cuda/SoftMax.cu): its
-      output, then `Tensor tmp = grad * output`, freed when it returns.
-
-    The recorded run of Llama-3.1-8B QLoRA (fp32 grouped-query attention on the math path, torch 2.11)
-    shows both in every layer: a 128 MiB boolean beside the 512 MiB scores and softmax, and a third
-    512 MiB block in the attention's backward. They are made below autograd: nothing of them is saved."""
+      output, then `Tensor tmp = grad * output`, freed when it returns. The recorded run of Llama-3.1-8B
+      QLoRA (fp32 grouped-query attention on the math path, torch 2.11) shows both in every layer: a
+      128 MiB boolean beside the 512 MiB scores and softmax, and a third 512 MiB block in the
+      attention's backward;
+    - the attention backwards' workspaces: cuDNN's (`_cudnn_attention_workspace`) and the
+      memory-efficient kernel's (`_efficient_attention_transients`), after the gradients of the query,
+      key and value."""
     if func is torch.ops.aten._safe_softmax.default:
         masked = args[0].isneginf()
         log._see(masked)
@@ -245,9 +247,203 @@ def _cuda_transients(log: AllocationLog, func, args) -> None:
         tmp = args[0] * args[1]
         log._see(tmp)
         del tmp
+    elif func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
+        workspace = torch.empty(_cudnn_attention_workspace(args[1], args[2], args[3]), dtype=torch.uint8,
+                                device=args[1].device)
+        log._see(workspace)
+        del workspace
+    elif func is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
+        _efficient_attention_transients(log, args[0], args[1], args[3])
+    elif func in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim):
+        staged = _global_reduction(args[0], args[1] if len(args) > 1 else None)
+        if staged is not None:
+            buffer = torch.empty(staged[0], dtype=torch.uint8, device=args[0].device)
+            log._see(buffer)
+            semaphores = torch.empty(staged[1], dtype=torch.uint8, device=args[0].device)
+            log._see(semaphores)
+            del semaphores, buffer
 
 
-_TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten._softmax_backward_data.default))
+# an H100 SXM's and an H200's streaming multiprocessors, and the threads each holds (sm90)
+_SMS, _THREADS_PER_SM = 132, 2048
+
+
+def _global_reduction(x, dims) -> tuple[int, int] | None:
+    """The staging buffer and semaphores, in bytes, that `gpu_reduce_kernel` (aten/src/ATen/native/cuda/
+    Reduce.cuh) takes from the caching allocator when `setReduceConfig` splits each output's inputs
+    across thread blocks (`should_global_reduce`), freed when the launch returns, semaphores first; None
+    where it does not. A dense floating input (fp32 accumulator); the reduced dims, and the kept ones,
+    each coalesced as TensorIterator does for a dense tensor. A sum over the batch and sequence of a
+    bias's or a norm weight's gradient (4 x 1024 rows of 1536) takes 48 MiB and 48 bytes (Qwen2.5-1.5B's
+    timeline)."""
+    if not x.is_floating_point() or x.element_size() > 4 or x.dim() == 0 or not _dense(x):
+        return None
+    reduce = set(range(x.dim())) if not dims else {d % x.dim() for d in dims}
+    reduced = [(n, st) for d, (n, st) in enumerate(zip(x.shape, x.stride(), strict=True)) if d in reduce and n > 1]
+    kept = [(n, st) for d, (n, st) in enumerate(zip(x.shape, x.stride(), strict=True)) if d not in reduce and n > 1]
+    inputs = 1
+    for n, _ in reduced:
+        inputs *= n
+    outputs = x.numel() // inputs if inputs else 0
+    if inputs <= 1 or outputs == 0:
+        return None
+    fastest = not kept or min(st for _, st in reduced) < min(st for _, st in kept)
+    dim0, dim1 = (inputs, outputs) if fastest else (outputs, inputs)
+    out_vec = 1
+    if fastest and min(st for _, st in reduced) == 1 and dim0 > 128 and _coalesced(reduced):
+        dim0 //= 4  # vectorize along the input
+    elif not fastest and min(st for _, st in kept) == 1:
+        inner = outputs if _coalesced(kept) else min(kept, key=lambda d: d[1])[0]
+        out_vec = 4
+        while out_vec > 1 and (inner % out_vec or any(st % out_vec for _, st in reduced)):
+            out_vec //= 2
+        dim0 //= out_vec
+    most = 512 // out_vec
+    dim0_pow2 = most if dim0 >= most else 1 << (dim0.bit_length() - 1)
+    dim1_pow2 = most if dim1 >= most else 1 << (dim1.bit_length() - 1)
+    width = min(dim0_pow2, 32)
+    height = min(dim1_pow2, most // width)
+    width = min(dim0_pow2, most // height)
+    step_in = step_out = 1
+    if fastest:
+        step_in *= width
+    else:
+        step_out *= width
+    per_thread = -(-inputs // step_in)
+    split_warps = per_thread >= height * 16 or per_thread >= 256
+    if split_warps:
+        step_in *= height
+    else:
+        step_out *= height
+    grid = -(-(outputs // out_vec) // step_out)
+    target = _SMS * (_THREADS_PER_SM // (width * height))
+    per_thread = -(-inputs // step_in)
+    if not split_warps or per_thread < 256 or grid > target:
+        return None
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return None
+    size = 4 * outputs * ctas * (1 if fastest else width * out_vec)
+    return size, 4 * grid
+
+
+def _coalesced(dims: list[tuple[int, int]]) -> bool:
+    """Whether these (size, stride) dims lie one inside the next, so TensorIterator merges them into one."""
+    expected = None
+    for n, st in sorted(dims, key=lambda d: d[1]):
+        if expected is not None and st != expected:
+            return False
+        expected = n * st
+    return True
+
+
+def _cudnn_attention_workspace(query, key, value) -> int:
+    """The bytes of the one workspace `run_cudnn_SDP_bprop` (aten/src/ATen/native/cudnn/MHA.cpp) takes
+    from the caching allocator for cuDNN's SDPA backward graph, after `_cudnn_attention_backward` has
+    made dq, dk and dv (`empty_like` of the query, key and value), freed when it returns. The graph is
+    cudnn-frontend's `CompositeSDPABackwardNode` (include/cudnn_frontend/node/scaled_dot_product_
+    flash_attention.h): its own tensors are `softmax_sum` (fp32, batch x query heads x query rows) and
+    the fp32 dQ accumulator of the query's shape (`get_fe_workspace_size_node`); with fewer key or value
+    heads than query heads (grouped-query attention) it computes dK and dV per query head and reduces
+    them to the key's heads (`dK_fullhead`, `dV_fullhead`, in the query's dtype), which the engine holds
+    in its part of the workspace. The recorded timelines (torch 2.11, cuDNN on an H200) agree to the
+    byte but for 256 bytes more in every one, which the engine takes for itself and no source here
+    gives: Mistral-7B 128.5 MiB (4 x 1024 tokens, 32 query and 8 key heads of 128), Qwen2.5-1.5B
+    48.19 MiB, Gemma-2-2B (head dim 256) 32.06 MiB, Phi-3-mini without grouped heads 48.5 MiB (fp32
+    accumulator and row sums only)."""
+    b, h_q, s_q, d_qk = query.shape
+    s_kv, d_v = key.shape[2], value.shape[3]
+    size = b * h_q * s_q * 4 + b * h_q * s_q * d_qk * 4  # softmax_sum, dQ_accum
+    if key.shape[1] != h_q:
+        size += b * h_q * s_kv * d_qk * query.element_size()
+    if value.shape[1] != h_q:
+        size += b * h_q * s_kv * d_v * query.element_size()
+    return size
+
+
+def _efficient_attention_transients(log: AllocationLog, grad_out, query, value) -> None:
+    """`_efficient_attention_backward` (aten/src/ATen/native/transformers/cuda/attention_backward.cu)
+    after grad_q, grad_k and grad_v, for fp32 inputs on sm80 and later (the residual stream after
+    peft's k-bit preparation; its kernels `dispatch_cutlassB_f32_sm80`, mem_eff_attention/kernels/
+    cutlassB.h). The f32 kernels do not compute `delta` themselves (`kKernelComputesDelta` is for the
+    half types): it is `(grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1).contiguous()`,
+    a product of the output's shape and two row sums, the first two freed at once. Then the kernel's
+    workspace (`p.workspace_size()`, kernel_backward.h): fp32 output needs no dK or dV accumulator
+    (`kNeedsAccumGradK/V`: the accumulator is the output's type), but split keys need one for dQ:
+    per batch and head `ceil(M / kBlockSizeI) * ceil(K / kBlockSizeJ)` tiles of `GradQTempStorage`
+    (four int32, then kBlockSizeI x kBlockSizeJ floats), aligned to four floats. The kernel is the first
+    of the list whose `kMaxK` holds the head dim: 64 x 64 up to 64, 128 x 64 up to 128, then 128 x 64
+    (a kernel the shared memory refuses, which the list then skips, is not modelled). `delta` goes when
+    the launch returns, the workspace after it. Phi-3-mini QLoRA's timeline (4 x 1024 tokens, 32 heads
+    of 96, torch 2.11, H200) shows the five blocks in every layer: 48 MiB, 0.5 and 0.5 MiB, then
+    64.03 MiB. The half types (cuDNN's or flash's on these cards) are left as traced."""
+    if query.dtype != torch.float32:
+        return
+    b, h, m, k = query.shape
+    product = torch.empty(grad_out.shape, dtype=torch.float32, device=query.device)
+    log._see(product)
+    rows = torch.empty((b, m, h), dtype=torch.float32, device=query.device)
+    log._see(rows)
+    delta = torch.empty((b, h, m), dtype=torch.float32, device=query.device)
+    log._see(delta)
+    del rows, product
+    block_i = 64 if max(k, value.shape[3]) <= 64 else 128
+    block_j = 64
+    tiles = -(-m // block_i) * -(-k // block_j)
+    stride = -(-tiles * (4 + block_i * block_j) // 4) * 4
+    workspace = torch.empty(b * h * stride * 4, dtype=torch.uint8, device=query.device)
+    log._see(workspace)
+    del delta, workspace
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """`is_non_overlapping_and_dense`: the elements fill the storage once, in some order of the dims."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# the ops that call cuBLAS: the first in each phase takes its thread's handle and workspace
+_BLAS_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                       torch.ops.aten.baddbmm.default))
+# torch's wrappers between a dispatch mode and the Python frame that ran the op
+_DISPATCH_WRAPPERS = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_python_dispatch")
+_CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+_TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten._softmax_backward_data.default,
+                            torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
+                            torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+                            torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim))
+
+
+def _cudnn_takes(query, key, value, attn_mask, dropout_p, enable_gqa, grad) -> bool:
+    """Whether `can_use_cudnn_attention` (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch
+    2.11) passes these inputs on an sm90 card with cuDNN above 9.22 (the recorded Gemma-2 runs, head dim
+    256, took it): fp16 or bf16; dense 4-dimensional inputs, the last dimension contiguous; batch and
+    heads at most 65535; head dims multiples of 8 up to 256 (`check_cudnn_tensor_shapes`), and for a
+    backward d <= 128, (192, 128) or (256, 256) (`check_cudnn_d256_bprop_head_dim`); more query heads
+    than key heads only with `enable_gqa` and a whole number of groups; key length above 1; dropout a
+    multiple of 1/16. A mask is taken (as an additive bias)."""
+    if query.dtype not in (torch.float16, torch.bfloat16) or query.dim() != 4:
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype or key.dim() != 4 or value.dim() != 4:
+        return False
+    if any(t.stride(-1) != 1 and t.shape[-1] != 1 for t in (query, key, value)):
+        return False
+    b, h_q, _, d_qk = query.shape
+    s_kv, d_v = key.shape[2], value.shape[3]
+    if b > 65535 or h_q > 65535 or s_kv == 1 or key.shape[3] != d_qk:
+        return False
+    if d_qk > 256 or d_v > 256 or d_qk % 8 or d_v % 8:
+        return False
+    if grad and not ((d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))):
+        return False
+    if key.shape[1] != h_q or value.shape[1] != h_q:
+        if not enable_gqa or h_q % key.shape[1] or h_q % value.shape[1]:
+            return False
+    return dropout_p * 16 == int(dropout_p * 16)
 
 
 @contextlib.contextmanager
@@ -264,13 +460,28 @@ def _cuda_sdpa():
     calls `attn_output.transpose(1, 2).contiguous()`: a no-op on CUDA, a copy of the output on the CPU
     kernel's layout whenever the query is contiguous (Phi-3's rotary embedding concatenates the rotated
     and the passed-through halves), and that copy, the input of `o_proj`'s LoRA, is kept to the
-    backward. fp32 inputs without grouped-query heads go to the efficient kernel here too; the rest
-    (the half dtypes: flash, whose output is `empty_like` of the query on CUDA as on the CPU) is left
-    as it is."""
+    backward. fp32 inputs without grouped-query heads go to the efficient kernel here too.
+
+    The half dtypes go to cuDNN's kernel where it takes them (`_cudnn_takes`): torch 2.11 built for
+    CUDA 13 puts cuDNN first on sm90 cards (H100, H200) with cuDNN above 9.15
+    (`check_prefer_cudnn_attention`, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Its forward
+    lays the output out like the query (`alloc_with_matching_layout`) and keeps a log-sum-exp per row
+    (fp32) and the dropout seed and offset (`AllocationLog`); its backward a workspace
+    (`_cudnn_attention_workspace`). Every recorded run in the half dtypes took it: the seed and offset,
+    8-byte blocks beside the output, and one workspace block in every layer's backward. The rest of the
+    half dtypes (flash, whose output is `empty_like` of the query on CUDA as on the CPU) is left as it
+    is."""
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        if _cudnn_takes(query, key, value, attn_mask, dropout_p, enable_gqa, grad):
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask_cudnn
+                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    attn_mask.logical_not(), float("-inf"))
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale)[0]
         if query.dtype != torch.float32 or query.dim() != 4:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
@@ -280,7 +491,6 @@ def _cuda_sdpa():
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA converts a boolean mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 attn_mask.logical_not(), float("-inf"))
-        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
 
@@ -487,7 +697,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             gc.unfreeze()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
                        seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
-                       grads=tracker.grads,
+                       grads=tracker.grads, matmuls=list(tracker.matmuls),
                        attention=attention_of(model), attention_note="; ".join(notes))
 
 
@@ -518,6 +728,8 @@ class AllocationLog(LiveTensorTracker):
         self._issued = 0
         self._log: list[list[int]] | None = None
         self.grads: list[int] = []  # ids of the allocations handed to a parameter's AccumulateGrad
+        self._sum: tuple[int, int, int] | None = None  # the engine's last sum: its key, old_var's key, log index
+        self.matmuls = [-1, -1]  # `TraceResult.matmuls`
 
     def note_grad(self, grad: torch.Tensor) -> None:
         """A trainable parameter's hook: `grad` is what its AccumulateGrad is given."""
@@ -529,16 +741,80 @@ class AllocationLog(LiveTensorTracker):
         self._log = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _CUDNN_ATTENTION and self._log is not None:
+            return self._cudnn_attention(func, args, kwargs or {})
+        summed = self._engine_sum(func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if summed is not None:
+            self._note_sum(out, summed)
+        if func in _BLAS_OPS and self._log is not None and self.matmuls[self.backward] < 0:
+            self.matmuls[self.backward] = len(self._log)
         if func in _TRANSIENT_OPS:
             _cuda_transients(self, func, args)
         return out
+
+    def _cudnn_attention(self, func, args, kwargs):
+        """`_cudnn_attention_forward` (aten/src/ATen/native/transformers/cuda/attention.cu) allocates the
+        dropout seed and offset (int64, on the device) before the output and the fp32 log-sum-exp, and
+        the log-sum-exp only when a gradient is wanted (`compute_log_sumexp`; the meta function makes
+        it always): logged in that order, the seed and offset kept with the output for the backward."""
+        out = func(*args, **kwargs)
+        compute_lse = args[4] if len(args) > 4 else kwargs.get("compute_log_sumexp", False)
+        for tensor in (out[6], out[7], out[0], out[1] if compute_lse else None):
+            if isinstance(tensor, torch.Tensor):
+                self._see(tensor)
+        return out
+
+    def _engine_sum(self, func, args, kwargs):
+        """The autograd engine's sum of two gradients of one tensor (`InputBuffer::add`,
+        torch/csrc/autograd/input_buffer.cpp: `old_var + var`, called by the engine itself, not by a
+        backward function, with grad mode off) where the device could make it in place: `old_var`
+        dense, not a view (a view made in backward, `reshape` of a linear's flattened input among them,
+        is still a differentiable view, `CreationMeta::NO_GRAD_MODE`, whose base holds the storage);
+        the storage keys of `old_var` and `var`, else None."""
+        if (self._log is None or not self.backward or func is not torch.ops.aten.add.Tensor or kwargs
+                or len(args) != 2 or torch.is_grad_enabled()):
+            return None
+        old, var = args
+        if not (isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor)) or old.shape != var.shape \
+                or old.dtype != var.dtype:
+            return None
+        if old._is_view() or not _dense(old):
+            return None  # a view keeps its base, which holds the storage too: `storage().use_count()` is 2
+        frame = sys._getframe(2)
+        while frame is not None and any(part in frame.f_code.co_filename for part in _DISPATCH_WRAPPERS):
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_name != "_engine_run_backward":
+            return None
+        return id(old.untyped_storage()), id(var.untyped_storage())
+
+    def _note_sum(self, out, summed) -> None:
+        """The engine adds in place where it holds the only reference to `old_var` and its storage
+        (`can_accumulate_inplace`, `old_var.add_(var)`); under the trace's dispatch modes every tensor
+        has a Python object and the test fails, so the sum is a new block. Where the trace then frees
+        `old_var` before it allocates anything else, nothing else held it: the sum is logged as the
+        device makes it, into `old_var`'s block (`_forget`)."""
+        key = id(out.untyped_storage())
+        seq = self._ids.get(key)
+        if seq is not None and self._log and self._log[-1][:2] == [1, seq]:
+            self._sum = (key, summed[0], len(self._log) - 1)
 
     def stop_log(self) -> list[list[int]]:
         log, self._log = self._log or [], None
         return log
 
     def _forget(self, key: int) -> None:
+        if self._sum is not None and key == self._sum[1]:  # the engine's sum, made in place (`_note_sum`)
+            out_key, _, index = self._sum
+            self._sum = None
+            seq = self._ids.pop(key, None)
+            if self._log is not None and seq is not None and out_key in self._ids:
+                del self._log[index]
+                self._ids[out_key] = seq
+                super()._forget(key)
+                return
+            if seq is not None:
+                self._ids[key] = seq
         size = self._sizes.get(key)
         seq = self._ids.pop(key, None)
         if self._log is not None and seq is not None and size is not None:
@@ -559,6 +835,7 @@ class AllocationLog(LiveTensorTracker):
             self._log.append([0, self._ids[key], old, *self.tag])
         super()._see(tensor)
         if old != size:
+            self._sum = None  # an allocation before `old_var` went: something else held it
             self._ids[key] = self._issued
             self._log.append([1, self._issued, size, *self.tag])
             self._issued += 1

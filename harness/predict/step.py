@@ -112,6 +112,10 @@ class TraceResult:
     # ids of `events`' allocations handed to a trainable parameter's AccumulateGrad: with a gradient
     # already there (the trace's accumulation) each is added and freed; with none, the parameter keeps it
     grads: list[int] = field(default_factory=list)
+    # per phase (forward, backward), how many of `events` precede the first matmul's workspace: each
+    # phase's first cuBLAS call takes its thread's handle, whose workspace follows that matmul's output
+    # (-1: none seen)
+    matmuls: list[int] = field(default_factory=list)
     attention: str = ""  # the attention implementation the traced model dispatched through
     attention_note: str = ""  # how it came to, where the local transformers refused the case's
 

@@ -120,7 +120,7 @@ def _counterparts(chunks) -> dict[int, int]:
 
 
 def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_backward=None,
-           keep_grads: bool = False, between=None, on_grad=None, on_head_matmul=None) -> list[int]:
+           keep_grads: bool = False, between=None, on_grad=None, on_matmul=None) -> list[int]:
     """Append one micro-step at `layers` decoder layers to `stream`; returns the ids it leaves live.
     `on_backward()` is called where the backward begins (to allocate what the real step allocates
     there and the trace had before it: the autograd thread's cuBLAS workspace). `keep_grads`: the
@@ -130,13 +130,13 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
     decoder layer at full depth (0 the first), or LAYER_PRE / LAYER_POST; what another source allocates
     in that chunk goes into the stream there. `on_grad(ident)` is called after each allocation handed to a
     trainable parameter's AccumulateGrad (what a gradient hook sees); when it returns True the hook has freed
-    it. `on_head_matmul()` is called after the output head's input-gradient matmul allocates its output
-    (`head_matmul_index`): the autograd thread's first cuBLAS call, where its handle takes its workspace."""
+    it. `on_matmul(phase)` is called where the trace's first matmul of each phase has made its output
+    (`TraceResult.matmuls`): there the device's thread for that phase takes its cuBLAS handle and workspace."""
     if layers <= 1:
         chunks = _chunks(r1.events)
         plan = [(ph, layer, evs, 0) for ph, layer, evs in chunks]
         return _emit(plan, {}, {}, 1, stream, on_backward, kept=frozenset(r1.grads) if keep_grads else frozenset(),
-                     between=between, grads=_grad_hook(r1, on_grad), head=_head_hook(r1, on_head_matmul))
+                     between=between, grads=_grad_hook(r1, on_grad), matmuls=_matmul_points(r1, chunks, on_matmul))
     chunks = _chunks(r2.events)
     if not any(layer == 1 for _, layer, _ in chunks):
         raise StreamError("the traced 2-layer step has no event of its second decoder layer (no module list "
@@ -156,31 +156,28 @@ def expand(r1: TraceResult, r2: TraceResult, layers: int, stream: Stream, on_bac
     counterpart = _counterparts(chunks)
     return _emit(plan, where, counterpart, layers, stream, on_backward, _handed_down(chunks, where),
                  _kept_by_every_layer(chunks, counterpart), frozenset(r2.grads) if keep_grads else frozenset(),
-                 between, _grad_hook(r2, on_grad), _head_hook(r2, on_head_matmul))
+                 between, _grad_hook(r2, on_grad), _matmul_points(r2, chunks, on_matmul))
 
 
 def _grad_hook(r: TraceResult, on_grad):
     return (frozenset(r.grads), on_grad) if on_grad is not None else None
 
 
-def _head_hook(r: TraceResult, on_head_matmul):
-    return (head_matmul_index(r), on_head_matmul) if on_head_matmul is not None else None
-
-
-def head_matmul_index(r: TraceResult) -> int | None:
-    """Where, in the backward's first chunk (the loss and the output head, after the decoder layers), the
-    head's input-gradient matmul has allocated its output: the index of the event after the allocation that
-    follows the last allocation of the logits' size (the logits' gradient, which the loss's backward hands the
-    head). The loss's backward (cross entropy, log-softmax) runs no matmul, so this is the autograd thread's
-    first cuBLAS call. None when the chunk holds no such allocation."""
-    chunks = _chunks(r.events)
-    first = next((evs for ph, _, evs in chunks if ph == BACKWARD), None)
-    if not first:
-        return None
-    last = max((i for i, e in enumerate(first) if e[0] == 1 and e[2] == r.logits), default=None)
-    if last is None:
-        return None
-    return next((i + 1 for i in range(last + 1, len(first)) if first[i][0] == 1), None)
+def _matmul_points(r: TraceResult, chunks, on_matmul) -> dict:
+    """`(id of a chunk's event list, index in it) -> callable`: where `on_matmul(phase)` is called."""
+    if on_matmul is None:
+        return {}
+    points, start = {}, 0
+    bounds = []
+    for _, _, evs in chunks:
+        bounds.append((start, evs))
+        start += len(evs)
+    for phase, at in enumerate(r.matmuls):
+        for first, evs in bounds:
+            if at >= 0 and first <= at <= first + len(evs) and (at < first + len(evs) or evs is bounds[-1][1]):
+                points[(id(evs), at - first)] = (lambda ph=phase: on_matmul(ph))
+                break
+    return points
 
 
 def _kept_by_every_layer(chunks, counterpart: dict[int, int]) -> set[int]:
@@ -202,20 +199,30 @@ def _handed_down(chunks, where) -> dict[int, list[tuple[int, int]]]:
         zero, one = evs.get((phase, 0)), evs.get((phase, 1))
         if not zero or not one:
             continue
-        out[phase] = [(i * len(one) // len(zero), e[1]) for i, e in enumerate(zero)
+        at = _aligned_positions(zero, one)
+        out[phase] = [(at[i], e[1]) for i, e in enumerate(zero)
                       if e[0] == 0 and where.get(e[1], (0, 0))[1] == 1]
     return out
 
 
+def _aligned_positions(zero: list[list[int]], one: list[list[int]]) -> list[int]:
+    """For each event of layer 0's chunk, the index in layer 1's chunk of the event it lines up with
+    (the chunks matched by operation and size; layer 0 lacks what its input's gradient costs); an event
+    in a stretch without a match goes where that stretch of layer 1's chunk goes, proportionally."""
+    matcher = difflib.SequenceMatcher(None, [(e[0], e[2]) for e in zero], [(e[0], e[2]) for e in one],
+                                      autojunk=False)
+    at = [0] * len(zero)
+    for _, a1, a2, b1, b2 in matcher.get_opcodes():
+        for i in range(a1, a2):
+            at[i] = b1 + (i - a1) * (b2 - b1) // (a2 - a1)
+    return at
+
+
 def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=None, handed=None,
-          every_copy=frozenset(), kept=frozenset(), between=None, grads=None, head=None) -> list[int]:
+          every_copy=frozenset(), kept=frozenset(), between=None, grads=None, matmuls=None) -> list[int]:
     ids: dict[tuple[int, int], int] = {}  # (copy, traced id) -> stream id
     live: set[int] = set()
     grad_ids, on_grad = grads or (frozenset(), None)
-    head_at, on_head = head or (None, None)
-    if on_head is not None and head_at is None:  # no head matmul found: where the backward begins
-        on_backward = _both(on_backward, on_head)
-        on_head = None
 
     def release(target):
         ident = ids.get(target)
@@ -224,18 +231,14 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             stream.free(ident)
 
     for phase, layer, evs, k in plan:
-        head_here = None
         if phase == BACKWARD and on_backward is not None:
             on_backward()
             on_backward = None
-        if phase == BACKWARD and on_head is not None:
-            head_here, on_head = on_head, None
         down = list((handed or {}).get(phase, ())) if layer == 1 and k + 1 < layers else []
         at = k if layer in (0, 1) else layer  # the decoder layer this chunk stands for at full depth
         for index, (op, tid, size, _, _) in enumerate(evs):
-            if head_here is not None and index == head_at:
-                head_here()
-                head_here = None
+            if matmuls and (id(evs), index) in matmuls:
+                matmuls.pop((id(evs), index))()
             if between is not None:
                 between(phase, at, index, len(evs))
             while down and down[0][0] <= index:  # the block the copy above handed down to this one
@@ -265,23 +268,13 @@ def _emit(plan, where, counterpart, layers: int, stream: Stream, on_backward=Non
             else:
                 target = (0, tid)
             release(target)
-        if head_here is not None:
-            head_here()
         for _, tid in down:
             release((k + 1, tid))
+        if matmuls and (id(evs), len(evs)) in matmuls:
+            matmuls.pop((id(evs), len(evs)))()
         if between is not None:
             between(phase, at, len(evs), len(evs))
     return sorted(live)
-
-
-def _both(a, b):
-    if a is None:
-        return b
-
-    def both():
-        a()
-        b()
-    return both
 
 
 @dataclass
@@ -442,18 +435,30 @@ class _Run:
         stream, shape, first = self.stream, self.shape, self.steps == 0
         grads: list[int] = []
 
+        # the cuBLAS workspaces: the forward thread's where the step begins (its first matmul comes
+        # early, transformers 5.17's rotary embedding); the autograd thread's after the output of the
+        # backward's first matmul where the trace says where that is (the head's), else where the
+        # backward begins
+        matmuls = (self.r1 if shape.layers <= 1 else self.r2).matmuls
+        placed = [False, len(matmuls) > 1 and matmuls[1] >= 0]
+
         def on_backward():
-            if first:
+            if first and not placed[1]:
                 stream.alloc(CUBLAS_HANDLE_WORKSPACE)
             grads.extend(_gradients(self.layout, stream) if shape.accumulated_grads and not self.named else ())
+
+        def on_matmul(phase: int):
+            if placed[phase]:
+                stream.alloc(CUBLAS_HANDLE_WORKSPACE)
 
         left: list[int] = []
         for micro in range(min(shape.grad_accum, 2)):
             stream.mark("step")
-            if first and micro == 0:
+            if first and micro == 0 and not placed[0]:
                 stream.alloc(CUBLAS_HANDLE_WORKSPACE)
             left += expand(self.r1, self.r2, shape.layers, stream, on_backward if micro == 0 else None,
-                           keep_grads=micro == 0 and shape.accumulated_grads)
+                           keep_grads=micro == 0 and shape.accumulated_grads,
+                           on_matmul=on_matmul if first and micro == 0 else None)
         _optimizer_step(self.layout, grads + left, first, stream)
         self.steps += 1
 
