@@ -13,7 +13,7 @@ import pytest
 
 from harness.measure.timeline import MemoryTimeline
 from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
-from harness.predict.stream import Stream, head_matmul_index, module_order
+from harness.predict.stream import Stream, module_order
 from harness.predict.zero2_stream import (
     REDUCTION_STREAM,
     Zero2Shape,
@@ -239,18 +239,6 @@ def test_one_replay_for_every_rank_gives_each_ranks_own_replay():
     whole = [simulate(*_merged(shared, rank), AllocatorConf()) for rank in (0, 1)]
     assert run.rank == 1 and run.peak_reserved == whole[1][0] > whole[0][0]
     assert run.reduction_stream_reserved == whole[1][3]
-
-
-def test_the_backwards_workspace_comes_after_the_heads_input_gradient():
-    events = [(1, 0, 8, F_, LAYER_POST), (1, 1, 60, F_, LAYER_POST),  # hidden states, logits (60 bytes)
-              (1, 2, 120, B_, LAYER_POST), (1, 3, 60, B_, LAYER_POST),  # the loss's gradient, the logits'
-              (0, 2, 120, B_, LAYER_POST), (1, 4, 8, B_, LAYER_POST),  # the head's matmul: its output
-              (0, 3, 60, B_, LAYER_POST), (1, 5, 8, B_, 0)]
-    r = TraceResult(layers=1, peak=0, held_after_forward=0, logits=60, params=ParamInfo(), seconds=0.0,
-                    events=[list(e) for e in events])
-    assert head_matmul_index(r) == 4  # after event 3 of the backward's first chunk (the 8-byte output)
-    assert head_matmul_index(TraceResult(layers=1, peak=0, held_after_forward=0, logits=7, params=ParamInfo(),
-                                         seconds=0.0, events=[list(e) for e in events])) is None
 
 
 F_, B_ = 0, 1

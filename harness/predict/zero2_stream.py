@@ -61,7 +61,7 @@ as the recorded timelines show it (`results/fitted/timelines/`, `results/archite
    What the fp16 loss scaler and the overflow checks allocate are a few bytes each.
 
 The backward's cuBLAS workspace comes at the autograd thread's first matmul, the output head's input
-gradient (`harness.predict.stream.head_matmul_index`), after the loss's backward, as the recorded timelines
+gradient (`TraceResult.matmuls`, the backward's first), after the loss's backward, as the recorded timelines
 show it: placed where the backward begins, it splits the segment the loss's fp32 upcast left free and the
 log-softmax's gradient takes a segment of its own.
 
@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import TraceResult, TraceSpec
 from harness.predict.stream import (
+    BACKWARD,
     CUBLAS_HANDLE_WORKSPACE,
     RunShape,
     Stream,
@@ -193,6 +194,19 @@ def _norm_casts(stream: Stream, slices, side: set[int] | None = None) -> None:
             side.add(ident)
 
 
+def _backward_workspace(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, stream: Stream) -> dict:
+    """`expand`'s hook that gives the autograd thread its cuBLAS workspace: after the output of the
+    backward's first matmul (the head's input gradient) where the trace found it, else where the
+    backward begins."""
+    def workspace():
+        stream.alloc(CUBLAS_HANDLE_WORKSPACE)
+
+    matmuls = (r1 if shape.layers <= 1 else r2).matmuls
+    if len(matmuls) > BACKWARD and matmuls[BACKWARD] >= 0:
+        return {"on_matmul": lambda phase: workspace() if phase == BACKWARD else None}
+    return {"on_backward": workspace}
+
+
 def _micro_steps(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, stream: Stream, at_boundary,
                  on_grad=None, after_backward=None) -> None:
     """Two optimizer steps of `min(grad_accum, 2)` micro-steps: `at_boundary(step)` after the last
@@ -206,9 +220,8 @@ def _micro_steps(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, stream: St
             first = step == micro == 0
             if first:
                 stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-            workspace = (lambda: stream.alloc(CUBLAS_HANDLE_WORKSPACE)) if first else None
             left += expand(r1, r2, shape.layers, stream, on_grad=on_grad(micro) if on_grad else None,
-                           on_head_matmul=workspace)
+                           **(_backward_workspace(r1, r2, shape, stream) if first else {}))
             if after_backward is not None:
                 after_backward(micro)
             if micro == micro_steps - 1:
