@@ -11,7 +11,7 @@ import pytest
 from harness.measure.timeline import ALLOC, PHASES, SEGMENT_ALLOC, MemoryTimeline
 from harness.predict.predictor import predict
 from harness.predict.zero3_step import full_depth_sizes, sub_groups
-from harness.spec.cases import load_case
+from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.schema import Offload
 from harness.spec.suite import ARCH_CASES_DIR
 
@@ -144,7 +144,9 @@ def test_lora_adapters_add_a_small_pool_and_no_offload_none():
 
 def test_a_full_fine_tune_on_the_device_takes_the_gather_streams_pool_from_the_replay():
     """Phi-3-mini's full fine-tune (parameters on the device): the model's pool at the ratio beside the gather
-    stream's replayed pool, no fitted cached gathers; Mistral-7B's LoRA run with parameter offload keeps them."""
+    stream's replayed pool, no fitted cached gathers; so does Mistral-7B's LoRA run with its parameters offloaded
+    (its model's pool from its own stream, zero3_stream.applies_offload_model_stream); guide 000's
+    non-reentrant run, whose replayed gather pool is not the recorded one, keeps the fitted cached gathers."""
     from harness.spec.variants import parse_variant
 
     def measured(name: str):
@@ -155,4 +157,8 @@ def test_a_full_fine_tune_on_the_device_takes_the_gather_streams_pool_from_the_r
     assert round(phi3.terms["zero3_gather_stream_pool"] / GiB, 2) == 2.36
     assert any("gather stream's pool" in n for n in phi3.notes)
     mistral = measured("mistral-7b-lora-z3-offload-mb2-s1024-gc")
-    assert "zero3_gather_stream_pool" not in mistral.terms and mistral.terms["zero3_cached_gather_blocks"] > 0
+    assert "zero3_cached_gather_blocks" not in mistral.terms and mistral.terms["zero3_gather_stream_pool"] > 0
+    nonreentrant = parse_variant("2r4L2ga").apply(
+        load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"))
+    kept = predict(nonreentrant).terms
+    assert "zero3_gather_stream_pool" not in kept and kept["zero3_cached_gather_blocks"] > 0

@@ -670,15 +670,33 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
 def uses_gather_pool(case) -> bool:
     """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
     fine-tune with its parameters on the device, and LoRA with its parameters offloaded where its model's
-    stream is built (harness.predict.zero3_stream.applies_offload_model_stream), the configs whose recorded
+    stream is built (`applies_offload_model_stream`), the configs whose recorded
     timelines show the rest of the reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool
     says why not elsewhere). Elsewhere the extra steps are not replayed."""
-    from harness.predict.zero3_stream import applies_offload_model_stream
     from harness.spec.schema import Offload
 
     if case.method.kind == "full":
         return case.deepspeed.offload_param != Offload.cpu
     return applies_offload_model_stream(case)
+
+
+def applies_offload_model_stream(case) -> bool:
+    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`) and the parameters on
+    the host, LoRA on a half-precision model, without checkpointing or with reentrant checkpointing: the
+    configs whose model's stream (stream 0) is zero.Init's load with the checkpoint's gathers, peft's
+    adapters, the IPG bucket and the hook registration's gathers of the adapters (`build` with
+    `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the optimizer is on the
+    host (with the parameters offloaded DeepSpeed offloads it too). Under non-reentrant checkpointing the
+    model's stream is built as well (guide 000's recorded ones to the MiB), but the gather stream's replayed
+    pool is not the recorded one (-9.0% and +12.0% at 2 and 4 layers: the replay's coalesced groups in the
+    recomputed layers differ from the run's), and the ratio stays."""
+    from harness.predict.step import reentrant_checkpointing, zero_init
+    from harness.spec.schema import Offload
+
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
+            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case)
+            and (not case.train.gradient_checkpointing or reentrant_checkpointing(case)))
 
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value

@@ -65,8 +65,9 @@ import json
 from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec, zero_init
+from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
 from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
+from harness.predict.zero3 import applies_offload_model_stream
 from harness.predict.zero3_step import DS_DEFAULT_SUB_GROUP_SIZE, NORM_BYTES, sub_groups
 from harness.spec.schema import Case, Offload
 
@@ -143,24 +144,6 @@ def applies_model_stream(case: Case) -> bool:
     ds = case.deepspeed
     return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param != Offload.cpu
             and case.method.kind == "full" and case.method.quantization is None)
-
-
-def applies_offload_model_stream(case: Case) -> bool:
-    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`) and the parameters on
-    the host, LoRA on a half-precision model, without checkpointing or with reentrant checkpointing: the
-    configs whose model's stream (stream 0) is zero.Init's load with the checkpoint's gathers, peft's
-    adapters, the IPG bucket and the hook registration's gathers of the adapters (`build` with
-    `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the optimizer is on the
-    host (with the parameters offloaded DeepSpeed offloads it too). Under non-reentrant checkpointing the
-    model's stream is built as well (guide 000's recorded ones to the MiB), but the gather stream's replayed
-    pool is not the recorded one (-9.0% and +12.0% at 2 and 4 layers: the replay's coalesced groups in the
-    recomputed layers differ from the run's), and the ratio stays."""
-    from harness.predict.step import reentrant_checkpointing
-
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
-            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case)
-            and (not case.train.gradient_checkpointing or reentrant_checkpointing(case)))
 
 
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
