@@ -251,6 +251,29 @@ _TRANSIENT_OPS = frozenset((torch.ops.aten._safe_softmax.default, torch.ops.aten
 
 
 @contextlib.contextmanager
+def _cuda_dropout():
+    """Dropout as CUDA runs it. `aten::dropout` takes the fused kernel only for tensors on CUDA and a few
+    other devices (`is_fused_kernel_acceptable`, aten/src/ATen/native/Dropout.cpp): `native_dropout`,
+    which allocates the output and a boolean mask and keeps the mask for the backward. On the trace's
+    fake `cpu` tensors it takes the composite path, which keeps a noise tensor of the input's dtype
+    (four times the mask for fp32) and allocates differently. While the trace runs, training dropout
+    with 0 < p < 1 goes to `native_dropout`, whose meta kernel allocates as the CUDA kernel does."""
+    functional = torch.nn.functional
+    original = functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        return torch.native_dropout(input, p, training)[0]
+
+    functional.dropout = dropout
+    try:
+        yield
+    finally:
+        functional.dropout = original
+
+
+@contextlib.contextmanager
 def _cuda_sdpa():
     """`scaled_dot_product_attention` with the memory layout of the CUDA kernel that takes it.
 
@@ -435,7 +458,7 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
     with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
-            _unpacked_rows(), _attention_interfaces():
+            _cuda_dropout(), _unpacked_rows(), _attention_interfaces():
         return _trace_patched(spec, layers, config, t0)
 
 
