@@ -273,6 +273,73 @@ def _cuda_dropout():
         functional.dropout = original
 
 
+class _Zero3Linear(torch.autograd.Function):
+    """DeepSpeed's `LinearFunctionForZeroStage3` (deepspeed/runtime/zero/linear.py, 0.19.8), which ZeRO-3
+    puts in place of `torch.nn.functional.linear` (`_enable_mem_efficient_linear`, partition_parameters.py,
+    under `memory_efficient_linear`, on by default; it persists after `zero.Init`). Its `setup_context`
+    saves the input, the weight and the bias for every call whose inputs need a gradient, where autograd's
+    own linear saves the input only when the weight needs a gradient: under ZeRO-3 a frozen layer keeps its
+    input (LoRA's base layers, the head) until its backward. Forward and backward compute as DeepSpeed's."""
+
+    @staticmethod
+    def forward(input, weight, bias=None):
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
+        output = input.matmul(weight.t())
+        if bias is not None:
+            output += bias
+        return output
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+        ctx.save_for_backward(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        dim = grad_output.dim()
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            if dim > 2:
+                grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+                    input.reshape(-1, input.shape[-1]))
+            elif dim == 1:
+                grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+            else:
+                grad_weight = grad_output.t().matmul(input)
+        if bias is not None and ctx.needs_input_grad[2]:
+            if dim > 2:
+                grad_bias = grad_output.sum(list(range(dim - 1)))
+            elif dim == 1:
+                grad_bias = grad_output
+            else:
+                grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+@contextlib.contextmanager
+def _zero3_linear(enabled: bool):
+    """While the trace runs, `torch.nn.functional.linear` is `_Zero3Linear`, as under ZeRO-3 on the
+    device (`zero3_linear_wrap`); nothing changes where `enabled` is false."""
+    if not enabled:
+        yield
+        return
+    functional = torch.nn.functional
+    original = functional.linear
+
+    def linear(input, weight, bias=None):
+        return _Zero3Linear.apply(input, weight, bias)
+
+    functional.linear = linear
+    try:
+        yield
+    finally:
+        functional.linear = original
+
+
 @contextlib.contextmanager
 def _cuda_sdpa():
     """`scaled_dot_product_attention` with the memory layout of the CUDA kernel that takes it.
@@ -458,7 +525,7 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
     with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
-            _cuda_dropout(), _unpacked_rows(), _attention_interfaces():
+            _cuda_dropout(), _zero3_linear(spec.zero3_linear), _unpacked_rows(), _attention_interfaces():
         return _trace_patched(spec, layers, config, t0)
 
 
