@@ -619,6 +619,13 @@ class AllocationLog(LiveTensorTracker):
         self._log = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_dropout.default:
+            # CUDA's kernel (`dropout_cuda`, aten/src/ATen/native/cuda/Dropout.cu) allocates the mask, then
+            # the output; the meta kernel returns them the other way round
+            out = func(*args, **(kwargs or {}))
+            self._see(out[1])
+            self._see(out[0])
+            return out
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _TRANSIENT_OPS:
             _cuda_transients(self, func, args)
