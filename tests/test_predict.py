@@ -244,9 +244,12 @@ def test_reserved_comes_from_the_allocator_model_without_deepspeed_and_says_so()
     assert any(n.startswith("reserved: the allocator model") for n in plain.notes)
     assert plain.reserved != plain.terms["reserved_by_ratio"]
     assert plain.allocated <= plain.reserved
-    offloaded = predict(case("001-ladder-rung2-zero2-offload"))  # LoRA, ZeRO-2 optimizer offload: the ratio
-    assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in offloaded.notes)
-    assert "reserved_by_ratio" not in offloaded.terms
+    ratio = predict(case("000-lora-z3-offload-cutoff1024-ga16-nonreentrant"))  # ZeRO-3, non-reentrant: the ratio
+    assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in ratio.notes)
+    assert "reserved_by_ratio" not in ratio.terms
+    offloaded = predict(case("001-ladder-rung2-zero2-offload"))  # LoRA, ZeRO-2 optimizer offload: the stream
+    assert any(n.startswith("reserved: the allocator model over the load, DeepSpeed's flat buffer")
+               for n in offloaded.notes)
     sharded = predict(case("000-qlora4bit-z2-cutoff512"), platform="nvidia-h200-x2", variant="2r2L2ga")
     assert any(n.startswith("reserved: the allocator model over the load, DeepSpeed's flat buffer")
                for n in sharded.notes)  # ZeRO-2, the optimizer on the device: DeepSpeed's buffers in the stream

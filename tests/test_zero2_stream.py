@@ -64,10 +64,14 @@ def test_which_zero2_configs_take_the_stream():
 
     case, _, _ = _measured()
     assert applies(case)  # a full fine-tune, the optimizer on the host
-    assert not applies(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA offloaded: the ratio
+    assert applies(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA, the optimizer on the host
     assert applies(load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml"))  # LoRA, the optimizer on the device
     assert applies(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"))  # QLoRA, on the device
     assert not applies(load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml"))  # ZeRO-3
+    rung1 = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")
+    ds = rung1.deepspeed.model_copy(update={"contiguous_gradients": False})
+    scattered = rung1.model_copy(update={"deepspeed": ds})
+    assert not applies(scattered)  # no copy_grads_in_partition: the ratio
 
 
 def test_the_stream_against_the_recorded_timeline():

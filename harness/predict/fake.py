@@ -447,6 +447,96 @@ def _cudnn_takes(query, key, value, attn_mask, dropout_p, enable_gqa, grad) -> b
 
 
 @contextlib.contextmanager
+def _cuda_dropout():
+    """Dropout as CUDA runs it. `aten::dropout` takes the fused kernel only for tensors on CUDA and a few
+    other devices (`is_fused_kernel_acceptable`, aten/src/ATen/native/Dropout.cpp): `native_dropout`,
+    which allocates the output and a boolean mask and keeps the mask for the backward. On the trace's
+    fake `cpu` tensors it takes the composite path, which keeps a noise tensor of the input's dtype
+    (four times the mask for fp32) and allocates differently. While the trace runs, training dropout
+    with 0 < p < 1 goes to `native_dropout`, whose meta kernel allocates as the CUDA kernel does."""
+    functional = torch.nn.functional
+    original = functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        return torch.native_dropout(input, p, training)[0]
+
+    functional.dropout = dropout
+    try:
+        yield
+    finally:
+        functional.dropout = original
+
+
+class _Zero3Linear(torch.autograd.Function):
+    """DeepSpeed's `LinearFunctionForZeroStage3` (deepspeed/runtime/zero/linear.py, 0.19.8), which ZeRO-3
+    puts in place of `torch.nn.functional.linear` (`_enable_mem_efficient_linear`, partition_parameters.py,
+    under `memory_efficient_linear`, on by default; it persists after `zero.Init`). Its `setup_context`
+    saves the input, the weight and the bias for every call whose inputs need a gradient, where autograd's
+    own linear saves the input only when the weight needs a gradient: under ZeRO-3 a frozen layer keeps its
+    input (LoRA's base layers, the head) until its backward. Forward and backward compute as DeepSpeed's."""
+
+    @staticmethod
+    def forward(input, weight, bias=None):
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
+        output = input.matmul(weight.t())
+        if bias is not None:
+            output += bias
+        return output
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+        ctx.save_for_backward(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        dim = grad_output.dim()
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            if dim > 2:
+                grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+                    input.reshape(-1, input.shape[-1]))
+            elif dim == 1:
+                grad_weight = grad_output.unsqueeze(-1) * input.unsqueeze(0)
+            else:
+                grad_weight = grad_output.t().matmul(input)
+        if bias is not None and ctx.needs_input_grad[2]:
+            if dim > 2:
+                grad_bias = grad_output.sum(list(range(dim - 1)))
+            elif dim == 1:
+                grad_bias = grad_output
+            else:
+                grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+@contextlib.contextmanager
+def _zero3_linear(enabled: bool):
+    """While the trace runs, `torch.nn.functional.linear` is `_Zero3Linear`, as under ZeRO-3 on the
+    device (`zero3_linear_wrap`); nothing changes where `enabled` is false."""
+    if not enabled:
+        yield
+        return
+    functional = torch.nn.functional
+    original = functional.linear
+
+    def linear(input, weight, bias=None):
+        return _Zero3Linear.apply(input, weight, bias)
+
+    functional.linear = linear
+    try:
+        yield
+    finally:
+        functional.linear = original
+
+
+@contextlib.contextmanager
 def _cuda_sdpa():
     """`scaled_dot_product_attention` with the memory layout of the CUDA kernel that takes it.
 
@@ -645,7 +735,7 @@ def trace(spec: TraceSpec, layers: int) -> TraceResult:
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
     with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
-            _unpacked_rows(), _attention_interfaces():
+            _cuda_dropout(), _zero3_linear(spec.zero3_linear), _unpacked_rows(), _attention_interfaces():
         return _trace_patched(spec, layers, config, t0)
 
 
@@ -743,6 +833,13 @@ class AllocationLog(LiveTensorTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _CUDNN_ATTENTION and self._log is not None:
             return self._cudnn_attention(func, args, kwargs or {})
+        if func is torch.ops.aten.native_dropout.default:
+            # CUDA's kernel (`dropout_cuda`, aten/src/ATen/native/cuda/Dropout.cu) allocates the mask, then
+            # the output; the meta kernel returns them the other way round
+            out = func(*args, **(kwargs or {}))
+            self._see(out[1])
+            self._see(out[0])
+            return out
         summed = self._engine_sum(func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if summed is not None:

@@ -32,6 +32,8 @@ class TraceSpec:
     accumulated_grads: bool  # earlier micro-steps' gradients are live (no DeepSpeed, GA > 1)
     engine_casts: bool = False  # the DeepSpeed engine casts the module to the half dtype (not a ZeRO-Init model)
     attn_implementation: str | None = None  # the case's `train.attn_implementation`; None: transformers' default
+    # ZeRO-3: DeepSpeed replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (zero_linear)
+    zero3_linear: bool = False
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> TraceSpec:
@@ -58,6 +60,7 @@ class TraceSpec:
             accumulated_grads=ds is None and case.train.grad_accum > 1,
             engine_casts=ds is not None and not zero_init(case),
             attn_implementation=case.train.attn_implementation,
+            zero3_linear=ds is not None and ds.stage == 3,
         )
 
 

@@ -24,6 +24,10 @@ What the stack changes, and how it is reproduced here (see harness/runtime/build
   experiment.json, -nogc), of which 0.22 GiB are those fp32 input copies.
 * Checkpointing reentrant or not as the case's stack sets it (`reentrant_checkpointing`, the
   rule of harness.runtime.build; `train.checkpointing_reentrant` overrides it).
+* Training dropout (0 < p < 1) runs as CUDA's fused kernel: `native_dropout`, a boolean mask allocated
+  before the output and kept for backward (`_cuda_dropout`), not the CPU path's noise tensor.
+* ZeRO-3: DeepSpeed's `LinearFunctionForZeroStage3` stands in for `torch.nn.functional.linear`
+  (`_Zero3Linear`): every linear layer whose inputs need a gradient keeps its input, frozen ones too.
 * DeepSpeed moves each gradient into its buckets as soon as it is produced: gradients are dropped by
   a post-accumulate hook (the buckets are closed-form terms in `harness.predict.states`). Without
   DeepSpeed, gradients stay; with accumulation the previous micro-step's gradients exist already.
