@@ -444,7 +444,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     if zero2_stream.applies(case) and conf.backend == "native":
         # ZeRO-2: the allocator model over the run's stream with DeepSpeed's buffers in it
         # (harness.predict.zero2_stream)
-        shape = zero2_stream.Zero2Shape.of(case, layers, int(arch.config["hidden_size"]))
+        shape = zero2_stream.Zero2Shape.of(case, layers, hidden)
         run = zero2_stream.simulated(trace_spec, shape)
         terms["reserved_by_ratio"] = reserved
         terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved

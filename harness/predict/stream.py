@@ -439,8 +439,7 @@ class _Run:
         # early, transformers 5.17's rotary embedding); the autograd thread's after the output of the
         # backward's first matmul where the trace says where that is (the head's), else where the
         # backward begins
-        matmuls = (self.r1 if shape.layers <= 1 else self.r2).matmuls
-        placed = [False, len(matmuls) > 1 and matmuls[1] >= 0]
+        placed = [False, backward_matmul_traced(self.r1, self.r2, shape.layers)]
 
         def on_backward():
             if first and not placed[1]:
@@ -461,6 +460,14 @@ class _Run:
                            on_matmul=on_matmul if first and micro == 0 else None)
         _optimizer_step(self.layout, grads + left, first, stream)
         self.steps += 1
+
+
+def backward_matmul_traced(r1: TraceResult, r2: TraceResult, layers: int) -> bool:
+    """Whether the trace `expand` emits at `layers` (`r1` at one layer, else `r2`) logged where the
+    backward's first matmul made its output (`TraceResult.matmuls`): there the autograd thread takes its
+    cuBLAS workspace, else where the backward begins."""
+    matmuls = (r1 if layers <= 1 else r2).matmuls
+    return len(matmuls) > BACKWARD and matmuls[BACKWARD] >= 0
 
 
 def run_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, steps: int = 2) -> Stream:

@@ -81,6 +81,7 @@ from harness.predict.stream import (
     CUBLAS_HANDLE_WORKSPACE,
     RunShape,
     Stream,
+    backward_matmul_traced,
     built_from_config,
     expand,
     layout_at,
@@ -198,8 +199,7 @@ def _backward_workspace(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, str
     def workspace():
         stream.alloc(CUBLAS_HANDLE_WORKSPACE)
 
-    matmuls = (r1 if shape.layers <= 1 else r2).matmuls
-    if len(matmuls) > BACKWARD and matmuls[BACKWARD] >= 0:
+    if backward_matmul_traced(r1, r2, shape.layers):
         return {"on_matmul": lambda phase: workspace() if phase == BACKWARD else None}
     return {"on_backward": workspace}
 
