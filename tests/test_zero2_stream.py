@@ -79,16 +79,15 @@ def test_the_stream_against_the_recorded_timeline():
     boundary's casts take segments of DeepSpeed's reduction stream, which the default stream's cache
     cannot serve, and they make the run's reserved peak."""
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf, CachingAllocator
+    from harness.predict.allocator import AllocatorConf
     from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero2_stream import EMPTY_CACHE, REDUCTION_STREAM, Zero2Shape, build, simulate
+    from harness.predict.zero2_stream import Zero2Shape, build, simulate
 
     tl = MemoryTimeline.load(TIMELINE)
-    curve = tl.curve()
-    recorded = {}  # phase -> (allocated peak, reserved at its end), the first span of each
-    for phase, start, end in tl.phase_spans():
-        recorded.setdefault(phase, (max(curve.allocated[start:end]), curve.reserved[end - 1]))
-    _, recorded_peak = curve.peak("reserved")
+    recorded, at_end = {}, {}  # phase -> (allocated peak, reserved at its end), the first span of each
+    for phase, allocated, reserved in _recorded_phases(tl):
+        recorded.setdefault(phase, (allocated, reserved))
+    _, recorded_peak = tl.curve().peak("reserved")
 
     case, _, _ = _measured()
     arch = load_model(case.model)
@@ -96,21 +95,8 @@ def test_the_stream_against_the_recorded_timeline():
     r1, r2 = trace_pair(spec)
     shape = Zero2Shape.of(case, arch.layers)
     stream, side = build(r1, r2, shape, tl.rank)
-    sim, blocks, at_end = CachingAllocator(AllocatorConf()), {}, {}
-    starts = {start: name for name, start in stream.phases}
-    peak_alloc, current = 0, None
-    for i, op in enumerate(stream.ops):
-        if i in starts:
-            if current is not None:
-                at_end.setdefault(current, (peak_alloc, sim.stats.reserved))
-            current, peak_alloc = starts[i], 0
-        if op is EMPTY_CACHE:
-            sim.empty_cache()
-        elif op >= 0:
-            blocks[op] = sim.malloc(stream.sizes[op], REDUCTION_STREAM if op in side else 0)
-        else:
-            sim.free(blocks.pop(-op - 1))
-        peak_alloc = max(peak_alloc, sim.stats.allocated)
+    for phase, allocated, reserved in _built_phases(stream, side):
+        at_end.setdefault(phase, (allocated, reserved))
     for phase in ("load", "engine"):
         assert at_end[phase][0] == pytest.approx(recorded[phase][0], rel=0.005), phase
         assert at_end[phase][1] == pytest.approx(recorded[phase][1], rel=0.005), phase
@@ -274,9 +260,7 @@ def _built_phases(stream: Stream, side: set[int]) -> list[tuple[str, int, int]]:
         elif op >= 0:
             blocks[op] = sim.malloc(stream.sizes[op], REDUCTION_STREAM if op in side else 0)
         else:
-            block = blocks.pop(-op - 1, None)
-            if block is not None:
-                sim.free(block)
+            sim.free(blocks.pop(-op - 1))
         peak = max(peak, sim.stats.allocated)
     return out
 
