@@ -237,24 +237,23 @@ def ranked(rank: int, world: int, port: int, job: str, queue) -> None:
     steps = _Steps(rank)
     if job == "deepspeed":
         steps.measure("deepspeed", DEEPSPEED, lambda: _deepspeed(torch))
-        queue.put({"rank": rank, "parts": steps.parts})
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return
-
-    def nccl():
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        t = torch.ones(16 * MiB // 4, device="cuda")
-        dist.all_reduce(t)
-        gathered = torch.empty(world * t.numel(), device="cuda")
-        dist.all_gather_into_tensor(gathered, t)
-        dist.reduce_scatter_tensor(t, gathered)
-        dist.barrier()
-
-    steps.measure("nccl", NCCL, nccl)
+    else:
+        steps.measure("nccl", NCCL, lambda: _nccl(torch, rank, world))
     queue.put({"rank": rank, "parts": steps.parts})
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _nccl(torch, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    t = torch.ones(16 * MiB // 4, device="cuda")
+    dist.all_reduce(t)
+    gathered = torch.empty(world * t.numel(), device="cuda")
+    dist.all_gather_into_tensor(gathered, t)
+    dist.reduce_scatter_tensor(t, gathered)
+    dist.barrier()
 
 
 def _deepspeed(torch) -> None:
