@@ -10,7 +10,8 @@
 # venv sees that interpreter's site-packages through a .pth file, so pip counts torch (and what
 # came with it) as installed and never replaces it; the venv's own packages come first. Where
 # $PYTHON has no torch, the CPU wheel torch==2.13.0 is installed first, so no later requirement
-# pulls a multi-GB CUDA build. Extras: gpu and test always, cpu (Triton) with a CPU build of torch.
+# pulls a multi-GB CUDA build. transformers likewise: the host's is kept, else transformers==5.17.0.
+# Extras: gpu and test always, cpu (Triton) with a CPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -19,6 +20,8 @@ VENV=${VENV:-.venv}
 RUN=1
 WHEELHOUSE=""
 CPU_TORCH="torch==2.13.0"
+# transformers where the host has none: the version the bundled baselines were measured with
+BASELINE_TRANSFORMERS="transformers==5.17.0"
 HOST_PTH="_oom_harness_host_python.pth"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -70,6 +73,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
          "that has torch${WHEELHOUSE:+, or build the wheelhouse with ci/build-wheelhouse.sh --with-torch}." >&2
     exit 1
   fi
+fi
+# transformers: the host's is kept, and predictions follow it (the order of DeepSpeed's ZeRO-3 hooks is
+# recorded on the installed stack); where there is none, the version the bundled suite was measured with,
+# so that its baselines and expectations hold (transformers 5.23 changed what ZeRO-3 holds under reentrant
+# checkpointing: docs/findings.md)
+if ! "$VENV/bin/python" -c "import transformers" 2>/dev/null; then
+  echo "setup: no transformers found; installing $BASELINE_TRANSFORMERS, the bundled baselines' version"
+  pip install "${pip_args[@]}" "$BASELINE_TRANSFORMERS"
 fi
 extras="gpu,test"
 if "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' \
