@@ -244,7 +244,7 @@ def test_reserved_comes_from_the_allocator_model_without_deepspeed_and_says_so()
     assert any(n.startswith("reserved: the allocator model") for n in plain.notes)
     assert plain.reserved != plain.terms["reserved_by_ratio"]
     assert plain.allocated <= plain.reserved
-    ratio = predict(case("000-lora-z3-offload-cutoff1024-ga16-nonreentrant"))  # ZeRO-3, non-reentrant: the ratio
+    ratio = predict(case("002-gemma27b-full-z3-offload-len2048"))  # a full fine-tune, ZeRO-3 offload: the ratio
     assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in ratio.notes)
     assert "reserved_by_ratio" not in ratio.terms
     offloaded = predict(case("001-ladder-rung2-zero2-offload"))  # LoRA, ZeRO-2 optimizer offload: the stream

@@ -731,12 +731,38 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
 def trace(spec: TraceSpec, layers: int) -> TraceResult:
     import time
 
-
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
+    with _step_patches(spec, config):
+        return _trace_patched(spec, layers, config, t0)
+
+
+@contextlib.contextmanager
+def _step_patches(spec: TraceSpec, config: dict):
+    """What a training step on fake CPU tensors needs to take the device's paths (the kernels, attention,
+    dropout and DeepSpeed's linear the case's run takes), while it runs."""
     with _fla_fake_kernels(config["model_type"] == "gla"), _without_bitsandbytes(), _cuda_sdpa(), \
             _cuda_dropout(), _zero3_linear(spec.zero3_linear), _unpacked_rows(), _attention_interfaces():
-        return _trace_patched(spec, layers, config, t0)
+        yield
+
+
+def fake_step(spec: TraceSpec, layers: int, prepare) -> None:
+    """One forward and backward of the model as `trace` builds and runs it, on fake tensors, with no
+    allocation log: `prepare(model)` is called once the model has its (fake) storage, before the step
+    (hooks to attach)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = json.loads(spec.config_json)
+    with _step_patches(spec, config):
+        model, _ = _build(spec, layers)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            _tie_again(model)
+            prepare(model)
+            ids = torch.randint(0, int(config["vocab_size"]), (spec.micro_batch, spec.seq_len))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                model(input_ids=ids, labels=ids).loss.backward()
 
 
 def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> TraceResult:

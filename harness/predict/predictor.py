@@ -37,7 +37,7 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
    all-gathers replayed through the allocator model (harness.predict.zero3.gather_pool), in place of
    zero3_cached_gathers; with the optimizer on the host the model's pool is the allocator model's over
    its own stream instead of the ratio (`harness.predict.zero3_stream`, `full`); LoRA under ZeRO-3
-   with its parameters offloaded (no or reentrant checkpointing) the same: the model's stream built
+   with its parameters offloaded the same: the model's stream built
    (`_lora_offload_engine`) beside the replayed gather pool and the reduce stream's; under ZeRO-3 without
    optimizer offload, at least the
    forward and backward's reserve plus the segment the optimizer step's fp32 gradient of the largest
@@ -204,7 +204,12 @@ def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -
 
 def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
     """The forked child: sends (gathered, notes), or nothing where it fails (the parent then replays
-    in-process, where the failure is met again and reported)."""
+    in-process, where the failure is met again and reported). Its torch runs on one thread: the OpenMP
+    thread team the parent may have started is not in a forked process, and a parallel region waiting
+    on it there never ends (the hook recording runs the model's forward and backward)."""
+    import torch
+
+    torch.set_num_threads(1)
     notes: list[str] = []
     try:
         send.send((_zero3_gathered(case, arch, layers, notes), notes))
@@ -265,13 +270,12 @@ def _zero3_fp32_grad_segment(case: Case, r1, r2, layers: int, notes: list[str]) 
 def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
     """What DeepSpeed's all-gather stream reserves of its own (`Gathered.pool_bytes`), where the rest of the
     reserve is checked to be the model's pool: a full fine-tune with its parameters on the device, and LoRA
-    with its parameters offloaded (without checkpointing or with reentrant checkpointing), under the
-    allocator's native backend without expandable segments. Phi-3-mini's and Gemma-2-2B's recorded
-    timelines: the gather stream's pool replayed 2.36 and 4.16 GiB, recorded 2.40 and 4.26; Mistral-7B's
-    LoRA with parameter offload and guide 000's reentrant 32B at 4 layers: 13.959 and 6.809, the recorded
-    pools to the MiB. None elsewhere (zero3_cached_gathers is used): under non-reentrant checkpointing the
-    replayed pool is off the recorded one (guide 000: -9.0% and +12.0% at 2 and 4 layers); a full fine-tune
-    with its parameters offloaded has no model's stream built; fit's LoRA config for guide 000 (no timeline)
+    with its parameters offloaded, under the allocator's native backend without expandable segments.
+    Phi-3-mini's and Gemma-2-2B's recorded timelines: the gather stream's pool replayed 2.50 and 4.258 GiB,
+    recorded 2.40 and 4.258; Mistral-7B's LoRA with parameter offload, guide 000's 32B at 4 layers
+    (reentrant) and at 2 and 4 layers (non-reentrant): 13.959, 6.807, 6.387 and 5.668, recorded 13.959,
+    6.809, 6.387 and 5.668. None elsewhere (zero3_cached_gathers is used): a full fine-tune with its
+    parameters offloaded has no model's stream built; fit's LoRA config for guide 000 (no timeline)
     reserves 2.8 to 3.2 GiB beyond the ratio and the replayed pool; an expandable segment's pool is checked
     on one run (guide 002: 6.96 GiB replayed, 8.05 recorded)."""
     from harness.predict.zero3 import uses_gather_pool

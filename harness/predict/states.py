@@ -183,7 +183,11 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
             dev["grads"] = tbytes * T
         bucket = ds_value(case, "reduce_bucket_size", hidden, 500_000_000)
         n_buckets = 2 if (ds.overlap_comm and ds.stage in (1, 2)) else 1
-        if ds.contiguous_gradients or ds.stage == 3:
+        if ds.stage == 3 and ds.contiguous_gradients:
+            # stage3.py (_setup_for_real_optimizer): one IPG buffer of the whole bucket per communication
+            # dtype, the engine's half dtype whatever the adapters' (guide 000's LoRA: 50 MiB at 4 layers)
+            dev["reduce_buckets"] = bucket * half
+        elif ds.contiguous_gradients:
             dev["reduce_buckets"] = n_buckets * min(bucket, max(T, 1)) * tbytes
         if ds.stage == 3 and gathered is not None:
             # DeepSpeed's coordinator replayed over the step (harness.predict.zero3): what is gathered

@@ -9,9 +9,10 @@ gathered, and after a module releases only the parameters not used again within
 `stage3_param_persistence_threshold` elements stay gathered. Under checkpointing it also ties the
 frozen parameters fetched by a recomputed forward to the module whose backward is running, and
 releases them with it. None of this is re-derived here: `gathered` runs that class itself, from the
-installed DeepSpeed, over the hook events of the case's step (`harness.predict.zero3_order`) with
-stand-in parameters that carry DeepSpeed's attributes (ds_id, ds_numel, ds_status, ds_persist, ...)
-and whose all-gather only records what it would allocate on the device:
+installed DeepSpeed, over the hook events of the case's step (DeepSpeed's hooks recorded on the case's
+model, `harness.predict.zero3_hooks`; derived from the module tree, `harness.predict.zero3_order`, for a
+layout with no model behind it) with stand-in parameters that carry DeepSpeed's attributes (ds_id,
+ds_numel, ds_status, ds_persist, ...) and whose all-gather only records what it would allocate on the device:
 
 * one rank (nothing to gather): each parameter's partition copied to the device
   (`NoGatherHandle`, `param.ds_tensor.to(device)`), freed at its release; nothing where the
@@ -23,7 +24,9 @@ and whose all-gather only records what it would allocate on the device:
   the parameters share one): one flat buffer of their partitions times the ranks, freed once the
   coordinator has taken every parameter of it, each then copied out of it (`torch.cat` in
   `AllGatherCoalescedHandle.wait`); with parameter offload, each host partition's copy on the device,
-  freed once `torch.cat(..., out=)` has filled the buffer's own rank's slice.
+  freed once `torch.cat(..., out=)` has filled the buffer's own rank's slice;
+* a parameter a checkpoint's recomputed forward releases: its gathered tensor stays until the module's
+  backward is done (the recomputed ops saved it), while the module's pre-backward gathers it again.
 
 Every one of these allocations is made on the coordinator's all-gather stream (`__allgather_stream`:
 `all_gather_coalesced` and the handle's `wait` both run under it), so the caching allocator keeps
@@ -108,6 +111,10 @@ class Zero3Spec:
     # bytes per element of the trainable parameters (0: half_bytes): peft's LoRA adapters stay fp32 in a
     # model built under zero.Init (harness.predict.step.zero_init), and DeepSpeed gathers each dtype apart
     trainable_bytes: int = 0
+    # the case's TraceSpec (dataclasses.asdict, sorted JSON): DeepSpeed's hooks are recorded on that model
+    # (harness.predict.zero3_hooks); "" for a layout with no model behind it, whose hook order is derived from
+    # the module tree (harness.predict.zero3_order.step_events, `checkpointing`, `input_requires_grad`)
+    trace_spec_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,9 @@ class _Ledger:
         self.high = 0  # the most live since the last hook event's figure was taken (`take_high`)
         self.sizes: dict[int, int] = {}
         self.stream: list | None = None
+        # while a recomputed forward releases a module's parameters: the ids of the gathered tensors its ops
+        # saved for backward, which the checkpoint keeps (`keep`); None elsewhere
+        self.keep: list[int] | None = None
 
     def part(self, numel: int) -> int:
         return -(-numel // self.ranks)
@@ -297,7 +307,10 @@ def _param_class(status, ledger: _Ledger):
             return _Handle([p for group in groups for p in group], ledger, status, flats=flats)
 
         def partition(self, free_data: bool = True, **_kwargs) -> None:
-            ledger.free(self.own)
+            if ledger.keep is not None and self.own:  # saved by the recomputed forward: freed after its backward
+                ledger.keep.append(self.own)
+            else:
+                ledger.free(self.own)
             self.own = 0
             self.ds_status = status.NOT_AVAILABLE
 
@@ -405,7 +418,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             modules[id(m)] = _StandInModule(len(modules), m.name, [params[p.key] for p in m.params])
         return modules[id(m)]
 
-    events = step_events(step, spec.checkpointing, spec.input_requires_grad)
+    events = _hook_events(spec, step)
     for _, m in events:
         stand_in(m)
     coordinator = ppc.PartitionedParameterCoordinator(
@@ -444,6 +457,13 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                         elements=getattr(coordinator, available, 0),
                         layer=layer if backward and layer is not None else -1)
 
+    # A parameter a checkpoint's recomputed forward releases (DeepSpeed partitions it at the module's forward
+    # hook) keeps its gathered tensor: the recomputed ops saved it for their backward, and the checkpoint holds
+    # what a recompute saved until the backward unpacks it. Its bytes go after the module's backward (at its
+    # post-backward hook, or with the graph where none fires); its pre-backward gathers it again meanwhile.
+    # Phi-3-mini's full fine-tune: each recomputed layer's weights gathered twice over, as recorded.
+    saved: dict[int, list[int]] = {}
+
     def run(seq, round_: int, backward: bool = False) -> None:
         for event, module in seq:
             m = stand_in(module)
@@ -452,9 +472,15 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 if coordinator.is_record_trace():
                     coordinator.record_module(m)
                 coordinator.fetch_sub_module(m, forward=event == FWD_PRE)
+            elif event == FWD_POST and backward:  # a checkpoint's recompute: see `saved`
+                ledger.keep = saved.setdefault(id(m), [])
+                coordinator.release_sub_module(m, forward=True)
+                ledger.keep = None
             elif event == FWD_POST:
                 coordinator.release_sub_module(m, forward=True)
             elif event == BWD_POST:
+                for token in saved.pop(id(m), []):  # the backward's saved tensors go before the hook releases
+                    ledger.free(token)
                 coordinator.release_sub_module(m, forward=False)
             note(round_, event, m, backward, module.layer)
 
@@ -486,11 +512,38 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 start_bytes[0] = ledger.live
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
+            for tokens in saved.values():  # of modules whose post-backward never fired: freed with the graph
+                for token in tokens:
+                    ledger.free(token)
+            saved.clear()
     return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
                     backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
                     layer_backward_peaks=layer_peaks, below_backward_peak=below_peak[0], outside_peak=outside[0],
                     peak_elements=int(best["elements"]), events=len(events),
                     pool_bytes=gather_pool(every, spec.alloc_conf) if spec.pool_rounds else 0)
+
+
+def _hook_events(spec: Zero3Spec, step) -> list:
+    """The step's hook events: as DeepSpeed's hooks fire them on the case's model (harness.predict.zero3_hooks),
+    derived from the module tree for a layout with no model behind it."""
+    if not spec.trace_spec_json:
+        return step_events(step, spec.checkpointing, spec.input_requires_grad)
+    from harness.predict.step import TraceSpec
+    from harness.predict.zero3_hooks import expand
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(spec.trace_spec_json).items()}
+    return expand(_hook_log(TraceSpec(**fields)), step)
+
+
+@functools.lru_cache(maxsize=32)
+def _hook_log(trace_spec):
+    """DeepSpeed's hooks recorded on the case's model (harness.predict.zero3_hooks), kept on disk beside the
+    traces, keyed by the trace spec, the model code and its libraries."""
+    from harness.predict.trace import _code_key as model_code_key
+    from harness.predict.zero3_hooks import HookLog, record
+
+    payload = model_code_key() + json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
+    return _cached("hooks", payload, lambda: record(trace_spec), HookLog.to_dict, HookLog.from_dict)
 
 
 def gather_pool(events: list[StreamEvent], alloc_conf: str = "") -> int:
@@ -568,7 +621,7 @@ def _code_key() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("zero3.py", "zero3_order.py"):
+    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py"):
         h.update((here / name).read_bytes())
     try:
         h.update(f"deepspeed={md.version('deepspeed')}".encode())
@@ -620,6 +673,10 @@ def layout(trace_spec) -> ModelLayout:
 @functools.lru_cache(maxsize=64)
 def gathered(spec: Zero3Spec) -> Gathered:
     payload = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    if spec.trace_spec_json:  # the hooks are recorded with the installed model code and libraries
+        from harness.predict.trace import _code_key as model_code_key
+
+        payload = model_code_key() + payload
     return _cached("gathered", payload, lambda: replay(spec), dataclasses.asdict, lambda d: Gathered(**d))
 
 
@@ -664,6 +721,7 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
                      else 0),
         # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
         trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
+        trace_spec_json=json.dumps(dataclasses.asdict(trace_spec), sort_keys=True),
     )
 
 
@@ -682,21 +740,17 @@ def uses_gather_pool(case) -> bool:
 
 def applies_offload_model_stream(case) -> bool:
     """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`) and the parameters on
-    the host, LoRA on a half-precision model, without checkpointing or with reentrant checkpointing: the
-    configs whose model's stream (stream 0) is zero.Init's load with the checkpoint's gathers, peft's
-    adapters, the IPG bucket and the hook registration's gathers of the adapters (`build` with
-    `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the optimizer is on the
-    host (with the parameters offloaded DeepSpeed offloads it too). Under non-reentrant checkpointing the
-    model's stream is built as well (guide 000's recorded ones to the MiB), but the gather stream's replayed
-    pool is not the recorded one (-9.0% and +12.0% at 2 and 4 layers: the replay's coalesced groups in the
-    recomputed layers differ from the run's), and the ratio stays."""
-    from harness.predict.step import reentrant_checkpointing, zero_init
+    the host, LoRA on a half-precision model: the configs whose model's stream (stream 0) is zero.Init's load
+    with the checkpoint's gathers, peft's adapters, the IPG bucket and the hook registration's gathers of the
+    adapters (`build` with `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the
+    optimizer is on the host (with the parameters offloaded DeepSpeed offloads it too). Checked on the recorded
+    streams of Mistral-7B (reentrant checkpointing) and guide 000's 32B (reentrant and not, to the MiB)."""
+    from harness.predict.step import zero_init
     from harness.spec.schema import Offload
 
     ds = case.deepspeed
     return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
-            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case)
-            and (not case.train.gradient_checkpointing or reentrant_checkpointing(case)))
+            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case))
 
 
 # DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value

@@ -1,37 +1,19 @@
-"""The order in which DeepSpeed's ZeRO-3 hooks see a model's modules over one training step.
+"""The modules of a model as DeepSpeed's ZeRO-3 coordinator is driven with, and an order of its hooks
+derived from the module tree.
 
-DeepSpeed (`runtime/zero/parameter_offload.py`) hooks every module: a forward pre-hook fetches
-the module's own parameters, a forward hook releases them; a function applied to the module's
-outputs fetches them again when the gradient reaches them (pre-backward), one applied to its inputs
-releases them when the gradient has passed (post-backward). Which of those fire, and when, depends
-on autograd and on checkpointing; `step_events` writes them down for a decoder-only model:
+A case's model has the order of its hooks recorded: DeepSpeed's own hook registration on the model as the
+trace builds it (`harness.predict.zero3_hooks`). What is here serves that and what has no model behind it:
 
-* forward: the root, then every module in definition order (`named_modules`; for the Llama, Qwen2,
-  Mistral and Gemma decoders it is the call order, up to the per-head norms of Gemma), each
-  decoder layer around its own modules;
-* a module whose name prefixes the next modules' encloses them, as its forward encloses theirs: its
-  forward pre-hook fires before theirs and its forward hook after, its pre-backward before theirs and
-  its post-backward after (peft's LoRA layer around `base_layer`, `lora_A`, `lora_B`; it holds its
-  adapters' `lora_A` weights where DeepSpeed discovers them, `zero3.layout_of`);
-* backward without checkpointing: the same modules in reverse; a module fires pre-backward when
-  its output needs a gradient (it holds a trainable parameter, or its input needs one) and
-  post-backward when its input needs one; the root's post-backward never fires (its input is token
-  ids), nor that of a module whose input needs no gradient: DeepSpeed releases those at the end of
-  backward (`release_backward_leftovers`);
-* non-reentrant checkpointing: in the backward of a layer, the first module to fire pre-backward
-  unpacks its saved tensors, which recomputes the whole layer's forward (its forward hooks fire
-  again, inside autograd's graph task) before that module's backward runs;
-* reentrant checkpointing: the layer's first forward runs without grad, so no backward hooks are
-  attached to its modules then; in backward, the layer's forward is recomputed first (inside the
-  graph task), then the recomputed graph's backward fires the layer's backward hooks.
-
-Whether an input needs a gradient is decided per decoder layer, not per tensor: a layer's input
-needs one when an earlier layer or the embedding holds a trainable parameter, or when the stack
-enables input gradients (`enable_input_require_grads`: the harness's reentrant checkpointing, and
-peft's `get_peft_model` on a checkpointed model). Inside the first
-layer of a LoRA model this counts frozen modules that read the layer's input as gradient-free even
-where an adapter before them made it need one (the output projection and the MLP of layer 0): what
-is gathered at the end of backward is then under-counted by at most those modules of one layer.
+* `ModelLayout`: the parameter-holding modules of a model with one decoder layer, split around the layer
+  (`harness.predict.zero3.layout_of`); `build_step` repeats the layer to any depth with fresh parameters.
+* `step_events`: the hook order derived from a layout alone, for a layout built by hand (the coordinator's
+  unit tests): forward in definition order, each module around the modules its name prefixes; backward in
+  reverse, a pre-backward where the module's output needs a gradient and a post-backward where its input
+  does; a checkpointed layer recomputed whole before its first backward module (non-reentrant) or before
+  its backward (reentrant). The recording shows where a real model departs from this: the call order is
+  not the definition order (Qwen2's norms), modules without parameters fetch too, a module given its input
+  by keyword gets no post-backward, and non-reentrant checkpointing stops the recompute at the last saved
+  tensor.
 """
 
 from __future__ import annotations

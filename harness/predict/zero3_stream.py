@@ -473,5 +473,5 @@ def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
         d["phase_ends"] = [tuple(x) for x in d["phase_ends"]]
         return OnePoolRun(**d)
 
-    return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "stream.py",
-                                                     "allocator.py"), make, load)
+    return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "zero3_hooks.py",
+                                                     "stream.py", "allocator.py"), make, load)
