@@ -28,7 +28,8 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 def _fit(capsys, *argv) -> tuple[int, dict]:
-    code = main(["fit", *map(str, argv), "--json"])
+    # the walk's deadline is for a user waiting; these tests check what it finds, on a host of any load
+    code = main(["fit", *map(str, argv), "--json", "--search-seconds", "900"])
     out = capsys.readouterr().out
     return code, json.loads(out)
 
@@ -105,6 +106,15 @@ def test_the_search_judges_with_checks_verdict(tmp_path, capsys, monkeypatch):
     assert code == 0
     assert tight["predicted"]["card_peak_gib"] <= 0.4 * tight["predicted"]["budget_gib"]
     assert loose["predicted"]["card_peak_gib"] > 0.4 * loose["predicted"]["budget_gib"]
+
+
+def test_the_walk_stops_at_the_time_it_is_given(tmp_path, capsys):
+    code = main(["fit", str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8",
+                 "--out", str(tmp_path / "out"), "--json", "--search-seconds", "0"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out["fits"]
+    assert out["search"]["stopped_early"] and out["search"]["predicted"] == 0
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -250,7 +260,7 @@ def test_verify_measures_a_config_too_big_for_the_host_at_its_depth_points(tmp_p
     from harness.cli import run as run_command
     from harness.spec.cases import load_case
 
-    job = [str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8"]
+    job = [str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8", "--search-seconds", "900"]
     assert main(["fit", *job, "--out", str(tmp_path / "no"), "--depth-points", "4,8"]) == 2
     assert "--depth-points" in capsys.readouterr().err and not (tmp_path / "no").exists()
 

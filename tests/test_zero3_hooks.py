@@ -30,12 +30,12 @@ LAYER1 = "base_model.model.model.layers.1"
 def recorded():
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.zero3_hooks import record
+    from harness.predict.zero3_hooks import hook_spec, record
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     case = parse_variant("2r4L2ga").apply(load_case(ROOT / "cases" / f"{CASE}.yaml"))
-    return record(TraceSpec.of(case, load_model(case.model)))
+    return record(hook_spec(TraceSpec.of(case, load_model(case.model))))
 
 
 def _named(log) -> list[tuple[str, str]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from harness.cli.arguments import layer_counts
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.fit.knobs import ALLOWABLE, knobs_of
-from harness.fit.search import Candidate, Search, search
+from harness.fit.search import DEADLINE_S, Candidate, Search, search
 from harness.fit.writer import ALLOC_ENV, OverwriteError, Written, write_fitted
 from harness.premerge.check import CheckResult, PredictFn, as_json, run_check
 from harness.premerge.importers import ConfigError, ConfigFormat
@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                    help="with --verify: measure at these layer counts and extrapolate to the full depth (a model "
                         "this host cannot hold, or not in reasonable time; on fewer GPUs than the config's, the "
                         "ranks are capped too), e.g. 4,8")
+    p.add_argument("--search-seconds", type=float, default=DEADLINE_S, metavar="S",
+                   help=f"stop the walk over candidates after S seconds with what fits so far (default "
+                        f"{DEADLINE_S:g}; a slow or busy host on a cold cache may need more)")
     p.set_defaults(func=run)
 
 
@@ -111,7 +114,7 @@ def _fit(args, predict: PredictFn | None) -> int:
         from harness.premerge.case_writer import check_depth_points
 
         check_depth_points(args.depth_points, imported.arch.layers)
-    found = search(base, args.allow, _predictor(predict), platform=args.platform)
+    found = search(base, args.allow, _predictor(predict), platform=args.platform, deadline_s=args.search_seconds)
     if found.best is None:
         _report_none(found, args.json, args.allow)
         return EXIT_NONE_FITS

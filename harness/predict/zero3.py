@@ -111,9 +111,10 @@ class Zero3Spec:
     # bytes per element of the trainable parameters (0: half_bytes): peft's LoRA adapters stay fp32 in a
     # model built under zero.Init (harness.predict.step.zero_init), and DeepSpeed gathers each dtype apart
     trainable_bytes: int = 0
-    # the case's TraceSpec (dataclasses.asdict, sorted JSON): DeepSpeed's hooks are recorded on that model
-    # (harness.predict.zero3_hooks); "" for a layout with no model behind it, whose hook order is derived from
-    # the module tree (harness.predict.zero3_order.step_events, `checkpointing`, `input_requires_grad`)
+    # the case's TraceSpec at the hooks' shape (zero3_hooks.hook_spec; dataclasses.asdict, sorted JSON):
+    # DeepSpeed's hooks are recorded on that model (harness.predict.zero3_hooks); "" for a layout with no
+    # model behind it, whose hook order is derived from the module tree (harness.predict.zero3_order.step_events,
+    # `checkpointing`, `input_requires_grad`)
     trace_spec_json: str = ""
 
 
@@ -328,11 +329,12 @@ class _StandInModule:
 
     def __init__(self, ds_id: int, name: str, params: list):
         self.ds_id, self.name, self._params = ds_id, name, params
+        self._named = [(str(p.ds_id), p) for p in params]  # asked for at every scan of the trace
         self.ds_recompute_parameters: set = set()
         self.training = True
 
     def named_parameters(self, recurse: bool = False):
-        return [(str(p.ds_id), p) for p in self._params]
+        return self._named
 
     def ds_external_parameters(self):
         return []
@@ -426,6 +428,7 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         max_available_parameters_in_numel=spec.max_live, allgather_stream=None,
         inflight_param_registry=ppc.InflightParamRegistry())
     available = "_PartitionedParameterCoordinator__n_available_params"
+    backward_stack = "_PartitionedParameterCoordinator__active_backward_submodules"
     best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
     layer_peaks = [0] * spec.layers
     below_peak, outside = [0], [0]
@@ -472,12 +475,17 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 if coordinator.is_record_trace():
                     coordinator.record_module(m)
                 coordinator.fetch_sub_module(m, forward=event == FWD_PRE)
+            elif event == FWD_POST and not m._params:
+                pass  # nothing to release (release_sub_module would only scan the trace for its no parameters)
             elif event == FWD_POST and backward:  # a checkpoint's recompute: see `saved`
                 ledger.keep = saved.setdefault(id(m), [])
                 coordinator.release_sub_module(m, forward=True)
                 ledger.keep = None
             elif event == FWD_POST:
                 coordinator.release_sub_module(m, forward=True)
+            elif event == BWD_POST and not m._params and not m.ds_recompute_parameters:
+                # all release_sub_module does for a module with nothing to release: off the backward stack
+                getattr(coordinator, backward_stack).pop(m.ds_id, None)
             elif event == BWD_POST:
                 for token in saved.pop(id(m), []):  # the backward's saved tensors go before the hook releases
                     ledger.free(token)
@@ -529,10 +537,10 @@ def _hook_events(spec: Zero3Spec, step) -> list:
     if not spec.trace_spec_json:
         return step_events(step, spec.checkpointing, spec.input_requires_grad)
     from harness.predict.step import TraceSpec
-    from harness.predict.zero3_hooks import expand
+    from harness.predict.zero3_hooks import expand, hook_spec
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(spec.trace_spec_json).items()}
-    return expand(_hook_log(TraceSpec(**fields)), step)
+    return expand(_hook_log(hook_spec(TraceSpec(**fields))), step)
 
 
 @functools.lru_cache(maxsize=32)
@@ -685,6 +693,7 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
     harness writes its config (harness.spec.dsconfig: the case's, else transformers' 'auto' sizes,
     else DeepSpeed's defaults)."""
     from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
+    from harness.predict.zero3_hooks import hook_spec
     from harness.spec.dsconfig import auto_sizes
     from harness.spec.schema import Offload
 
@@ -721,7 +730,8 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
                      else 0),
         # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
         trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
-        trace_spec_json=json.dumps(dataclasses.asdict(trace_spec), sort_keys=True),
+        # the spec the hooks are recorded under: configs that differ only in batch or length share the replay
+        trace_spec_json=json.dumps(dataclasses.asdict(hook_spec(trace_spec)), sort_keys=True),
     )
 
 

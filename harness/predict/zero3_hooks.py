@@ -36,6 +36,16 @@ from dataclasses import dataclass
 from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, Module, Step
 
 RECORDED_LAYERS = 2  # layer 0, and layer 1 standing for every later one
+# the hooks fire per module call, whatever the batch: one sequence this long is recorded for every shape of
+# a config, so configs that differ only in batch, length or accumulation (fit's candidates) share one recording
+RECORDED_TOKENS = 64
+
+
+def hook_spec(trace_spec):
+    """The trace spec the hooks are recorded under: the case's, at one sequence of `RECORDED_TOKENS`."""
+    import dataclasses
+
+    return dataclasses.replace(trace_spec, seq_len=RECORDED_TOKENS, micro_batch=1, accumulated_grads=False)
 
 
 @dataclass(frozen=True)
