@@ -537,10 +537,10 @@ def _hook_events(spec: Zero3Spec, step) -> list:
     if not spec.trace_spec_json:
         return step_events(step, spec.checkpointing, spec.input_requires_grad)
     from harness.predict.step import TraceSpec
-    from harness.predict.zero3_hooks import expand, hook_spec
+    from harness.predict.zero3_hooks import expand
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(spec.trace_spec_json).items()}
-    return expand(_hook_log(hook_spec(TraceSpec(**fields))), step)
+    return expand(_hook_log(TraceSpec(**fields)), step)  # already at the hooks' shape (spec_for)
 
 
 @functools.lru_cache(maxsize=32)

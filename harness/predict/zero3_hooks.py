@@ -135,17 +135,12 @@ def record(trace_spec) -> HookLog:
     return HookLog(tuple(events), stack[0])
 
 
-def _layer_of(name: str, stack: str) -> int | None:
-    if not name.startswith(stack + "."):
-        return None
-    head = name[len(stack) + 1:].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
 def expand(log: HookLog, step: Step) -> list[tuple[int, Module]]:
     """The recorded events at the step's depth, each with the step's module of that name (its parameters at
     that layer; a module that holds none, a new one): layer 0 as recorded, each later layer as layer 1.
     A ValueError where a recorded layer's events are not one run in forward and one in backward."""
+    from harness.predict.fake import _layer_index
+
     depth = len(step.layers)
     split = next(i for i, (e, _) in enumerate(log.events) if e == BACKWARD_START)
     by_name: dict[str, Module] = {m.name: m for m in step.before + step.after}
@@ -162,7 +157,7 @@ def expand(log: HookLog, step: Step) -> list[tuple[int, Module]]:
         head, blocks, tail = [], {0: [], 1: []}, []
         last = None
         for event, name in events:
-            layer = _layer_of(name, log.stack)
+            layer = _layer_index(name, log.stack)
             if layer is None:
                 (tail if last is not None else head).append((event, name))
                 continue
