@@ -448,8 +448,11 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     if zero2_stream.applies(case) and conf.backend == "native":
         # ZeRO-2: the allocator model over the run's stream with DeepSpeed's buffers in it
         # (harness.predict.zero2_stream)
+        from harness.predict.stream import start_states
+
         shape = zero2_stream.Zero2Shape.of(case, layers, hidden)
-        run = zero2_stream.simulated(trace_spec, shape)
+        # one run per device state the load can begin from (stream.start_states): the larger reserve
+        run = max((zero2_stream.simulated(trace_spec, s) for s in start_states(shape)), key=lambda r: r.peak_reserved)
         terms["reserved_by_ratio"] = reserved
         terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
         reserved = max(run.peak_reserved, allocated)
@@ -477,22 +480,31 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); backend:{conf.backend} hands "
                      "memory to CUDA's own pool allocator, which the allocator model does not follow")
     else:  # the allocator model over the run's stream (harness.predict.stream)
-        from harness.predict.stream import RunShape, StreamError
+        from harness.predict.stream import RunShape, StreamError, start_states
         from harness.predict.trace import simulated_run
 
         spec = TraceSpec.of(case, arch)
         try:
-            sim = simulated_run(spec, RunShape.of(case, spec, layers))
+            # one run per device state the load can begin from (stream.start_states): the larger reserve
+            sims = [simulated_run(spec, shape) for shape in start_states(RunShape.of(case, spec, layers))]
         except StreamError as exc:
             notes.append(f"reserved: allocated x reserved_over_allocated ({ratio:.3f}); the allocator model "
                          f"could not be used: {exc}")
         else:
+            sim = max(sims, key=lambda s: s.peak_reserved)
             terms["reserved_by_ratio"] = reserved
             reserved = max(sim.peak_reserved, allocated)
             settled = ("the allocator's state repeating from there on" if sim.settled
                        else "the allocator's state still changing: a later step may reserve more")
+            starts = ""
+            if len(sims) > 1:
+                low = min(s.peak_reserved for s in sims)
+                starts = (f"; the larger of the loads onto an empty device and onto one that already holds a tensor "
+                          f"(from_pretrained's warm-up block is then 2 MiB smaller): {low / GiB:.2f} and "
+                          f"{sim.peak_reserved / GiB:.2f} GiB" if sim.peak_reserved - low >= 2**20 else
+                          "; within 1 MiB the same from an empty device and from one that already holds a tensor")
             notes.append(f"reserved: the allocator model over the traced load and {sim.steps} optimizer steps "
-                         f"({settled}; peak during the {sim.peak_phase}), not allocated x "
+                         f"({settled}; peak during the {sim.peak_phase}{starts}), not allocated x "
                          f"reserved_over_allocated ({ratio:.3f})")
     beyond_allocated = 0  # reserved held apart from the model's pool: DeepSpeed's streams, the fp32 gradient
     if case.deepspeed is not None and case.deepspeed.stage == 3 and not one_pool:

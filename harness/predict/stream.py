@@ -37,10 +37,11 @@ DeepSpeed are built: DeepSpeed's buckets, gathers and offload buffers are not in
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from harness.predict.allocator import AllocatorConf, CachingAllocator
+from harness.predict.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
 from harness.spec.schema import Case
 
@@ -49,6 +50,10 @@ HALF_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # One cuBLAS handle's workspace, taken through the caching allocator at the handle's first matmul: one
 # for the forward's thread, one for autograd's (32 MiB each on the recorded H200 timelines, torch 2.11).
 CUBLAS_HANDLE_WORKSPACE = 32 * 2**20
+# A tensor made on the device before the model is loaded: torchaudio's import makes one of 4 bytes (the
+# first action of every recorded run on hosts that have torchaudio, `transformers/audio_utils.py`).
+TENSOR_BEFORE_LOAD = 4
+GiB = 2**30
 
 
 class StreamError(ValueError):
@@ -87,6 +92,7 @@ class RunShape:
     accumulated_grads: bool  # the trace ran with gradients already allocated (GA > 1, no DeepSpeed)
     alloc_conf: str = ""
     model_source: str = "checkpoint"  # launch.model_source: from_pretrained's load, or from_config's
+    held_before_load: int = 0  # bytes the process holds on the device when the load begins (`start_states`)
 
     @classmethod
     def of(cls, case: Case, spec: TraceSpec, layers: int) -> RunShape:
@@ -95,6 +101,20 @@ class RunShape:
                    double_quant=bool(q is not None and q.double_quant), accumulated_grads=spec.accumulated_grads,
                    alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    model_source=case.launch.model_source)
+
+
+def start_states(shape):
+    """`shape` (a `RunShape`, or another shape with `model_source` and `held_before_load`) once for each
+    device state a load can begin from whose runs can differ. `from_pretrained` sizes its caching-allocator
+    warm-up by what the cache already holds unused (`_warmup_bytes`): a process that has made any tensor
+    on the device before it (importing torchaudio makes one of 4 bytes, and with it a 2 MiB segment of the
+    small pool) warms up 2 MiB less, and where the model's largest transients fill the warm-up block to
+    within 2 MiB, the step then takes a segment more. Guide 003's r32 config through peft (Qwen1.5-7B,
+    nf4) is such a run: its recorded step reserves 12.84 GiB, one 594 MiB segment more than the same
+    stream after an empty device's warm-up. A load from a config has no warm-up."""
+    if shape.model_source == "config":
+        return [shape]
+    return [shape, dataclasses.replace(shape, held_before_load=TENSOR_BEFORE_LOAD)]
 
 
 def _chunks(events: list[list[int]]) -> list[tuple[int, int, list[list[int]]]]:
@@ -296,6 +316,8 @@ def load_stream(r1: TraceResult, r2: TraceResult, shape: RunShape, stream: Strea
     layout = layout_at(r1.layout, r2.layout, shape.layers)
     half = shape.half_bytes
     stream.mark("load")
+    if shape.held_before_load:
+        stream.alloc(shape.held_before_load)
     base = [row for row in layout if not row[5]]
     if before_engine and kbit_fp32:
         base = [[n, size if q else max(size, 4), q, *rest] for n, size, q, *rest in base]
@@ -347,7 +369,9 @@ def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stre
     """`from_pretrained`: the warm-up block, then each parameter in checkpoint order. Returns (id, elements,
     layer, False) of each parameter copied wider than it loads."""
     half = shape.half_bytes
-    stream.free(stream.alloc(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base)))  # caching_allocator_warmup
+    warmup = _warmup_bytes(sum(-(-n // 2) if q else n * half for n, _, q, *_ in base), shape.held_before_load)
+    if warmup:
+        stream.free(stream.alloc(warmup))
     kept_half: list[tuple[int, int, int, int]] = []  # (id, elements, layer, bytes each as trained) of the rest
     for n, size, q, _, layer, _ in base:
         if not q:
@@ -372,6 +396,23 @@ def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stre
             wide.append((stream.alloc(n * size), n, layer, False))
             stream.free(ident)
     return wide
+
+
+def _warmup_bytes(model_bytes: int, held: int) -> int:
+    """The block transformers' `caching_allocator_warmup` (5.17) allocates and frees before loading a model of
+    `model_bytes` on the device (each parameter at its loaded size, a 4-bit weight half a byte an element):
+    less the cache the allocator already holds unused, where the rest is still larger than that; the
+    request is made as fp16 elements. `held`: bytes of tensors already on the device (in one block).
+    transformers also caps the block at the card's memory less 1.2 GiB; a model that large does not fit the
+    card, so the cap changes no verdict and is left out."""
+    unused = segment_size(round_size(held)) - round_size(held) if held else 0
+    if model_bytes - unused > unused:
+        model_bytes -= unused
+    elif model_bytes - unused > 1.5 * GiB:
+        model_bytes = unused + 1  # the least that still takes a new segment
+    else:
+        model_bytes = 0
+    return model_bytes // 2 * 2
 
 
 def _gradients(layout: list[list[int]], stream: Stream) -> list[int]:

@@ -112,6 +112,7 @@ class Zero2Shape:
     model_source: str = "config"
     double_quant: bool = False
     kbit_fp32: bool = False  # peft's k-bit preparation held the unquantized parameters in fp32 before the engine
+    held_before_load: int = 0  # bytes on the device when the load begins (harness.predict.stream.start_states)
 
     @classmethod
     def of(cls, case: Case, layers: int, hidden: int = 0) -> Zero2Shape:
@@ -361,7 +362,7 @@ def _build_shared(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> _Share
     half = shape.half_bytes
     run = RunShape(layers=shape.layers, grad_accum=shape.grad_accum, half_bytes=half,
                    double_quant=shape.double_quant, accumulated_grads=False, alloc_conf=shape.alloc_conf,
-                   model_source=shape.model_source)
+                   model_source=shape.model_source, held_before_load=shape.held_before_load)
     loaded = load_stream(r1, r2, run, stream, before_engine=True, kbit_fp32=shape.kbit_fp32)
     rows = module_order(layout_at(r1.layout, r2.layout, shape.layers))
     sizes = [r[0] for r in rows if r[3]]
