@@ -24,7 +24,7 @@ MiB = 2**20
 H100 = "nvidia-h100-80gb-hbm3-x1"
 
 
-def record(platform=H100, count=1, nccl=None, deepspeed=None, **parts) -> DeviceRecord:
+def record(platform=H100, count=1, nccl=None, deepspeed=None, after_collective=None, **parts) -> DeviceRecord:
     base = {"cuda_context": 500, "cublas": 70, "attention": 20, "triton": 30, "bitsandbytes": 12}
     base.update(parts)
     return DeviceRecord(
@@ -34,7 +34,10 @@ def record(platform=H100, count=1, nccl=None, deepspeed=None, **parts) -> Device
                for k, v in base.items()},
         nccl={w: Part(bytes=b * MiB, how="nccl") for w, b in (nccl or {1: 200, 2: 400}).items()},
         deepspeed={w: Part(bytes=b * MiB, how="deepspeed")
-                   for w, b in ({1: 150, 2: 450} if deepspeed is None else deepspeed).items()})
+                   for w, b in ({1: 150, 2: 450} if deepspeed is None else deepspeed).items()},
+        deepspeed_after_collective={w: Part(bytes=b * MiB, how="after a collective")
+                                    for w, b in ({1: 250, 2: 600} if after_collective is None
+                                                 else after_collective).items()})
 
 
 @pytest.fixture
@@ -119,32 +122,61 @@ def test_predictor_adds_the_probes_parts_the_config_uses(device_dir):
 
 
 def test_deepspeed_jobs_add_the_deepspeed_job_at_their_world_size_not_nccl_on_top(device_dir):
-    (device_dir / f"{H100}.json").write_text(record(nccl={1: 200, 2: 400}, deepspeed={1: 150, 2: 450}).to_json())
-    case = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")  # one rank, ZeRO-2
-    p = predict(case, platform=H100)
+    (device_dir / f"{H100}.json").write_text(record(nccl={1: 200, 2: 400}, deepspeed={1: 150, 2: 450},
+                                                    after_collective={1: 250, 2: 600}).to_json())
+    case = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")  # one rank, ZeRO-2, built from its config
+    built = case.model_copy(update={"launch": case.launch.model_copy(update={"model_source": "config"})})
+    p = predict(built, platform=H100)
     assert p.device - p.reserved == (500 + 70 + 20 + 150) * MiB  # the job makes its communicators: no NCCL term
     assert "device_nccl" not in p.terms and "DeepSpeed at 1 ranks: measured at 1 ranks" in p.notes
-    eight = predict(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"), platform=H100)  # 8 ranks
-    assert eight.terms["device_deepspeed"] == 450 * MiB  # the largest world measured; one rank has no peers
-    assert "DeepSpeed at 8 ranks: measured at 2 ranks, used for 8" in eight.notes
+    # loading a checkpoint, the job's ranks have met at a barrier before the engine: two communicators
+    loaded = predict(case, platform=H100)
+    assert loaded.device - loaded.reserved == (500 + 70 + 20 + 250) * MiB
+    assert "DeepSpeed at 1 ranks after a collective on the default process group: measured at 1 ranks" in loaded.notes
+    eight = predict(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"), platform=H100)  # 8 ranks, QLoRA
+    assert eight.terms["device_deepspeed_after_collective"] == 600 * MiB  # the largest world measured
+    assert "DeepSpeed at 8 ranks after a collective on the default process group: measured at 2 ranks, used for 8" \
+        in eight.notes
 
 
 def test_fitted_overhead_where_no_record_or_a_part_is_missing(device_dir):
-    case = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")
+    loaded = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")  # a checkpoint: two communicators
+    case = loaded.model_copy(update={"launch": loaded.launch.model_copy(update={"model_source": "config"})})
     cal = calibrate(H100, frozenset())
-    fitted = int(cal.values.get("device_overhead", PRIORS["device_overhead"])) + int(
-        cal.values.get("device_overhead_deepspeed", PRIORS["device_overhead_deepspeed"]))
+    base = int(cal.values.get("device_overhead", PRIORS["device_overhead"]))
+    fitted = base + int(cal.values.get("device_overhead_deepspeed", PRIORS["device_overhead_deepspeed"]))
     p = predict(case, platform=H100)
     assert p.device - p.reserved == fitted
     said = "device = reserved + the overhead fitted on the baselines (no probe record"
     assert any(n.startswith(said) for n in p.notes)
-    (device_dir / f"{H100}.json").write_text(record(deepspeed={}).to_json())
-    p = predict(case, platform=H100)
-    assert p.device - p.reserved == fitted
-    assert any("has no figure for deepspeed: the fitted overhead is used" in n for n in p.notes)
+    # fitted on the DeepSpeed baselines that loaded a checkpoint (guide 000's QLoRA runs)
+    after = cal.values["device_overhead_deepspeed_after_collective"]
+    assert after > cal.values["device_overhead_deepspeed"]
+    p = predict(loaded, platform=H100)
+    assert p.device - p.reserved == base + int(after)
+    (device_dir / f"{H100}.json").write_text(record(after_collective={}).to_json())  # a record made before it
+    p = predict(loaded, platform=H100)
+    assert p.device - p.reserved == base + int(after)
+    assert any("has no figure for deepspeed_after_collective: the fitted overhead is used" in n for n in p.notes)
     (device_dir / f"{H100}.json").write_text("{not json")
     p = predict(case, platform=H100)
     assert p.device - p.reserved == fitted and any("device probe record unreadable" in n for n in p.notes)
+
+
+def test_a_platform_without_such_baselines_takes_the_second_communicator_another_probe_measured(device_dir):
+    """No baseline of a DeepSpeed job that met at a barrier before its engine (guide 000's QLoRA runs left
+    out) and no probe record of the card: the fitted overhead of the other DeepSpeed jobs, plus the second
+    communicator as the probe measured it on another card (its NCCL buffers, not the card's)."""
+    h200 = "nvidia-h200-x2"
+    (device_dir / f"{h200}.json").write_text(record(platform=h200, count=2, deepspeed={1: 150, 2: 450},
+                                                    after_collective={1: 250, 2: 600}).to_json())
+    case = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")  # one rank, loads a checkpoint
+    left_out = frozenset({"000-qlora4bit-z2-cutoff256-ga64", "000-qlora4bit-z2-cutoff512"})
+    assert "device_overhead_deepspeed_after_collective" not in calibrate(H100, left_out).values
+    p = predict(case, platform=H100, exclude=left_out)
+    assert p.terms["second_nccl_communicator"] == 100 * MiB
+    assert any("the second NCCL communicator the device probe measured on NVIDIA H100 80GB HBM3" in n
+               for n in p.notes)
 
 
 def test_probe_world_sizes_and_worst_rank():

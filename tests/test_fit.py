@@ -241,8 +241,10 @@ def test_verify_sets_the_measurement_against_the_prediction_and_keeps_stdout_one
     assert v["outcome"] == "ok" and v["measured_card_peak_gib"] == pytest.approx(10.615, abs=1e-3)
     assert v["predicted_card_peak_gib"] == out["predicted"]["card_peak_gib"]
     assert v["peak_error"] == pytest.approx(v["predicted_card_peak_gib"] / v["measured_card_peak_gib"] - 1, abs=1e-3)
-    assert v["within_margin"] == (v["measured_card_peak_gib"]
-                                  <= v["predicted_card_peak_gib"] * (1 + v["margin_fraction"]) + 1e-3)
+    limit = v["predicted_card_peak_gib"] * (1 + v["margin_fraction"])
+    assert isinstance(v["within_margin"], bool)
+    if abs(v["measured_card_peak_gib"] - limit) > 2e-3:  # the figures are given to 1 MiB: an edge is not decided here
+        assert v["within_margin"] == (v["measured_card_peak_gib"] <= limit)
     assert v["measured_tokens_per_s"] == pytest.approx(6908, rel=0.01)  # the median step
     assert (tmp_path / "out" / "case").is_dir()  # the fitted config, written as the case that ran
 

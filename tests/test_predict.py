@@ -41,7 +41,8 @@ def test_interface_fields_and_consistency():
     assert p.host_ram > 0 and p.seconds > 0
     assert all(isinstance(v, int) for v in p.terms.values())
     assert set(p.fitted) <= {"reserved_over_allocated", "zero3_cached_gathers", "device_overhead",
-                             "device_overhead_deepspeed", "triton_cold_overhead"}
+                             "device_overhead_deepspeed", "device_overhead_deepspeed_after_collective",
+                             "triton_cold_overhead"}
     assert isinstance(p.notes, list) and isinstance(p.calibrated_on, list) and p.platform
 
 

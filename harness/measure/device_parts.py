@@ -30,6 +30,12 @@ NCCL = "per rank: the NCCL communicator, its buffers and channels after all-redu
 # made is DeepSpeed's to decide (one rank of ZeRO-2 holds less than NCCL's own probe at one rank).
 DEEPSPEED = ("per rank: a DeepSpeed job from deepspeed.initialize (NCCL's communicators included) through one "
              "ZeRO-2 step of a small model, in fresh processes whose context and cuBLAS were loaded first")
+# The same job where the process group has already run a collective before deepspeed.initialize: the default
+# group's communicator is then made first, and the engine's data-parallel group makes one more (a job that loads
+# a checkpoint: the harness's ranks wait at a barrier while rank 0 writes the random-weight checkpoint, and a
+# Trainer's while its main process prepares the data, `main_process_first`).
+DEEPSPEED_AFTER_COLLECTIVE = ("per rank: the DeepSpeed job above, with a barrier on the default process group before "
+                              "deepspeed.initialize (two NCCL communicators: the default group's and the engine's)")
 RECORD_SCHEMA = 2  # 2: DeepSpeed by world size, NCCL's communicators included (1: one figure beyond NCCL)
 
 
@@ -80,14 +86,16 @@ class DeviceRecord:
     parts: dict[str, Part]
     nccl: dict[int, Part] = field(default_factory=dict)  # by world size, per rank
     deepspeed: dict[int, Part] = field(default_factory=dict)  # by world size, per rank (DEEPSPEED)
+    # by world size, per rank (DEEPSPEED_AFTER_COLLECTIVE); empty in records made before it was measured
+    deepspeed_after_collective: dict[int, Part] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)  # the libraries whose parts were measured
     seconds: float = 0.0
     schema: int = RECORD_SCHEMA
 
     def to_json(self) -> str:
         data = asdict(self)
-        data["nccl"] = {str(k): v for k, v in data["nccl"].items()}
-        data["deepspeed"] = {str(k): v for k, v in data["deepspeed"].items()}
+        for name in WORLD_TABLES:
+            data[name] = {str(k): v for k, v in data[name].items()}
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
     @classmethod
@@ -110,7 +118,7 @@ class DeviceRecord:
         if unknown:
             raise DeviceRecordError(path, f"parts.{unknown[0]}", f"not a part this harness knows ({', '.join(PARTS)})")
         by_world = {}
-        for name in ("nccl", "deepspeed"):
+        for name in WORLD_TABLES:
             by_world[name] = {}
             for k, v in _mapping(path, name, data.get(name, {})).items():
                 if not str(k).isdigit() or int(k) < 1:
@@ -120,7 +128,7 @@ class DeviceRecord:
         return cls(platform=data["platform"], card=data["card"], device_count=data["device_count"],
                    vendor=str(data.get("vendor", "nvidia")), driver=data.get("driver"), torch=data["torch"],
                    cuda=data.get("cuda"), hip=data.get("hip"), date=data["date"], memory_source=data["memory_source"],
-                   parts=parts, nccl=by_world["nccl"], deepspeed=by_world["deepspeed"],
+                   parts=parts, **by_world,
                    versions=dict(data.get("versions") or {}), seconds=float(data.get("seconds") or 0.0))
 
     def part(self, name: str) -> int | None:
@@ -131,9 +139,13 @@ class DeviceRecord:
         """NCCL's bytes per rank at `ranks` ranks, and how (`at_world_size`)."""
         return at_world_size(self.nccl, ranks)
 
-    def deepspeed_for(self, ranks: int) -> tuple[int | None, str]:
-        """A DeepSpeed job's bytes per rank at `ranks` ranks, NCCL's included, and how (`at_world_size`)."""
-        return at_world_size(self.deepspeed, ranks)
+    def deepspeed_for(self, ranks: int, after_collective: bool = False) -> tuple[int | None, str]:
+        """A DeepSpeed job's bytes per rank at `ranks` ranks, NCCL's included, and how (`at_world_size`);
+        `after_collective`: the job whose process group ran a collective before the engine was made."""
+        return at_world_size(self.deepspeed_after_collective if after_collective else self.deepspeed, ranks)
+
+
+WORLD_TABLES = ("nccl", "deepspeed", "deepspeed_after_collective")  # the record's parts measured by world size
 
 
 def at_world_size(table: dict[int, Part], ranks: int) -> tuple[int | None, str]:
@@ -184,13 +196,11 @@ def record_for(platform: str | None, folder: Path) -> tuple[DeviceRecord | None,
         return None, f"no probe record {own}"
     records = {p: DeviceRecord.read(p) for p in same_card}
     main = records.get(own) or max(records.values(), key=lambda r: r.device_count)
-    nccl, deepspeed = {}, {}
+    tables: dict[str, dict[int, Part]] = {name: {} for name in WORLD_TABLES}
     for r in sorted(records.values(), key=lambda r: r.platform != main.platform):  # the platform's own first
-        for w, p in r.nccl.items():
-            nccl.setdefault(w, p)
-        for w, p in r.deepspeed.items():
-            deepspeed.setdefault(w, p)
+        for name, table in tables.items():
+            for w, p in getattr(r, name).items():
+                table.setdefault(w, p)
     where = own if own in records else folder / f"{main.platform}.json"
-    merged = DeviceRecord(**{**{f: getattr(main, f) for f in main.__dataclass_fields__}, "nccl": nccl,
-                             "deepspeed": deepspeed})
+    merged = DeviceRecord(**{**{f: getattr(main, f) for f in main.__dataclass_fields__}, **tables})
     return merged, str(where)

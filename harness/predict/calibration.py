@@ -26,7 +26,10 @@ needs no prediction and costs milliseconds):
   Triton cache left out (compiling kernels holds GiBs more for a while; harness.runtime.compile_cache).
 * ``device_overhead_deepspeed``: what a DeepSpeed process adds on top (NCCL communicator and
   buffers, DeepSpeed's extensions). Median of (device - reserved - device_overhead) over
-  DeepSpeed baselines.
+  DeepSpeed baselines whose engine made the job's first communicator (built from the config).
+* ``device_overhead_deepspeed_after_collective``: the same over DeepSpeed baselines whose process group
+  ran a collective before the engine (loaded from a checkpoint: two communicators,
+  `harness.predict.device.collective_before_engine`); where none was measured, the one above stands in.
 * ``triton_cold_overhead``: what compiling and autotuning Triton kernels adds outside the allocator
   in a process that starts on an empty cache (harness.runtime.compile_cache). Median of (device - reserved
   - device_overhead) over runs recorded as cold. Only added for a case that asks for a cold cache
@@ -58,7 +61,8 @@ from harness.spec.suite import BASELINES_DIR as RESULTS_DIR
 from harness.spec.suite import CASES_DIR
 
 FITTED = ("reserved_over_allocated", "zero3_cached_gathers", "device_overhead", "device_overhead_deepspeed")
-OPTIONAL = ("triton_cold_overhead",)  # no prior: left out where nothing was measured
+# no prior: left out where nothing was measured
+OPTIONAL = ("triton_cold_overhead", "device_overhead_deepspeed_after_collective")
 
 
 @dataclass
@@ -86,6 +90,8 @@ class _Obs:
     gather_bytes: int = 0  # ZeRO-3: bytes of the largest parameter gathered whole (largest_gather_bytes)
     reduce_pool: int = 0  # ZeRO-3 full fine-tune with optimizer offload: the reduce stream's pool (reduce_pool_bytes)
     cold_triton: bool = False  # measured while compiling Triton kernels (harness.runtime.compile_cache)
+    # DeepSpeed: the process group ran a collective before the engine (harness.predict.device.collective_before_engine)
+    collective_first: bool = False
 
 
 @lru_cache(maxsize=4)
@@ -106,6 +112,7 @@ def _observations(root: str, case_dir: str) -> tuple[_Obs, ...]:
 
 def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list[str]]:
     from harness.baselines.store import read_baselines
+    from harness.predict.device import collective_before_engine
     from harness.spec.cases import load_case
 
     baselines, warnings = read_baselines(Path(root))
@@ -127,13 +134,15 @@ def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list
         procs = case.launch.procs_per_card
         zero3 = case.deepspeed is not None and case.deepspeed.stage == 3
         gather = largest_gather_bytes(case) if zero3 else 0
-        pool = reduce_pool_bytes(b.case_as_measured(case)) if zero3 else 0
+        measured = b.case_as_measured(case)
+        pool = reduce_pool_bytes(measured) if zero3 else 0
+        collective = case.deepspeed is not None and collective_before_engine(measured)
         for r in b.runs:
             device = None if r.per_card_peak is None else r.per_card_peak // procs
             out.append(_Obs(case_id=b.case_id, platform=b.platform.key, ok=r.outcome == "ok",
                             allocated=r.allocated_peak, reserved=r.reserved_peak, device=device,
                             deepspeed=case.deepspeed is not None, zero3=zero3, gather_bytes=gather, reduce_pool=pool,
-                            cold_triton=r.triton_cache == "cold"))
+                            cold_triton=r.triton_cache == "cold", collective_first=collective))
     return tuple(out), warnings
 
 
@@ -258,7 +267,10 @@ def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RES
     base = fit("device_overhead", lambda o: not o.deepspeed and not o.cold_triton and o.device and o.reserved,
                lambda o: o.device - o.reserved)
     if base is not None:
-        fit("device_overhead_deepspeed", lambda o: o.deepspeed and o.device and o.reserved,
+        fit("device_overhead_deepspeed", lambda o: o.deepspeed and not o.collective_first and o.device and o.reserved,
+            lambda o: max(0, o.device - o.reserved - base))
+        fit("device_overhead_deepspeed_after_collective",
+            lambda o: o.deepspeed and o.collective_first and o.device and o.reserved,
             lambda o: max(0, o.device - o.reserved - base))
         fit("triton_cold_overhead", lambda o: not o.deepspeed and o.cold_triton and o.device and o.reserved,
             lambda o: max(0, o.device - o.reserved - base))

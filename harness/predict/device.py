@@ -2,11 +2,13 @@
 
 device = reserved + CUDA/HIP context + cuBLAS + attention kernels (or Triton, for
 flash-linear-attention models) + bitsandbytes (QLoRA) + NCCL at the job's world size (several
-ranks), or a DeepSpeed job's part at it, NCCL included. The parts are named constants per platform,
-measured by `python -m harness.runtime.device_probe` and kept with their provenance in
+ranks), or a DeepSpeed job's part at it, NCCL included (two communicators where the job's process
+group ran a collective before the engine was made, `collective_before_engine`). The parts are named
+constants per platform, measured by `python -m harness.runtime.device_probe` and kept with their provenance in
 `results/device/<platform>.json` (`harness.measure.device_parts`). Where the platform has no record,
 or its record lacks a part the config uses, the overhead fitted on the baselines stands in
-(`device_overhead`, plus `device_overhead_deepspeed` for DeepSpeed; `harness.predict.calibration`),
+(`device_overhead`, plus `device_overhead_deepspeed` or `..._after_collective` for DeepSpeed;
+`harness.predict.calibration`),
 and the notes say which was used.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.measure.device_parts import DeviceRecordError, record_for
+from harness.measure.device_parts import DeviceRecord, DeviceRecordError, record_for
 from harness.models.registry import Architecture
 from harness.spec.schema import Case
 from harness.spec.suite import ROOT
@@ -42,11 +44,21 @@ def parts_used(case: Case, arch: Architecture) -> list[str]:
     used.append("triton" if arch.uses_triton_kernels else "attention")
     if case.method.kind == "qlora":
         used.append("bitsandbytes")
-    if case.deepspeed is not None:
-        used.append("deepspeed")  # the job's NCCL communicators as DeepSpeed makes them, included
+    if case.deepspeed is not None:  # the job's NCCL communicators as DeepSpeed makes them, included
+        used.append("deepspeed_after_collective" if collective_before_engine(case) else "deepspeed")
     elif case.launch.ranks > 1:
         used.append("nccl")
     return used
+
+
+def collective_before_engine(case: Case) -> bool:
+    """Whether a DeepSpeed job runs a collective on its default process group before deepspeed.initialize:
+    then that group's NCCL communicator is made first and the engine's data-parallel group makes a second one
+    (`DEEPSPEED_AFTER_COLLECTIVE`; 388 MiB more per rank on an H200 at one and two ranks). A job that loads
+    a checkpoint does: the harness's ranks wait at a barrier while rank 0 writes the random-weight
+    checkpoint (`harness.runtime.build`), as a Trainer's wait while its main process prepares the data. A
+    job that builds its model from its config on the card (the harness's other runs) makes the engine first."""
+    return case.launch.model_source == "checkpoint"
 
 
 def overhead(case: Case, arch: Architecture, platform: str | None, fitted: dict[str, float],
@@ -62,9 +74,14 @@ def overhead(case: Case, arch: Architecture, platform: str | None, fitted: dict[
     if record is not None:
         terms, missing = {}, []
         for name in parts_used(case, arch):
-            if name in ("nccl", "deepspeed"):
-                value, how = (record.nccl_for if name == "nccl" else record.deepspeed_for)(case.launch.ranks)
-                notes.append(f"{'NCCL' if name == 'nccl' else 'DeepSpeed'} at {case.launch.ranks} ranks: {how}")
+            if name == "nccl":
+                value, how = record.nccl_for(case.launch.ranks)
+                notes.append(f"NCCL at {case.launch.ranks} ranks: {how}")
+            elif name.startswith("deepspeed"):
+                after = name == "deepspeed_after_collective"
+                value, how = record.deepspeed_for(case.launch.ranks, after_collective=after)
+                notes.append(f"DeepSpeed at {case.launch.ranks} ranks"
+                             f"{' after a collective on the default process group' if after else ''}: {how}")
             else:
                 value = record.part(name)
             if value is None:
@@ -81,5 +98,33 @@ def overhead(case: Case, arch: Architecture, platform: str | None, fitted: dict[
         notes.append(f"device = reserved + the overhead fitted on the baselines ({where})")
     terms = {"context_and_workspaces": int(fitted["device_overhead"])}
     if case.deepspeed is not None:
-        terms["context_and_workspaces"] += int(fitted["device_overhead_deepspeed"])
+        name = "device_overhead_deepspeed"
+        if collective_before_engine(case):
+            if fitted.get(name + "_after_collective") is not None:
+                name += "_after_collective"
+            else:
+                extra, said = second_communicator(case.launch.ranks, folder or DEVICE_DIR)
+                if extra is not None:
+                    terms["second_nccl_communicator"] = extra
+                notes.append("no baseline of a DeepSpeed job whose process group ran a collective before its engine "
+                             f"on this platform: fitted on those that did not, {said}")
+        terms["context_and_workspaces"] += int(fitted[name])
     return Overhead(terms=terms, source="fitted", notes=notes)
+
+
+def second_communicator(ranks: int, folder: Path) -> tuple[int | None, str]:
+    """What a DeepSpeed job's second NCCL communicator holds per rank at `ranks` ranks, as the probe measured it on
+    another platform (`DEEPSPEED_AFTER_COLLECTIVE` less `DEEPSPEED`: NCCL's buffers, not the card's), for a
+    platform whose baselines have no such job: (bytes or None, what the notes say)."""
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            record = DeviceRecord.read(path)
+        except DeviceRecordError:
+            continue
+        after, _ = record.deepspeed_for(ranks, after_collective=True)
+        plain, how = record.deepspeed_for(ranks)
+        if after is not None and plain is not None:
+            extra = max(0, after - plain)
+            return extra, (f"plus the second NCCL communicator the device probe measured on {record.card} "
+                           f"({record.date}, {how}): {extra / 2**20:.0f} MiB")
+    return None, "with no probe record that measured a second NCCL communicator"

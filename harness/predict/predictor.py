@@ -355,7 +355,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         from harness.spec.variants import Variant, parse_variant
 
         case = (variant if isinstance(variant, Variant) else parse_variant(variant)).apply(case)
-    from harness.predict.calibration import calibrate
+    from harness.predict.calibration import OPTIONAL, calibrate
     from harness.predict.states import model_states
     from harness.predict.trace import TraceSpec, extrapolate, trace_pair
 
@@ -555,7 +555,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
             reserved += pool
             terms["zero3_reduce_stream_pool"] = pool
             beyond_allocated += pool
-    beside = device_overhead(case, arch, platform, values)
+    measured_only = {k: cal.values[k] for k in OPTIONAL if k in cal.values}  # no prior: where measured
+    beside = device_overhead(case, arch, platform, {**values, **measured_only})
     notes += beside.notes
     overhead = beside.total
     terms.update(beside.terms)

@@ -15,7 +15,9 @@ its step, so a library's lazily loaded kernels count to it). Then, for each worl
 every visible GPU, at most `--ranks`), fresh processes, one per GPU, measure NCCL (init, all-reduce,
 all-gather, reduce-scatter), and other fresh ones a DeepSpeed job (deepspeed.initialize, which makes
 the process group, and one ZeRO-2 step of a small model; NCCL's communicators are the job's to make,
-and one rank of it holds less than NCCL's own probe at one rank). A part that
+and one rank of it holds less than NCCL's own probe at one rank), and the same job once more after a
+barrier on the default process group (whose communicator is then made first, the engine's own
+data-parallel group making a second one, as in a job that loads a checkpoint). A part that
 fails or is missing its library is recorded with the reason, never a failed probe; a step past
 `--timeout` ends its processes. On CPU only, it says so and exits 2.
 """
@@ -34,7 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-from harness.measure.device_parts import DEEPSPEED, NCCL, PARTS, DeviceRecord, Part, platform_key
+from harness.measure.device_parts import (
+    DEEPSPEED,
+    DEEPSPEED_AFTER_COLLECTIVE,
+    NCCL,
+    PARTS,
+    WORLD_TABLES,
+    DeviceRecord,
+    Part,
+    platform_key,
+)
 
 DEFAULT_OUT = Path("results") / "device"
 EXIT_NO_GPU = 2
@@ -224,7 +235,8 @@ def _identity(torch) -> dict:
 
 def ranked(rank: int, world: int, port: int, job: str, queue) -> None:
     """Child: rank `rank` of `world` on GPU `rank`: NCCL's part (`job` "nccl"), or a DeepSpeed job's
-    (`job` "deepspeed": DeepSpeed makes the process group and its communicators as a training job's does)."""
+    (`job` "deepspeed": DeepSpeed makes the process group and its communicators as a training job's does;
+    "deepspeed_after_collective": the same after a barrier on the default group, `DEEPSPEED_AFTER_COLLECTIVE`)."""
     import torch
     import torch.distributed as dist
 
@@ -232,11 +244,13 @@ def ranked(rank: int, world: int, port: int, job: str, queue) -> None:
                       LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
     torch.zeros(1, device="cuda")
-    if job == "deepspeed":
+    if job != "nccl":
         _cublas(torch)  # the engine's step runs matmuls: cuBLAS is a part of its own
     steps = _Steps(rank)
     if job == "deepspeed":
-        steps.measure("deepspeed", DEEPSPEED, lambda: _deepspeed(torch))
+        steps.measure(job, DEEPSPEED, lambda: _deepspeed(torch))
+    elif job == "deepspeed_after_collective":
+        steps.measure(job, DEEPSPEED_AFTER_COLLECTIVE, lambda: _deepspeed(torch, collective_first=True))
     else:
         steps.measure("nccl", NCCL, lambda: _nccl(torch, rank, world))
     queue.put({"rank": rank, "parts": steps.parts})
@@ -256,11 +270,17 @@ def _nccl(torch, rank: int, world: int) -> None:
     dist.barrier()
 
 
-def _deepspeed(torch) -> None:
+def _deepspeed(torch, collective_first: bool = False) -> None:
     import io
     from contextlib import redirect_stdout
 
     import deepspeed
+
+    if collective_first:  # the process group made as a training job's launcher makes it, then one barrier on it
+        import torch.distributed as dist
+
+        deepspeed.init_distributed(verbose=False)
+        dist.barrier()
 
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
@@ -330,10 +350,11 @@ def probe(out: Path, ranks: int | None = None, timeout: float = 90.0) -> Path:
     ident = single["identity"]
     gpus = torch.cuda.device_count()
     parts = {k: Part(**v) for k, v in single["parts"].items()}
-    jobs = {"nccl": (NCCL, {}), "deepspeed": (DEEPSPEED, {})}
+    jobs = {"nccl": (NCCL, {}), "deepspeed": (DEEPSPEED, {}),
+            "deepspeed_after_collective": (DEEPSPEED_AFTER_COLLECTIVE, {})}
     for world in world_sizes(gpus, ranks):
         for job, (how, table) in jobs.items():
-            if job == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            if job != "nccl" and importlib.util.find_spec("deepspeed") is None:
                 table[world] = Part(bytes=None, how=how, error="deepspeed is not installed")
                 continue
             port = _free_port()
@@ -342,12 +363,11 @@ def probe(out: Path, ranks: int | None = None, timeout: float = 90.0) -> Path:
                 table[world] = Part(bytes=None, how=how, error=problem or "a rank gave no result")
             else:
                 table[world] = _worst(results, job, how)
-    nccl, deepspeed = jobs["nccl"][1], jobs["deepspeed"][1]
     record = DeviceRecord(
         platform=platform_key(ident["card"], gpus), card=ident["card"], device_count=gpus, vendor=ident["vendor"],
         driver=ident["driver"], torch=ident["torch"], cuda=ident["cuda"], hip=ident["hip"],
-        date=dt.date.today().isoformat(), memory_source=single["memory_source"], parts=parts, nccl=nccl,
-        deepspeed=deepspeed,
+        date=dt.date.today().isoformat(), memory_source=single["memory_source"], parts=parts,
+        **{job: table for job, (_, table) in jobs.items()},
         versions=ident["versions"], seconds=round(time.monotonic() - t0, 1))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record.platform}.json"
@@ -390,12 +410,11 @@ def main(argv=None) -> int:
     record = DeviceRecord.read(path)
     print(f"{path}: {record.card} x{record.device_count}, torch {record.torch}, CUDA {record.cuda or record.hip}, "
           f"driver {record.driver}, {record.seconds:.0f} s; device figure from {record.memory_source}")
-    by_world = [(f"{job} at {w} ranks", p) for job, table in (("nccl", record.nccl), ("deepspeed", record.deepspeed))
-                for w, p in sorted(table.items())]
+    by_world = [(f"{job} at {w} ranks", p) for job in WORLD_TABLES for w, p in sorted(getattr(record, job).items())]
     for name, part in [*record.parts.items(), *by_world]:
         value = f"{part.bytes / MiB:8.1f} MiB" if part.bytes is not None else f"not measured: {part.error}"
         kept = f" (+{part.in_allocator / MiB:.1f} MiB reserved)" if part.in_allocator else ""
-        print(f"  {name:22s} {value}{kept}")
+        print(f"  {name:40s} {value}{kept}")
     print(json.dumps({"record": str(path)}))
     return 0
 
