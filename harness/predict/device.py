@@ -54,7 +54,7 @@ def parts_used(case: Case, arch: Architecture) -> list[str]:
 def collective_before_engine(case: Case) -> bool:
     """Whether a DeepSpeed job runs a collective on its default process group before deepspeed.initialize:
     then that group's NCCL communicator is made first and the engine's data-parallel group makes a second one
-    (`DEEPSPEED_AFTER_COLLECTIVE`; 388 MiB more per rank on an H200 at one and two ranks). A job that loads
+    (`DEEPSPEED_AFTER_COLLECTIVE`; on an H200 390 MiB more per rank at one rank, 288 at two). A job that loads
     a checkpoint does: the harness's ranks wait at a barrier while rank 0 writes the random-weight
     checkpoint (`harness.runtime.build`), as a Trainer's wait while its main process prepares the data. A
     job that builds its model from its config on the card (the harness's other runs) makes the engine first."""
