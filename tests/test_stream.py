@@ -163,17 +163,10 @@ def test_the_warmup_block_is_the_one_the_recorded_process_allocated(name):
 
 @pytest.fixture(scope="module")
 def qlora_003():
-    from harness.models.source import load_model
-    from harness.predict.step import TraceSpec
-    from harness.predict.trace import trace_pair
-    from harness.spec.cases import CASES_DIR, load_case
-    from harness.spec.variants import parse_variant
+    from harness.spec.cases import CASES_DIR
 
-    case = parse_variant("2ga").apply(load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"))
-    arch = load_model(case.model)
-    spec = TraceSpec.of(case, arch)
-    r1, r2 = trace_pair(spec)
-    return run_stream(r1, r2, RunShape.of(case, spec, case.layers or arch.layers)), MemoryTimeline.load(TIMELINE)
+    _, _, r1, r2, shape = _traced(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
+    return run_stream(r1, r2, shape), MemoryTimeline.load(TIMELINE)
 
 
 def test_the_expanded_stream_of_003_resembles_its_recorded_timeline(qlora_003):
@@ -221,18 +214,11 @@ def test_guide_003_r32_through_peft_takes_the_segment_its_recorded_run_took():
     pool); from an empty
     device the warm-up block is 2 MiB larger, the gradient fits in it, and the run reserves one segment
     less. The prediction takes the larger."""
-    from harness.models.source import load_model
     from harness.predict.predictor import predict
-    from harness.predict.step import TraceSpec
-    from harness.predict.trace import trace_pair
-    from harness.spec.cases import CASES_DIR, load_case
-    from harness.spec.variants import parse_variant
+    from harness.spec.cases import CASES_DIR
 
-    case = parse_variant("2ga").apply(load_case(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml"))
-    arch = load_model(case.model)
-    spec = TraceSpec.of(case, arch)
-    r1, r2 = trace_pair(spec)
-    empty, held = start_states(RunShape.of(case, spec, arch.layers))
+    case, arch, r1, r2, shape = _traced(CASES_DIR / "003-qlora-fix-r32-seq1024-gc.yaml")
+    empty, held = start_states(shape)
     timeline = MemoryTimeline.load(TIMELINE.parent / "003-qlora-fix-r32-seq1024-gc@2ga.json.gz")
     recorded = _after_load(timeline)[1]
     built = simulate_run(r1, r2, held).peak_reserved
@@ -342,19 +328,24 @@ def test_the_built_stream_of_phi3_qlora_lands_on_its_recorded_allocated_peak():
     assert abs(sim.peak_allocated / curve.peak("allocated")[1] - 1) < 0.01
 
 
-def _architecture_run(name: str):
-    """The traces and run shape of the architecture benchmark's case `name` at gradient accumulation 2."""
+def _traced(path: Path):
+    """The case file at `path` at gradient accumulation 2: (case, architecture, traces at 1 and 2 layers,
+    run shape)."""
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
     from harness.predict.trace import trace_pair
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
-    cases = Path(__file__).resolve().parent.parent / "benchmarks/architectures/cases"
-    case = parse_variant("2ga").apply(load_case(cases / f"{name}.yaml"))
+    case = parse_variant("2ga").apply(load_case(path))
     arch = load_model(case.model)
     spec = TraceSpec.of(case, arch)
-    return (*trace_pair(spec), RunShape.of(case, spec, case.layers or arch.layers))
+    return (case, arch, *trace_pair(spec), RunShape.of(case, spec, case.layers or arch.layers))
+
+
+def _architecture_run(name: str):
+    """The traces and run shape of the architecture benchmark's case `name` at gradient accumulation 2."""
+    return _traced(Path(__file__).resolve().parent.parent / "benchmarks/architectures/cases" / f"{name}.yaml")[2:]
 
 
 def _after_load(timeline: MemoryTimeline) -> tuple[int, int]:
