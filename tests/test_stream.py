@@ -356,6 +356,24 @@ def _after_load(timeline: MemoryTimeline) -> tuple[int, int]:
     return max(curve.allocated[end:]), max(curve.reserved[end:])
 
 
+def test_what_the_loop_drops_after_the_backward_is_a_chunk_after_every_layers():
+    """The trace's frees once `backward()` has returned (the loss and the logits, which the training loop
+    holds through the backward) are tagged after every layer's backward, apart from layer 0's: a hook that
+    fires inside the backward after the layers (the embedding's) goes into a stream before them."""
+    from harness.spec.cases import CASES_DIR
+
+    _, _, r1, r2, _ = _traced(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
+    for r in (r1, r2):
+        tags = [tuple(e[3:5]) for e in r.events]
+        first = tags.index((B, LAYER_PRE))
+        assert set(tags[first:]) == {(B, LAYER_PRE)}  # the last chunk, nothing after it
+        assert tags[first - 1] == (B, 0)  # right after layer 0's backward
+        dropped = r.events[first:]
+        assert all(e[0] == 0 for e in dropped)  # frees only
+        allocated_in = {e[1]: tuple(e[3:5]) for e in r.events if e[0] == 1}
+        assert r.logits in {e[2] for e in dropped if allocated_in[e[1]] == (F, LAYER_POST)}  # the logits among them
+
+
 def test_the_run_is_replayed_until_the_allocators_state_repeats():
     """Mistral-7B QLoRA as LLaMA-Factory runs it (4 x 1024 tokens, GA 2, one H200): its recorded reserve
     grows in each of the first three optimizer steps (the third by a 512 MiB segment in the second

@@ -806,6 +806,10 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
                     warnings.filterwarnings("ignore", message="Full backward hook is firing")
                     out.loss.backward()
                 peak = tracker.peak_bytes() - base
+                # what the training loop drops once the backward has returned (the loss, the logits): a chunk
+                # of its own after every layer's backward, so hooks that fire inside the backward after the
+                # last layer's (the embedding's) go into a stream before it (harness.predict.stream.expand)
+                tracker.tag = (BACKWARD, LAYER_PRE)
                 del out
                 gc.collect()  # the step's last frees (loss, logits) belong to it
                 events = tracker.stop_log()

@@ -159,14 +159,19 @@ class _ReplayAlongside:
 
     def take(self, notes: list[str]):
         """The child's (gathered figures, notes); None where it sent nothing (it failed: the caller then
-        replays in-process, where the failure is met again and reported)."""
+        replays in-process, where the failure is met again and reported). The step stream's replayed
+        steps it sent too are kept for `zero3_stream.build`."""
+        from harness.predict import zero3
+
         try:
-            value, child_notes = self.conn.recv()
+            value, child_notes, steps = self.conn.recv()
         except (EOFError, OSError):
             return None
         finally:
             self.conn.close()
             self.child.join()
+        if steps is not None:
+            zero3.keep_steps(*steps)
         notes += child_notes
         return (value,)
 
@@ -209,10 +214,17 @@ def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
     on it there never ends (the hook recording runs the model's forward and backward)."""
     import torch
 
+    from harness.predict import zero3, zero3_stream
+
     torch.set_num_threads(1)
     notes: list[str] = []
     try:
-        send.send((_zero3_gathered(case, arch, layers, notes), notes))
+        gathered = _zero3_gathered(case, arch, layers, notes)
+        steps = None
+        if _zero3_step_stream_applies(case):  # the steps `_zero3_step_stream` builds its stream from
+            spec = zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, layers))
+            steps = (spec, zero3.replayed_steps(spec))  # the replay `gathered` ran, where its spec is the same
+        send.send((gathered, notes, steps))
     except Exception:
         pass
     finally:
@@ -318,18 +330,39 @@ def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec,
                                    "the model's stream", "the model's pool by the ratio", notes)
 
 
-def _zero3_stream_simulated(trace_spec, shape, what: str, instead: str, notes: list[str]):
+def _zero3_step_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
+    """A ZeRO-3 config whose step is built as one stream (harness.predict.zero3_stream: `applies`,
+    `applies_model_stream`, `applies_offload_model_stream`): the allocator model over that stream with
+    the coordinator's gathers put among the model's allocations (each layer's hook events spread over its
+    chunk), whatever stream they run on; its allocated peak counts the gathered bytes and the
+    activations each as they are at that moment. None elsewhere, or where it cannot be built."""
+    from harness.predict import zero3_stream
+
+    if not _zero3_step_stream_applies(case):
+        return None
+    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers),
+                                   "the step's stream with the gathers", "the terms' peak", notes, "allocated")
+
+
+def _zero3_step_stream_applies(case: Case) -> bool:
+    from harness.predict import zero3_stream
+
+    return (case.deepspeed is not None and (zero3_stream.applies(case) or zero3_stream.applies_model_stream(case)
+                                            or zero3_stream.applies_offload_model_stream(case)))
+
+
+def _zero3_stream_simulated(trace_spec, shape, what: str, instead: str, notes: list[str], figure: str = "reserved"):
     """The allocator model over a ZeRO-3 stream built by harness.predict.zero3_stream (`what`, in words);
-    None, with a note that `instead` stands in, where DeepSpeed cannot be imported or the build cannot
-    follow the trace or the hook order."""
+    None, with a note that `instead` stands in for `figure`, where DeepSpeed cannot be imported or the
+    build cannot follow the trace or the hook order."""
     from harness.predict import zero3_stream
 
     try:
         return zero3_stream.simulated(trace_spec, shape)
     except ImportError as exc:
-        notes.append(f"reserved: {instead}; DeepSpeed's coordinator could not be imported for {what} ({exc})")
+        notes.append(f"{figure}: {instead}; DeepSpeed's coordinator could not be imported for {what} ({exc})")
     except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
-        notes.append(f"reserved: {instead}; {what} could not be built ({exc})")
+        notes.append(f"{figure}: {instead}; {what} could not be built ({exc})")
     return None
 
 
@@ -420,6 +453,10 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         gathered_above = max(0, at - gathered.backward_start_bytes)
     gather_peak = resident + gathered_above + held_at_gather if above else 0
     allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
+    # where the step is built as one stream with DeepSpeed's gathers among the model's allocations
+    # (harness.predict.zero3_stream), its allocated peak is the step's: the gathered bytes and the
+    # activations each at the moment they are live together, not each at its own peak
+    stepped = _zero3_step_stream(case, arch, layers, trace_spec, notes)
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})
@@ -434,7 +471,16 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     where = {backward_peak: "the forward/backward (loss and logits)", optimizer_peak: "the optimizer step",
              retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)",
              gather_peak: "the most ZeRO-3 parameters gathered at once"}
-    notes.append("peak during " + where[allocated])
+    if stepped is not None:
+        terms["allocated_by_terms"] = allocated
+        terms["zero3_gathered_at_allocated_peak"] = stepped.gathered_at_allocated_peak
+        notes.append(f"allocated: the peak of the step's stream with DeepSpeed's gathers in it (zero.Init's load, the "
+                     f"engine's buffers, four micro-steps), {stepped.peak_allocated / GiB:.2f} GiB during the "
+                     f"{stepped.allocated_phase}, {stepped.gathered_at_allocated_peak / GiB:.2f} GiB of it gathered; "
+                     f"the terms' peak during {where[allocated]} was {allocated / GiB:.2f} GiB")
+        allocated = stepped.peak_allocated
+    else:
+        notes.append("peak during " + where[allocated])
 
     cal = calibrate(platform, frozenset(exclude))
     notes += cal.notes
@@ -515,7 +561,8 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         if gather_pool is not None:
             # the gather stream's pool from the replayed gathers (harness.predict.zero3.gather_pool), beside
             # the model's own pool: allocated less what is gathered at its peak, times the ratio
-            held_gathered = gathered.backward_start_bytes + (gathered_above if allocated == gather_peak else 0)
+            held_gathered = (stepped.gathered_at_allocated_peak if stepped is not None else
+                             gathered.backward_start_bytes + (gathered_above if allocated == gather_peak else 0))
             model_stream = _zero3_model_stream(case, arch, layers, trace_spec, notes)
             if model_stream is not None:
                 # the model's own stream built and replayed (harness.predict.zero3_stream, `full`, no gathers)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
@@ -68,6 +68,9 @@ class Stream:
     ops: list[int]
     sizes: list[int]
     phases: list[tuple[str, int]]  # (phase name, index of its first op), in order
+    # ids of the allocations another source put in (`expand`'s `between`): DeepSpeed's gathers
+    # (harness.predict.zero3_stream), so the peak can be taken apart
+    gathers: set[int] = field(default_factory=set)
 
     def alloc(self, size: int) -> int:
         self.sizes.append(int(size))

@@ -81,11 +81,11 @@ from harness.spec.files import write_atomic
 ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
 # the gather stream's pool: over as many steps as the recorded runs made (two optimizer steps of two
 # micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the second
+# LoRA with its parameters offloaded too: its recorded gather streams settle in the second micro-step (guide
+# 000's 32B, Mistral-7B), and a fourth replayed step changes no figure of those runs; four are replayed, as the
+# step stream the allocated peak is taken from is built over (harness.predict.zero3_stream), so one replay
+# serves both
 POOL_ROUNDS = 4
-# LoRA with its parameters offloaded (no or reentrant checkpointing): the recorded gather streams settle in
-# the second micro-step (guide 000's 32B, Mistral-7B), and the third replayed step, the first to start with
-# the persistent parameters gathered, is the steady state; a fourth changes no figure of those runs
-OFFLOAD_POOL_ROUNDS = 3
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 
@@ -685,7 +685,34 @@ def gathered(spec: Zero3Spec) -> Gathered:
         from harness.predict.trace import _code_key as model_code_key
 
         payload = model_code_key() + payload
-    return _cached("gathered", payload, lambda: replay(spec), dataclasses.asdict, lambda d: Gathered(**d))
+
+    def compute() -> Gathered:  # its steps kept: a step stream over the same spec is built from them
+        steps: list[list] = []
+        result = replay(spec, every_step=steps)
+        keep_steps(spec, steps)
+        return result
+
+    return _cached("gathered", payload, compute, dataclasses.asdict, lambda d: Gathered(**d))
+
+
+_STEPS: dict = {}  # Zero3Spec -> the hook events and gathers of each step its replay ran, for the last few
+
+
+def replayed_steps(spec: Zero3Spec) -> list[list]:
+    """The hook events and gathers of each step the coordinator replays under `spec` (`replay(spec,
+    every_step=)`), kept in-process for the specs replayed last (by `gathered` too, or sent back by the
+    predictor's forked replay, `keep_steps`)."""
+    if spec not in _STEPS:
+        steps: list[list] = []
+        replay(spec, every_step=steps)
+        keep_steps(spec, steps)
+    return _STEPS[spec]
+
+
+def keep_steps(spec: Zero3Spec, steps: list[list]) -> None:
+    while len(_STEPS) >= 4:
+        del _STEPS[next(iter(_STEPS))]
+    _STEPS[spec] = steps
 
 
 def spec_for(case, arch, layers: int) -> Zero3Spec:
@@ -726,8 +753,7 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         # embedding again in backward
         input_requires_grad=gc or case.method.kind == "full",
         alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        pool_rounds=((POOL_ROUNDS if case.method.kind == "full" else OFFLOAD_POOL_ROUNDS) if uses_gather_pool(case)
-                     else 0),
+        pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
         # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
         trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
         # the spec the hooks are recorded under: configs that differ only in batch or length share the replay

@@ -122,6 +122,8 @@ class OnePoolRun:
     peak_allocated: int
     peak_phase: str
     phase_ends: list[tuple[str, int]]  # reserved at the end of each marked phase
+    allocated_phase: str = ""  # the phase of the allocated peak
+    gathered_at_allocated_peak: int = 0  # bytes of DeepSpeed's gathers live at the allocated peak
 
 
 def applies(case: Case) -> bool:
@@ -357,15 +359,21 @@ def _device_step(stream: Stream, partitions: list[int], groups: list[int], half:
         stream.free(grad)
 
 
+def step_spec(shape: OnePoolShape):
+    """The replay's settings a shape's build runs the coordinator under."""
+    from harness.predict import zero3
+
+    return zero3.Zero3Spec(**json.loads(shape.zero3_spec))
+
+
 def build(r1, r2, shape: OnePoolShape) -> Stream:
     """The one-pool stream of rank 0."""
     from harness.predict import zero3
 
-    spec = zero3.Zero3Spec(**json.loads(shape.zero3_spec))
+    spec = step_spec(shape)
     steps: list[list] = [[] for _ in range(shape.micro_steps)]
     if shape.placement != "none":  # the coordinator's hook events and gathers of each step
-        steps = []
-        zero3.replay(spec, every_step=steps)
+        steps = zero3.replayed_steps(spec)
     half, ranks, layers = shape.half_bytes, shape.ranks, spec.layers
     params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
 
@@ -387,6 +395,7 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
             return
         if item.kind == "alloc":
             ids[item.id] = stream.alloc(item.nbytes)
+            stream.gathers.add(ids[item.id])
         else:
             stream.free(ids.pop(item.id))
 
@@ -442,21 +451,31 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
     ends = [*[start for _, start in stream.phases][1:], len(stream.ops)]
     phase_ends: list[tuple[str, int]] = []
     peak, peak_at = -1, 0
+    gathered, most, most_at, most_gathered = 0, -1, 0, 0  # the gathers' live bytes; the allocated peak's
     for i, op in enumerate(stream.ops):
         if op is EMPTY_CACHE:
             sim.empty_cache()
         elif op >= 0:
-            blocks[op] = sim.malloc(stream.sizes[op])
+            blocks[op] = block = sim.malloc(stream.sizes[op])
+            if block is not None and op in stream.gathers:
+                gathered += block.size
             if sim.stats.reserved > peak:
                 peak, peak_at = sim.stats.reserved, i
+            if sim.stats.allocated > most:
+                most, most_at, most_gathered = sim.stats.allocated, i, gathered
         else:
             block = blocks.pop(-op - 1, None)
             if block is not None:
+                if -op - 1 in stream.gathers:
+                    gathered -= block.size  # before the free: a freed block merges with its free neighbours
                 sim.free(block)
         while len(phase_ends) < len(ends) and i == ends[len(phase_ends)] - 1:
             phase_ends.append((stream.phases[len(phase_ends)][0], sim.stats.reserved))
-    phase = next((name for name, start in reversed(stream.phases) if start <= peak_at), "load")
-    return OnePoolRun(max(peak, 0), sim.stats.peak_allocated, phase, phase_ends)
+    def phase(at: int) -> str:
+        return next((name for name, start in reversed(stream.phases) if start <= at), "load")
+
+    return OnePoolRun(max(peak, 0), sim.stats.peak_allocated, phase(peak_at), phase_ends, phase(most_at),
+                      most_gathered)
 
 
 @functools.lru_cache(maxsize=16)
