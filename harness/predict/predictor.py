@@ -23,7 +23,10 @@ How a prediction is made (per GPU process; the worst rank of a sharded job):
 4. ZeRO-3: allocated = max(step 3, states + the most parameters gathered at once + the activations a
    forward keeps) (DeepSpeed keeping weights for reuse, or tying recomputed frozen weights to the root
    under reentrant checkpointing); the closed form's reentrant retention where nothing was replayed
-   (`harness.predict.states.zero3_reentrant_retention`).
+   (`harness.predict.states.zero3_reentrant_retention`). Where the step is built as one stream
+   (`harness.predict.zero3_stream`: LoRA with its parameters offloaded or `overlap_comm: false`, a full
+   fine-tune with its parameters on the device), allocated is that stream's peak with DeepSpeed's
+   gathers among the model's allocations instead (the terms' figure kept as `allocated_by_terms`).
 5. reserved: without DeepSpeed, the peak of the allocator model (`harness.predict.allocator`) over
    the run's allocation stream built from the traces (`harness.predict.stream`: the load, optimizer
    steps until the allocator's state repeats from one step to the next); ZeRO-2 with the optimizer on
