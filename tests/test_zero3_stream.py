@@ -183,33 +183,38 @@ def test_the_lora_offload_model_stream_against_its_recorded_stream(timeline_path
     assert abs(run.peak_allocated - allocated) < 32 * 2**20
 
 
-STEP_TIMELINES = [  # (recorded timeline, case): every ZeRO-3 config whose step is built as one stream
+STEP_TIMELINES = [  # (recorded timeline, case, tolerance): every ZeRO-3 config whose step is built as one stream
     ("results/architectures/timelines/nvidia-h200-x2/mistral-7b-lora-z3-offload-mb2-s1024-gc@2ga.json.gz",
-     "benchmarks/architectures/cases/mistral-7b-lora-z3-offload-mb2-s1024-gc.yaml"),
+     "benchmarks/architectures/cases/mistral-7b-lora-z3-offload-mb2-s1024-gc.yaml", 0.01),
     ("results/architectures/timelines/nvidia-h200-x2/phi3-mini-full-z3-offload-mb2-s2048-gc@2ga.json.gz",
-     "benchmarks/architectures/cases/phi3-mini-full-z3-offload-mb2-s2048-gc.yaml"),
+     "benchmarks/architectures/cases/phi3-mini-full-z3-offload-mb2-s2048-gc.yaml", 0.01),
     ("results/architectures/timelines/nvidia-h200-x2/gemma2-2b-full-z3-mb2-s1024-gc@2ga.json.gz",
-     "benchmarks/architectures/cases/gemma2-2b-full-z3-mb2-s1024-gc.yaml"),
+     "benchmarks/architectures/cases/gemma2-2b-full-z3-mb2-s1024-gc.yaml", 0.01),
     ("results/timelines/nvidia-h200-x2/000-lora-z3-offload-cutoff1024-ga16@2r4L2ga.json.gz",
-     "cases/000-lora-z3-offload-cutoff1024-ga16.yaml"),
+     "cases/000-lora-z3-offload-cutoff1024-ga16.yaml", 0.01),
     ("results/timelines/nvidia-h200-x2/000-lora-z3-offload-cutoff1024-ga16-nonreentrant@2r2L2ga.json.gz",
-     "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"),
+     "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml", 0.01),
     ("results/timelines/nvidia-h200-x2/000-lora-z3-offload-cutoff1024-ga16-nonreentrant@2r4L2ga.json.gz",
-     "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"),
+     "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml", 0.01),
     ("results/fitted/timelines/nvidia-h200-x2/000-ds32b-failing.fitted@2r4L2ga.json.gz",
-     "benchmarks/fitted/cases/000-ds32b-failing.fitted.yaml"),
+     "benchmarks/fitted/cases/000-ds32b-failing.fitted.yaml", 0.01),
     ("results/timelines/nvidia-h200-x1/001-ladder-rung4-zero3-offload@u.json.gz",
-     "cases/001-ladder-rung4-zero3-offload.yaml"),
+     "cases/001-ladder-rung4-zero3-offload.yaml", 0.01),
+    # a full fine-tune with its parameters offloaded: the same config's ranks measure 10.94 to 11.15 GiB
+    # from run to run at 6 and 12 layers (results/runs/2026-11-26-*-002-*.json)
+    ("results/timelines/nvidia-h200-x2/002-gemma27b-full-z3-offload-len2048@2r4L2ga.json.gz",
+     "cases/002-gemma27b-full-z3-offload-len2048.yaml", 0.02),
 ]
 
 
-@pytest.mark.parametrize(("timeline_path", "case_path"), STEP_TIMELINES)
-def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(timeline_path, case_path):
+@pytest.mark.parametrize(("timeline_path", "case_path", "tolerance"), STEP_TIMELINES)
+def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(timeline_path, case_path, tolerance):
     """The step built as one stream, the coordinator's gathers put among the model's allocations, peaks
-    where the recorded process did, within 1 % (-0.4 to +0.1 % on these eight): guide 000's
-    non-reentrant run at 5.44 GiB, where the most gathered at once (4.53 GiB recorded) and the
-    activations a forward keeps (0.93), each at its own peak, add up to 5.71; its reentrant run at 6.24,
-    where the embedding is gathered again in its backward beside the logits the loop still holds."""
+    where the recorded process did: within 1 % on eight timelines (-0.4 to +0.1 %) and 2 % on guide
+    002's (+1.7 %). Guide 000's non-reentrant run peaks at 5.44 GiB, where the most gathered at once
+    (4.53 GiB recorded) and the activations a forward keeps (0.93), each at its own peak, add up to
+    5.71; its reentrant run at 6.24, where the embedding is gathered again in its backward beside the
+    logits the loop still holds."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
     from harness.predict.trace import TraceSpec, trace_pair
@@ -223,7 +228,7 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     layers = case.layers or arch.layers
     run = simulate(build(*trace_pair(TraceSpec.of(case, arch)), OnePoolShape.of(case, arch, layers)))
     recorded = timeline.curve().peak("allocated")[1]
-    assert abs(run.peak_allocated / recorded - 1) < 0.01, (run.peak_allocated / GiB, recorded / GiB)
+    assert abs(run.peak_allocated / recorded - 1) < tolerance, (run.peak_allocated / GiB, recorded / GiB)
     assert 0 < run.gathered_at_allocated_peak < run.peak_allocated
 
 
@@ -238,6 +243,24 @@ def test_the_predictor_takes_the_allocated_peak_from_the_step_stream():
     assert p.allocated != p.terms["allocated_by_terms"]
     assert 0 < p.terms["zero3_gathered_at_allocated_peak"] < p.allocated
     assert any(n.startswith("allocated: the peak of the step's stream with DeepSpeed's gathers") for n in p.notes)
+
+
+def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_step_stream():
+    """Guide 002's full fine-tune with its parameters offloaded: allocated from the step stream (its
+    ranks measured 10.94 to 11.15 GiB at 12 layers; the terms' sum, which places the gathered bytes at
+    the backward's start beside the trace's whole peak, gave 11.62), reserved still from the ratio."""
+    from harness.predict.predictor import predict
+    from harness.predict.zero3_stream import applies_full_offload
+    from harness.spec.cases import load_case
+
+    case = load_case(ROOT / "cases/002-gemma27b-full-z3-offload-len2048.yaml")
+    assert applies_full_offload(case)
+    assert not applies_full_offload(case.model_copy(update={"deepspeed": case.deepspeed.model_copy(
+        update={"offload_param": "none"})}))
+    p = predict(case, variant="2r12L2ga")
+    assert 10.9 * GiB < p.allocated < 11.0 * GiB < p.terms["allocated_by_terms"]
+    assert any(n.startswith("allocated: the peak of the step's stream") for n in p.notes)
+    assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in p.notes)
 
 
 def test_the_allocated_peak_is_taken_apart_into_what_was_gathered():

@@ -351,7 +351,8 @@ def _zero3_step_stream_applies(case: Case) -> bool:
     from harness.predict import zero3_stream
 
     return (case.deepspeed is not None and (zero3_stream.applies(case) or zero3_stream.applies_model_stream(case)
-                                            or zero3_stream.applies_offload_model_stream(case)))
+                                            or zero3_stream.applies_offload_model_stream(case)
+                                            or zero3_stream.applies_full_offload(case)))
 
 
 def _zero3_stream_simulated(trace_spec, shape, what: str, instead: str, notes: list[str], figure: str = "reserved"):

@@ -155,6 +155,17 @@ def applies_model_stream(case: Case) -> bool:
             and case.method.kind == "full" and case.method.quantization is None)
 
 
+def applies_full_offload(case: Case) -> bool:
+    """ZeRO-3 with `overlap_comm` and the parameters on the host, a full fine-tune of a half-precision model
+    built under zero.Init (the optimizer is on the host with them): the configs whose step stream is built
+    from `_full_offload_engine` for the allocated peak only (no model's pool is built for their reserve)."""
+    from harness.predict.step import zero_init
+
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
+            and case.method.kind == "full" and case.method.quantization is None and zero_init(case))
+
+
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
     """One replayed step's items -> [(pass, layer, pieces)] in order: a piece is what the coordinator
     allocates and frees at one hook event (its fetch or release, logged before the event), then the
@@ -287,6 +298,35 @@ def _lora_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: i
         stream.free(buffer)
 
 
+def _full_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
+                         threshold: int) -> None:
+    """zero.Init's load of a full fine-tune with its parameters offloaded, and the engine's buffers, on the
+    model's stream, as DeepSpeed 0.19.8 makes them: `_lora_offload_engine`'s load and engine for a model
+    whose every parameter trains and none is added by peft (each built whole, its partition moved to the
+    host; each set through `GatheredParameters`; the IPG bucket; each trainable parameter gathered alone
+    and partitioned again as its hook is registered). A persistent parameter stays whole on the device
+    and is gathered already."""
+    stream.mark("load")
+    for n, _ in params:
+        whole = stream.alloc(n * half)
+        if n > threshold:
+            stream.free(whole)
+    gathered = [n for n, _ in params if n > threshold]
+
+    def gather_each() -> None:
+        for n in gathered:
+            part = -(-n // ranks) * half
+            buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
+            stream.free(staging)
+            stream.free(buffer)
+
+    gather_each()
+    stream.mark("engine")
+    if ipg_bucket:
+        stream.alloc(ipg_bucket * half)
+    gather_each()
+
+
 def _full_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
                  groups: list[int]) -> None:
     """zero.Init's load of a full fine-tune and the engine's buffers, as DeepSpeed 0.19.8's stage 3 makes
@@ -387,7 +427,9 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     stream = Stream([], [], [])
     partitions = [-(-n // ranks) for n, trainable in params if trainable]
     groups = sub_groups(partitions, shape.sub_group_size) if shape.sub_group_size else []
-    if shape.full:
+    if shape.full and shape.offload_param:
+        _full_offload_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold)
+    elif shape.full:
         _full_engine(stream, params, half, ranks, shape.ipg_bucket, groups)
     elif shape.offload_param:
         _lora_offload_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold,
