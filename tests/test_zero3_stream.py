@@ -200,6 +200,8 @@ STEP_TIMELINES = [  # (recorded timeline, case, tolerance): every ZeRO-3 config 
      "benchmarks/fitted/cases/000-ds32b-failing.fitted.yaml", 0.01),
     ("results/timelines/nvidia-h200-x1/001-ladder-rung4-zero3-offload@u.json.gz",
      "cases/001-ladder-rung4-zero3-offload.yaml", 0.01),
+    ("results/architectures/timelines/nvidia-h200-x2/llama3-8b-lora-z3-offload-mb1-s1024-nonreentrant@2ga.json.gz",
+     "benchmarks/architectures/cases/llama3-8b-lora-z3-offload-mb1-s1024-nonreentrant.yaml", 0.01),
     # a full fine-tune with its parameters offloaded: the same config's ranks measure 10.94 to 11.15 GiB
     # from run to run at 6 and 12 layers (results/runs/2026-11-26-*-002-*.json)
     ("results/timelines/nvidia-h200-x2/002-gemma27b-full-z3-offload-len2048@2r4L2ga.json.gz",
@@ -210,7 +212,7 @@ STEP_TIMELINES = [  # (recorded timeline, case, tolerance): every ZeRO-3 config 
 @pytest.mark.parametrize(("timeline_path", "case_path", "tolerance"), STEP_TIMELINES)
 def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(timeline_path, case_path, tolerance):
     """The step built as one stream, the coordinator's gathers put among the model's allocations, peaks
-    where the recorded process did: within 1 % on eight timelines (-0.4 to +0.1 %) and 2 % on guide
+    where the recorded process did: within 1 % on nine timelines (-0.4 to +0.2 %) and 2 % on guide
     002's (+1.7 %). Guide 000's non-reentrant run peaks at 5.44 GiB, where the most gathered at once
     (4.53 GiB recorded) and the activations a forward keeps (0.93), each at its own peak, add up to
     5.71; its reentrant run at 6.24, where the embedding is gathered again in its backward beside the
@@ -232,6 +234,34 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     assert 0 < run.gathered_at_allocated_peak < run.peak_allocated
 
 
+def test_a_prefetched_gathers_host_copy_is_held_to_its_wait():
+    """The one config whose step stream overshoots its recording by more than 2 %: Qwen2.5-1.5B's full
+    fine-tune with its parameters offloaded, 512 tokens (recorded 3.386 GiB, built 3.734). At the built
+    peak 709 MiB of host partition copies are live where the run held 334: NCCL keeps a collective's
+    input until the watchdog, polling every 100 ms, has seen it done and the next collective is issued,
+    so a prefetched gather's copy went 18 to 95 ms after it was made, before its wait; the replay, with
+    no clock, frees it at the wait. The figure is above the run's, never below; the model's own stream
+    is the recorded one to the MiB."""
+    from harness.measure.timeline import MemoryTimeline
+    from harness.models.source import load_model
+    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.spec.cases import load_case
+    from harness.spec.variants import parse_variant
+
+    timeline = MemoryTimeline.load(
+        ROOT / "results/architectures/timelines/nvidia-h200-x2/qwen25-1.5b-full-z3-offload-mb1-s512-gc@2ga.json.gz")
+    case = parse_variant(timeline.variant).apply(
+        load_case(ROOT / "benchmarks/architectures/cases/qwen25-1.5b-full-z3-offload-mb1-s512-gc.yaml"))
+    arch = load_model(case.model)
+    traces = trace_pair(TraceSpec.of(case, arch))
+    recorded = timeline.curve().peak("allocated")[1]
+    run = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers)))
+    assert recorded < run.peak_allocated < 1.11 * recorded, (run.peak_allocated / GiB, recorded / GiB)
+    alone = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers, "none")))
+    assert abs(alone.peak_reserved - timeline.reserved_peak_on(0)) < 2**20  # 1.895 GiB
+
+
 def test_the_predictor_takes_the_allocated_peak_from_the_step_stream():
     """`predict` gives the step stream's allocated peak where one is built, says so, and keeps the terms'
     figure beside it: guide 000 non-reentrant at 4 layers, recorded 5.438 GiB."""
@@ -250,7 +280,7 @@ def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_ste
     ranks measured 10.94 to 11.15 GiB at 12 layers; the terms' sum, which places the gathered bytes at
     the backward's start beside the trace's whole peak, gave 11.62), reserved still from the ratio."""
     from harness.predict.predictor import predict
-    from harness.predict.zero3_stream import applies_full_offload
+    from harness.predict.zero3 import applies_full_offload
     from harness.spec.cases import load_case
 
     case = load_case(ROOT / "cases/002-gemma27b-full-z3-offload-len2048.yaml")

@@ -325,9 +325,10 @@ def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec,
     the second optimizer step, the built one the same (the ratio and the fp32 gradient segment gave 32.85);
     Mistral-7B's LoRA with parameter offload 0.533 / 1.689 / 1.939 after its load, first forward and
     backward, the built one the same. None elsewhere, or where the stream cannot be built."""
-    from harness.predict import zero3_stream
+    from harness.predict import zero3, zero3_stream
 
-    if not (zero3_stream.applies_model_stream(case) or zero3_stream.applies_offload_model_stream(case)):
+    if not (zero3_stream.applies_model_stream(case) or zero3_stream.applies_offload_model_stream(case)
+            or zero3.applies_full_offload(case)):
         return None
     return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, "none"),
                                    "the model's stream", "the model's pool by the ratio", notes)
@@ -348,11 +349,11 @@ def _zero3_step_stream(case: Case, arch: Architecture, layers: int, trace_spec, 
 
 
 def _zero3_step_stream_applies(case: Case) -> bool:
-    from harness.predict import zero3_stream
+    from harness.predict import zero3, zero3_stream
 
     return (case.deepspeed is not None and (zero3_stream.applies(case) or zero3_stream.applies_model_stream(case)
                                             or zero3_stream.applies_offload_model_stream(case)
-                                            or zero3_stream.applies_full_offload(case)))
+                                            or zero3.applies_full_offload(case)))
 
 
 def _zero3_stream_simulated(trace_spec, shape, what: str, instead: str, notes: list[str], figure: str = "reserved"):

@@ -763,15 +763,29 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
 
 def uses_gather_pool(case) -> bool:
     """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
-    fine-tune with its parameters on the device, and LoRA with its parameters offloaded where its model's
-    stream is built (`applies_offload_model_stream`), the configs whose recorded
+    fine-tune with its parameters on the device, and with them offloaded or LoRA with them offloaded where its
+    model's stream is built (`applies_full_offload`, `applies_offload_model_stream`), the configs whose recorded
     timelines show the rest of the reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool
     says why not elsewhere). Elsewhere the extra steps are not replayed."""
     from harness.spec.schema import Offload
 
     if case.method.kind == "full":
-        return case.deepspeed.offload_param != Offload.cpu
+        return case.deepspeed.offload_param != Offload.cpu or applies_full_offload(case)
     return applies_offload_model_stream(case)
+
+
+def applies_full_offload(case) -> bool:
+    """ZeRO-3 with `overlap_comm` and the parameters on the host, a full fine-tune of a half-precision model
+    built under zero.Init (the optimizer is on the host with them): the configs whose step stream and
+    model's stream are built from `harness.predict.zero3_stream._full_offload_engine`. Checked on the
+    recorded streams of guide 002's Gemma-3-27B (its allocated peak) and Qwen2.5-1.5B (stream 0's reserve
+    to the MiB)."""
+    from harness.predict.step import zero_init
+    from harness.spec.schema import Offload
+
+    ds = case.deepspeed
+    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
+            and case.method.kind == "full" and case.method.quantization is None and zero_init(case))
 
 
 def applies_offload_model_stream(case) -> bool:

@@ -155,17 +155,6 @@ def applies_model_stream(case: Case) -> bool:
             and case.method.kind == "full" and case.method.quantization is None)
 
 
-def applies_full_offload(case: Case) -> bool:
-    """ZeRO-3 with `overlap_comm` and the parameters on the host, a full fine-tune of a half-precision model
-    built under zero.Init (the optimizer is on the host with them): the configs whose step stream is built
-    from `_full_offload_engine` for the allocated peak only (no model's pool is built for their reserve)."""
-    from harness.predict.step import zero_init
-
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
-            and case.method.kind == "full" and case.method.quantization is None and zero_init(case))
-
-
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
     """One replayed step's items -> [(pass, layer, pieces)] in order: a piece is what the coordinator
     allocates and frees at one hook event (its fetch or release, logged before the event), then the
