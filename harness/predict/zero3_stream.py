@@ -48,12 +48,18 @@ the first micro-step, 28.088 after the first optimizer step and 33.770 in the se
 same at every phase end but the load's (2.56 against 4.21: the run gathers parameters while loading), its
 allocated peak 27.64 GiB as recorded (the ratio and the fp32 gradient segment gave 32.85).
 
+**A full fine-tune with its parameters offloaded** (`zero3.applies_full_offload`) is `build` with `full`
+and `offload_param`: `_full_offload_engine`'s load and engine, then the micro-steps.
+
 **The step's allocated peak** (`harness.predict.predictor`): for every config above, `build` with the
 gathers placed (`spread`) is the step with the model's allocations and DeepSpeed's on one timeline,
 whatever stream the gathers run on; `simulate` gives its allocated peak and what of it was gathered
-(`Stream.gathers`). On the eight recorded timelines of such configs it lands within -0.4 to +0.1 % of
-the recorded allocated peak, where the most gathered and the activations each at its own peak gave up
-to +5 % (guide 000 non-reentrant).
+(`Stream.gathers`). On nine recorded timelines of such configs it lands within -0.4 to +0.2 % of the
+recorded allocated peak, where the most gathered and the activations each at its own peak gave up to
++5 % (guide 000 non-reentrant) and +11 % (Llama-3.1-8B's LoRA with parameter offload); on guide 002's
++1.7 %, and on Qwen2.5-1.5B's full fine-tune with parameter offload +10.3 %: the replay frees a
+gather's host partition copy at its wait, where NCCL let the copies of prefetched gathers go sooner
+(docs/predictor.md, "Known limits").
 
 The trace tags its allocations by decoder layer and pass, not by module, so where inside a layer's
 chunk each module's hooks fire is not known: `build` spreads a chunk's hook events evenly over its
