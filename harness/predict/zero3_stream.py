@@ -141,11 +141,16 @@ class OnePoolRun:
 
 def applies(case: Case) -> bool:
     """ZeRO-3 without `overlap_comm` (the gathers in the model's pool), LoRA on a half-precision model
-    (no quantized load), the parameters on the device and the optimizer on the host: the configs whose
-    device allocations beside the model's are the gathers and two buffers (the recorded timeline shows
-    DeepSpeed's other step allocations, the reduce path's norms and partition copies, to be MiBs)."""
+    (no quantized load), the optimizer on the host: the configs whose device allocations beside the
+    model's are the gathers and two buffers (the recorded timeline shows DeepSpeed's other step
+    allocations, the reduce path's norms and partition copies, to be MiBs). The parameters on the device,
+    or on the host with the model built under zero.Init (`_lora_offload_engine`'s load and engine, the
+    gathers' host partition copies in the same pool: LLaMA-Factory's `ds_z3_offload_config.json`)."""
+    from harness.predict.step import zero_init
+
     ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and not ds.overlap_comm and ds.offload_param != Offload.cpu
+    return (ds is not None and ds.stage == 3 and not ds.overlap_comm
+            and (ds.offload_param != Offload.cpu or zero_init(case))
             and ds.offload_optimizer == Offload.cpu and case.method.kind == "lora"
             and case.method.quantization is None)
 
