@@ -353,6 +353,7 @@ def _zero3_step_stream_applies(case: Case) -> bool:
 
     return (case.deepspeed is not None and (zero3_stream.applies(case) or zero3_stream.applies_model_stream(case)
                                             or zero3_stream.applies_offload_model_stream(case)
+                                            or zero3_stream.applies_offload_one_pool(case)
                                             or zero3.applies_full_offload(case)))
 
 
