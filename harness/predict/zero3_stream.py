@@ -258,6 +258,15 @@ def _lora_engine(stream: Stream, params: list[tuple[int, bool]], half: int, rank
         stream.alloc(ipg_bucket * half)
 
 
+def _gather_alone(stream: Stream, elements: int, ranks: int, element_bytes: int) -> None:
+    """One parameter with its partition on the host gathered alone and let go (`_allgather_params_sequential`):
+    a buffer of its partition times the ranks, the host partition's copy on the device, both freed."""
+    part = -(-elements // ranks) * element_bytes
+    buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
+    stream.free(staging)
+    stream.free(buffer)
+
+
 def _lora_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
                          threshold: int, trainable_bytes: int) -> None:
     """zero.Init's load of a LoRA model with its parameters offloaded, and the engine's buffers, on the
@@ -287,10 +296,7 @@ def _lora_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: i
                 stream.free(whole)
     for n, trainable in params:
         if not trainable and n > threshold:
-            part = -(-n // ranks) * half
-            buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
-            stream.free(staging)
-            stream.free(buffer)
+            _gather_alone(stream, n, ranks, half)
     moved = [(n, stream.alloc(n * half)) for n, trainable in params if trainable]  # every adapter, then
     adapters = []  # each cast in turn, its half copy freed
     for n, ident in moved:
@@ -303,10 +309,7 @@ def _lora_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: i
     if ipg_bucket:
         stream.alloc(ipg_bucket * half)
     for n, _ in adapters:
-        part = -(-n // ranks) * trainable_bytes
-        buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
-        stream.free(staging)
-        stream.free(buffer)
+        _gather_alone(stream, n, ranks, trainable_bytes)
 
 
 def _full_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
@@ -323,19 +326,13 @@ def _full_offload_engine(stream: Stream, params: list[tuple[int, bool]], half: i
         if n > threshold:
             stream.free(whole)
     gathered = [n for n, _ in params if n > threshold]
-
-    def gather_each() -> None:
-        for n in gathered:
-            part = -(-n // ranks) * half
-            buffer, staging = stream.alloc(part * ranks), stream.alloc(part)
-            stream.free(staging)
-            stream.free(buffer)
-
-    gather_each()
+    for n in gathered:
+        _gather_alone(stream, n, ranks, half)
     stream.mark("engine")
     if ipg_bucket:
         stream.alloc(ipg_bucket * half)
-    gather_each()
+    for n in gathered:
+        _gather_alone(stream, n, ranks, half)
 
 
 def _full_engine(stream: Stream, params: list[tuple[int, bool]], half: int, ranks: int, ipg_bucket: int,
