@@ -225,6 +225,7 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     from harness.predict.trace import TraceSpec, trace_pair
     from harness.predict.zero3_stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
+    from harness.spec.schema import Offload
     from harness.spec.variants import parse_variant
 
     timeline = MemoryTimeline.load(ROOT / timeline_path)
@@ -235,6 +236,11 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     recorded = timeline.curve().peak("allocated")[1]
     assert abs(run.peak_allocated / recorded - 1) < tolerance, (run.peak_allocated / GiB, recorded / GiB)
     assert 0 < run.gathered_at_allocated_peak < run.peak_allocated
+    # the host partition copies handed to NCCL as gather inputs are a part of the gathered bytes, and only
+    # where the partitions are on the host and there is someone to gather from
+    offloaded = case.deepspeed.offload_param != Offload.none and case.launch.ranks > 1
+    assert (run.gather_inputs_at_allocated_peak > 0) == offloaded
+    assert run.gather_inputs_at_allocated_peak <= run.gathered_at_allocated_peak
 
 
 def test_a_prefetched_gathers_host_copy_is_held_to_its_wait():
@@ -261,6 +267,9 @@ def test_a_prefetched_gathers_host_copy_is_held_to_its_wait():
     recorded = timeline.curve().peak("allocated")[1]
     run = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers)))
     assert recorded < run.peak_allocated < 1.11 * recorded, (run.peak_allocated / GiB, recorded / GiB)
+    # with every copy live at the built peak let go, the figure falls below the run's: the run lies between
+    assert run.peak_allocated - run.gather_inputs_at_allocated_peak < recorded
+    assert run.gather_inputs_at_allocated_peak > 0.6 * GiB  # 709 MiB
     alone = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers, "none")))
     assert abs(alone.peak_reserved - timeline.reserved_peak_on(0)) < 2**20  # 1.895 GiB
 
@@ -276,6 +285,12 @@ def test_the_predictor_takes_the_allocated_peak_from_the_step_stream():
     assert p.allocated != p.terms["allocated_by_terms"]
     assert 0 < p.terms["zero3_gathered_at_allocated_peak"] < p.allocated
     assert any(n.startswith("allocated: the peak of the step's stream with DeepSpeed's gathers") for n in p.notes)
+    # its parameters are on the host: a part of the peak is gather inputs NCCL may let go sooner, and the
+    # note gives the range that spans
+    inputs = p.terms["zero3_gather_inputs_at_allocated_peak"]
+    assert 0 < inputs < p.terms["zero3_gathered_at_allocated_peak"]
+    low = f"{(p.allocated - inputs) / GiB:.2f} and {p.allocated / GiB:.2f} GiB"
+    assert any("gather inputs" in n and low in n for n in p.notes)
 
 
 def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_step_stream():
@@ -338,6 +353,15 @@ def test_the_allocated_peak_is_taken_apart_into_what_was_gathered():
     stream.gathers.add(c)
     run = simulate(stream)
     assert (run.peak_allocated, run.gathered_at_allocated_peak, run.allocated_phase) == (12 * MiB, 3 * MiB, "backward")
+    assert run.gather_inputs_at_allocated_peak == 0
+    d = stream.alloc(2 * MiB)  # a gather's input, its host partition's copy: a part of what was gathered
+    stream.gathers.add(d)
+    stream.gather_inputs.add(d)
+    stream.free(d)
+    stream.alloc(1 * MiB)  # below the peak with d: the peak and its parts stay d's moment
+    run = simulate(stream)
+    assert (run.peak_allocated, run.gathered_at_allocated_peak, run.gather_inputs_at_allocated_peak) == (
+        14 * MiB, 5 * MiB, 2 * MiB)
 
 
 def test_one_replay_serves_the_gathered_figures_and_the_step_stream(monkeypatch, tmp_path):

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from harness.models.registry import Architecture
 from harness.models.source import load_model
 from harness.predict.device import overhead as device_overhead
-from harness.predict.margin import Margin, margin_for
+from harness.predict.margin import MARGIN_FLOOR, Margin, margin_for
 from harness.spec.schema import Case, Offload
 
 GiB = 2**30
@@ -485,6 +485,15 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
                      f"{stepped.allocated_phase}, {stepped.gathered_at_allocated_peak / GiB:.2f} GiB of it gathered; "
                      f"the terms' peak during {where[allocated]} was {allocated / GiB:.2f} GiB")
         allocated = stepped.peak_allocated
+        inputs = stepped.gather_inputs_at_allocated_peak
+        if inputs:
+            terms["zero3_gather_inputs_at_allocated_peak"] = inputs
+        if inputs > MARGIN_FLOOR * allocated:  # more than a peak's run-to-run noise
+            notes.append(f"allocated: {inputs / GiB:.2f} GiB of it are host partition copies handed to NCCL as gather "
+                         "inputs, held here to their gathers' waits; NCCL lets one go sooner once its watchdog "
+                         "(polling every 100 ms) has seen the gather done, so the run peaks between "
+                         f"{(allocated - inputs) / GiB:.2f} and {allocated / GiB:.2f} GiB by the host's speed; the "
+                         "figure is the upper end, a fast host's")
     else:
         notes.append("peak during " + where[allocated])
 

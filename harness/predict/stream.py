@@ -71,6 +71,9 @@ class Stream:
     # ids of the allocations another source put in (`expand`'s `between`): DeepSpeed's gathers
     # (harness.predict.zero3_stream), so the peak can be taken apart
     gathers: set[int] = field(default_factory=set)
+    # of those, the host partition copies one-parameter gathers hand NCCL as input (`zero3.GATHER_INPUT`),
+    # freed at the gather's wait where NCCL may let them go sooner
+    gather_inputs: set[int] = field(default_factory=set)
 
     def alloc(self, size: int) -> int:
         self.sizes.append(int(size))

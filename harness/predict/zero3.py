@@ -88,6 +88,9 @@ ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
 POOL_ROUNDS = 4
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
+# a one-parameter gather's input, its host partition copied to the device: NCCL holds it until the gather
+# is waited on or its watchdog, polling every 100 ms, has seen the gather done; the replay frees it at the wait
+GATHER_INPUT = "host partition copied to the device as a gather's input"
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ class _Handle:
     def __init__(self, params, ledger: _Ledger, status, flats: list[int] | None = None, staging: int = 0):
         self.params, self.ledger, self.status = params, ledger, status
         self.flats = flats or []  # the ledger's ids of the flat buffers (one per dtype)
-        self.staging = ledger.alloc(staging, "host partition copied to the device")
+        self.staging = ledger.alloc(staging, GATHER_INPUT)
         self.pending = len(params)
         self.done = False
 

@@ -137,6 +137,8 @@ class OnePoolRun:
     phase_ends: list[tuple[str, int]]  # reserved at the end of each marked phase
     allocated_phase: str = ""  # the phase of the allocated peak
     gathered_at_allocated_peak: int = 0  # bytes of DeepSpeed's gathers live at the allocated peak
+    # of those, host partition copies handed to NCCL as gather inputs (`Stream.gather_inputs`), held to their waits
+    gather_inputs_at_allocated_peak: int = 0
 
 
 def applies(case: Case) -> bool:
@@ -453,6 +455,8 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
         if item.kind == "alloc":
             ids[item.id] = stream.alloc(item.nbytes)
             stream.gathers.add(ids[item.id])
+            if item.what == zero3.GATHER_INPUT:
+                stream.gather_inputs.add(ids[item.id])
         else:
             stream.free(ids.pop(item.id))
 
@@ -509,6 +513,7 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
     phase_ends: list[tuple[str, int]] = []
     peak, peak_at = -1, 0
     gathered, most, most_at, most_gathered = 0, -1, 0, 0  # the gathers' live bytes; the allocated peak's
+    inputs = most_inputs = 0  # the same of the gathers' host partition copies
     for i, op in enumerate(stream.ops):
         if op is EMPTY_CACHE:
             sim.empty_cache()
@@ -516,15 +521,17 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
             blocks[op] = block = sim.malloc(stream.sizes[op])
             if block is not None and op in stream.gathers:
                 gathered += block.size
+                inputs += block.size if op in stream.gather_inputs else 0
             if sim.stats.reserved > peak:
                 peak, peak_at = sim.stats.reserved, i
             if sim.stats.allocated > most:
-                most, most_at, most_gathered = sim.stats.allocated, i, gathered
+                most, most_at, most_gathered, most_inputs = sim.stats.allocated, i, gathered, inputs
         else:
             block = blocks.pop(-op - 1, None)
             if block is not None:
                 if -op - 1 in stream.gathers:
                     gathered -= block.size  # before the free: a freed block merges with its free neighbours
+                    inputs -= block.size if -op - 1 in stream.gather_inputs else 0
                 sim.free(block)
         while len(phase_ends) < len(ends) and i == ends[len(phase_ends)] - 1:
             phase_ends.append((stream.phases[len(phase_ends)][0], sim.stats.reserved))
@@ -532,7 +539,7 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
         return next((name for name, start in reversed(stream.phases) if start <= at), "load")
 
     return OnePoolRun(max(peak, 0), sim.stats.peak_allocated, phase(peak_at), phase_ends, phase(most_at),
-                      most_gathered)
+                      most_gathered, most_inputs)
 
 
 @functools.lru_cache(maxsize=16)
