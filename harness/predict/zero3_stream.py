@@ -54,7 +54,7 @@ and `offload_param`: `_full_offload_engine`'s load and engine, then the micro-st
 **The step's allocated peak** (`harness.predict.predictor`): for every config above, `build` with the
 gathers placed (`spread`) is the step with the model's allocations and DeepSpeed's on one timeline,
 whatever stream the gathers run on; `simulate` gives its allocated peak and what of it was gathered
-(`Stream.gathers`). On nine recorded timelines of such configs it lands within -0.4 to +0.2 % of the
+(`Stream.gathers`). On eleven recorded timelines of such configs it lands within -0.4 to +0.2 % of the
 recorded allocated peak, where the most gathered and the activations each at its own peak gave up to
 +5 % (guide 000 non-reentrant) and +11 % (Llama-3.1-8B's LoRA with parameter offload); on guide 002's
 +1.7 %, and on Qwen2.5-1.5B's full fine-tune with parameter offload +10.3 %: the replay frees a
@@ -157,9 +157,10 @@ def applies_offload_one_pool(case: Case) -> bool:
     `ds_z3_offload_config.json`): the gathers and their host partition copies share the model's pool, and
     the step is built with `_lora_offload_engine`'s load and engine. Its allocated peak is the stream's
     (guide 000's non-reentrant fix with this config: 5.42 / 5.43 GiB against 5.44 / 5.45 measured at 4 / 8
-    layers); its reserve is not: built, 6.66 / 5.91 against 6.41 to 6.66 / 6.22 to 6.42 measured, the
-    ranks 0.2 GiB apart from run to run (the host partition copies go at NCCL's watchdog poll), and -8 %
-    at 8 layers would let the run through its margin."""
+    layers); its reserve is not: built, 6.66 / 5.91 against 6.41 to 6.66 / 6.22 to 6.42 measured (the
+    ranks 0.2 GiB apart, each the same to the MiB in a second run), and -8 % at 8 layers would let the
+    run through its margin. Which transients take a segment of their own turns on where each chunk's hook
+    events fall among its allocations, which the trace does not record (docs/predictor.md)."""
     from harness.predict.step import zero_init
 
     ds = case.deepspeed
