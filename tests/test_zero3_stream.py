@@ -313,11 +313,12 @@ def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_ste
     assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in p.notes)
 
 
-def test_offloaded_parameters_without_overlap_comm_take_allocated_from_one_pool_not_reserved():
+def test_offloaded_parameters_without_overlap_comm_take_both_figures_from_one_pool():
     """LLaMA-Factory's ZeRO-3 offload config (`overlap_comm: false` with parameter offload): allocated from
     the one-pool step stream (guide 000's non-reentrant fix, 5.44 / 5.45 GiB measured at 4 / 8 layers; the
-    terms' sum gave 5.70), reserved still from the ratio, above every rank measured (6.41 to 6.66 GiB):
-    the built one-pool reserve, 5.91 at 8 layers, is below them."""
+    terms' sum gave 5.70) and reserved from the one pool with the gathers where the trace recorded the hooks
+    firing: 6.56 / 6.57 GiB against the worst rank's 6.66 / 6.42 (the ratio and the cached gathers gave 8.44,
+    +27 / +32 %), within the margin's reach of every rank measured."""
     from harness.predict.predictor import predict
     from harness.predict.zero3_stream import applies, applies_offload_one_pool
     from harness.spec.cases import load_case
@@ -326,12 +327,57 @@ def test_offloaded_parameters_without_overlap_comm_take_allocated_from_one_pool_
     assert applies_offload_one_pool(case) and not applies(case)
     overlapping = load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")
     assert not applies_offload_one_pool(overlapping)
-    for variant, measured in (("2r4L2ga", 5.441), ("2r8L2ga", 5.447)):
+    for variant, allocated, ranks in (("2r4L2ga", 5.441, (6.406, 6.656)), ("2r8L2ga", 5.447, (6.422, 6.223))):
         p = predict(case, variant=variant)
-        assert abs(p.allocated / (measured * GiB) - 1) < 0.01
-        assert p.terms["allocated_by_terms"] > 1.04 * measured * GiB
-        assert p.reserved > 6.66 * GiB
-        assert any(n.startswith("reserved: allocated x reserved_over_allocated") for n in p.notes)
+        assert abs(p.allocated / (allocated * GiB) - 1) < 0.01
+        assert p.terms["allocated_by_terms"] > 1.04 * allocated * GiB
+        assert abs(p.reserved / (max(ranks) * GiB) - 1) < 0.03, (p.reserved / GiB, ranks)
+        assert p.reserved * (1 + p.margin.fraction) > max(ranks) * GiB
+        assert any(n.startswith("reserved: the allocator model over") and "in the model's pool" in n for n in p.notes)
+
+
+def test_the_gathers_go_where_the_trace_recorded_the_hooks_firing():
+    """The 2-layer trace of a ZeRO-3 case records where DeepSpeed's own hooks fire among its allocations;
+    every chunk's replayed hook events are found there, in order, and placed so. Guide 000's non-reentrant
+    fix with `overlap_comm: false` then makes its reserve as rank 0 did, at 4 and 8 layers (recorded 6.406 /
+    6.422 GiB, the same segments in the same phases), where spread evenly over each chunk the hook events
+    made 6.66 / 5.91."""
+    from harness.measure.timeline import MemoryTimeline
+    from harness.models.source import load_model
+    from harness.predict import zero3_stream
+    from harness.predict.allocator import AllocatorConf
+    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.spec.cases import load_case
+    from harness.spec.variants import parse_variant
+
+    found = []
+    original = zero3_stream._positions
+
+    def positions(pieces, marks, n):
+        found.append(original(pieces, marks, n) is not None)
+        return found[-1] and original(pieces, marks, n)
+
+    for variant in ("2r4L2ga", "2r8L2ga"):
+        timeline = MemoryTimeline.load(ROOT / "results/timelines/nvidia-h200-x2/"
+                                       f"000-lora-z3-offload-cutoff1024-ga16-nonreentrant-no-overlap@{variant}.json.gz")
+        case = parse_variant(variant).apply(
+            load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant-no-overlap.yaml"))
+        arch = load_model(case.model)
+        r1, r2 = trace_pair(TraceSpec.of(case, arch))
+        assert r2.hooks and not r1.hooks  # recorded at 2 layers, where the chunks of layer 0 and 1 are
+        overlapping = parse_variant(variant).apply(
+            load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"))
+        assert not TraceSpec.of(overlapping, arch).zero3_hook_positions  # recorded only where they are used
+        found.clear()
+        zero3_stream._positions = positions
+        try:
+            shape = zero3_stream.OnePoolShape.of(case, arch, case.layers, "recorded")
+            run = zero3_stream.simulate(zero3_stream.build(r1, r2, shape), AllocatorConf.parse(shape.alloc_conf, "x"))
+        finally:
+            zero3_stream._positions = original
+        assert found and all(found)
+        recorded = timeline.curve().peak("reserved")[1]
+        assert abs(run.peak_reserved / recorded - 1) < 0.03, (run.peak_reserved / GiB, recorded / GiB)
 
 
 def test_the_allocated_peak_is_taken_apart_into_what_was_gathered():

@@ -792,8 +792,13 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         # collections during the step and the one after it look at the step's objects only: a full
         # collection over torch's and transformers' objects takes about a second.
         gc.freeze()
+        hooks: list[list] = []
+        placed = contextlib.nullcontext()
+        if spec.zero3_hook_positions and layers == 2:  # where DeepSpeed's hooks fire among the step's events
+            from harness.predict.zero3_hook_calls import positions
+            placed = positions(model, lambda: (len(tracker._log or ()), int(tracker.backward)), hooks)
         try:
-            with tracker, _layer_tags(model, tracker, layers):
+            with tracker, _layer_tags(model, tracker, layers), placed:
                 tracker.start_log()
                 ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
                 base = tracker.current()
@@ -817,7 +822,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
             gc.unfreeze()
     return TraceResult(layers=layers, peak=peak, held_after_forward=held, logits=logits, params=info,
                        seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
-                       grads=tracker.grads, matmuls=list(tracker.matmuls),
+                       grads=tracker.grads, matmuls=list(tracker.matmuls), hooks=hooks,
                        attention=attention_of(model), attention_note="; ".join(notes))
 
 

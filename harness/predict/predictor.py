@@ -301,16 +301,25 @@ def _zero3_gather_pool(case: Case, gathered, conf) -> int | None:
 
 
 def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, conf, notes: list[str]):
-    """ZeRO-3 with `overlap_comm: false` (harness.predict.zero3_stream.applies), under the native allocator
-    without expandable segments: the allocator model's figures over the one-pool stream; None elsewhere.
-    The optimizer is on the host and its reduce path runs on the default stream too (MiBs for LoRA): no
-    gather stream, reduce stream or fp32 gradient segment is added beside it."""
+    """ZeRO-3 with `overlap_comm: false` (harness.predict.zero3_stream.applies, and `applies_offload_one_pool`
+    with the parameters on the host), under the native allocator without expandable segments: the allocator
+    model's figures over the one-pool stream; None elsewhere. The optimizer is on the host and its reduce path
+    runs on the default stream too (MiBs for LoRA): no gather stream, reduce stream or fp32 gradient segment
+    is added beside it. With the parameters on the host the coordinator's gathers are put where the trace
+    recorded DeepSpeed's hooks firing (placement "recorded"): guide 000's non-reentrant fix reserves 6.56 /
+    6.57 GiB built so at 4 / 8 layers, its ranks 6.41 and 6.66 / 6.42 and 6.22 measured; spread evenly over
+    each chunk, 6.66 / 5.91."""
     from harness.predict import zero3_stream
 
-    if not zero3_stream.applies(case) or conf.backend != "native" or conf.expandable_segments:
+    if conf.backend != "native" or conf.expandable_segments:
         return None
-    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers),
-                                   "the one-pool stream", "the ratio", notes)
+    if zero3_stream.applies(case):
+        shape = zero3_stream.OnePoolShape.of(case, arch, layers)
+    elif zero3_stream.applies_offload_one_pool(case):  # which transients take a segment of their own turns on
+        shape = zero3_stream.OnePoolShape.of(case, arch, layers, "recorded")  # where the hooks fire
+    else:
+        return None
+    return _zero3_stream_simulated(trace_spec, shape, "the one-pool stream", "the ratio", notes)
 
 
 def _zero3_model_stream(case: Case, arch: Architecture, layers: int, trace_spec, notes: list[str]):
@@ -338,13 +347,17 @@ def _zero3_step_stream(case: Case, arch: Architecture, layers: int, trace_spec, 
     """A ZeRO-3 config whose step is built as one stream (harness.predict.zero3_stream: `applies`,
     `applies_model_stream`, `applies_offload_model_stream`): the allocator model over that stream with
     the coordinator's gathers put among the model's allocations (each layer's hook events spread over its
-    chunk), whatever stream they run on; its allocated peak counts the gathered bytes and the
-    activations each as they are at that moment. None elsewhere, or where it cannot be built."""
+    chunk; for `applies_offload_one_pool`, where the trace recorded them), whatever stream they run on; its
+    allocated peak counts the gathered bytes and the activations each as they are at that moment. None
+    elsewhere, or where it cannot be built."""
     from harness.predict import zero3_stream
 
     if not _zero3_step_stream_applies(case):
         return None
-    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers),
+    # with the parameters offloaded and no overlap_comm the one stream gives the reserve too, its gathers
+    # where the trace recorded the hooks firing (`_zero3_one_pool`): one stream for both
+    placement = "recorded" if zero3_stream.applies_offload_one_pool(case) else "spread"
+    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, placement),
                                    "the step's stream with the gathers", "the terms' peak", notes, "allocated")
 
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from harness.models.registry import Architecture
-from harness.spec.schema import Case, Stack
+from harness.spec.schema import Case, Offload, Stack
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class TraceSpec:
     attn_implementation: str | None = None  # the case's `train.attn_implementation`; None: transformers' default
     # ZeRO-3: DeepSpeed replaces torch.nn.functional.linear with LinearFunctionForZeroStage3 (zero_linear)
     zero3_linear: bool = False
+    # ZeRO-3 without overlap_comm, the parameters on the host: the 2-layer trace records where DeepSpeed's
+    # hooks fire (`TraceResult.hooks`), which that config's one-pool reserve places the gathers by
+    zero3_hook_positions: bool = False
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> TraceSpec:
@@ -61,6 +64,8 @@ class TraceSpec:
             engine_casts=ds is not None and not zero_init(case),
             attn_implementation=case.train.attn_implementation,
             zero3_linear=ds is not None and ds.stage == 3,
+            zero3_hook_positions=(ds is not None and ds.stage == 3 and not ds.overlap_comm
+                                  and ds.offload_param != Offload.none),
         )
 
 
@@ -119,6 +124,10 @@ class TraceResult:
     # phase's first cuBLAS call takes its thread's handle, whose workspace follows that matmul's output
     # (-1: none seen)
     matmuls: list[int] = field(default_factory=list)
+    # at 2 layers where `TraceSpec.zero3_hook_positions`: where DeepSpeed's hooks fire among `events`, [events
+    # logged before it, in backward, event, module name] (harness.predict.zero3_hook_calls.positions; the events
+    # as harness.predict.zero3_order numbers them)
+    hooks: list[list] = field(default_factory=list)
     attention: str = ""  # the attention implementation the traced model dispatched through
     attention_note: str = ""  # how it came to, where the local transformers refused the case's
 

@@ -89,7 +89,7 @@ def _code_key() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("step.py", "trace.py", "fake.py"):
+    for name in ("step.py", "trace.py", "fake.py", "zero3_hook_calls.py"):
         h.update((here / name).read_bytes())
     for lib in _LIBS:
         try:

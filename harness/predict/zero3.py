@@ -632,7 +632,7 @@ def _code_key() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py"):
+    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py", "zero3_hook_calls.py"):
         h.update((here / name).read_bytes())
     try:
         h.update(f"deepspeed={md.version('deepspeed')}".encode())

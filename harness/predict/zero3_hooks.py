@@ -30,10 +30,13 @@ the trace spec, this code and the libraries' versions (`harness.predict.zero3`).
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 from dataclasses import dataclass
 
-from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, Module, Step
+from harness.predict.zero3_hook_calls import Recorder, hooked
+from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, Module, Step
 
 RECORDED_LAYERS = 2  # layer 0, and layer 1 standing for every later one
 # the hooks fire per module call, whatever the batch: one sequence this long is recorded for every shape of
@@ -64,63 +67,20 @@ class HookLog:
         return cls(tuple((int(e), str(n)) for e, n in d["events"]), str(d["stack"]))
 
 
-class _Recorder:
-    """Stands in for DeepSpeed's `PartitionedParameterCoordinator`: every call DeepSpeed's hooks make on it
-    is written down, nothing is gathered."""
-
-    def __init__(self, names: dict[int, str]):
-        self.names = names
-        self.events: list[tuple[int, str]] = []
-
-    def _note(self, event: int, module) -> None:
-        self.events.append((event, self.names[id(module)]))
-
-    def fetch_sub_module(self, module, forward: bool) -> None:
-        self._note(FWD_PRE if forward else BWD_PRE, module)
-
-    def release_sub_module(self, module, forward: bool = False) -> None:
-        self._note(FWD_POST if forward else BWD_POST, module)
-
-    def trace_prologue(self, module) -> None:
-        pass
-
-    def is_record_trace(self) -> bool:
-        return False
-
-    def is_invalid_trace(self) -> bool:
-        return True
-
-    def reset_step(self) -> None:
-        pass
-
-
-def _hooked(model, recorder: _Recorder) -> None:
-    """DeepSpeed's own ZeRO-3 hook registration on `model`, driving `recorder`."""
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-
-    offload = object.__new__(DeepSpeedZeRoOffload)  # only the hook methods are used: no partitioning
-    offload.module, offload.param_coordinator, offload.zenflow = model, recorder, False
-    offload.forward_hooks, offload.backward_hooks = [], []
-    offload.setup_zero_stage3_hooks()
-
-
 def record(trace_spec) -> HookLog:
     """The hook events of one training step of the case's model (two decoder layers), as DeepSpeed's hooks
     fire them (`harness.predict.zero3` keeps them on disk)."""
-    import contextlib
-    import sys
-
     from harness.predict.fake import _decoder_stack, fake_step
 
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time logging (see zero3._deepspeed)
         from deepspeed.runtime.zero import parameter_offload
-    recorder = _Recorder({})
+    recorder = Recorder({})
     stack = [""]
 
     def prepare(model) -> None:
         recorder.names.update({id(m): name or "root" for name, m in model.named_modules()})
         stack[0] = _decoder_stack(model, RECORDED_LAYERS)
-        _hooked(model, recorder)
+        hooked(model, recorder)
 
     modules_stack = list(parameter_offload.FWD_MODULE_STACK)
     try:

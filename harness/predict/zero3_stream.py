@@ -61,20 +61,26 @@ recorded allocated peak, where the most gathered and the activations each at its
 gather's host partition copy at its wait, where NCCL let the copies of prefetched gathers go sooner
 (docs/predictor.md, "Known limits").
 
-The trace tags its allocations by decoder layer and pass, not by module, so where inside a layer's
-chunk each module's hooks fire is not known: `build` spreads a chunk's hook events evenly over its
-allocations and frees (each hook's gathers before the allocations that follow it). The reserved figure
-depends on that placement (`benchmarks/bench_zero3_one_pool.py`): on the recorded 4-layer run the
-model's pool alone is built to 2 MiB (23.611 against 23.609 GiB, every phase within 10 MiB), and with
-the gathers in it the built peak is 30.61 GiB spread evenly, 29.77 with each chunk's hook events at
-its start and 28.31 at its end (recorded 29.77).
+The trace tags its allocations by decoder layer and pass, not by module. Where inside a layer's chunk
+each module's hooks fire is recorded by the 2-layer trace of a config with its parameters on the host and
+no `overlap_comm` (`TraceResult.hooks`), and `build` with placement `recorded` puts each chunk's hook
+events there (`_recorded_marks`, `_positions`); elsewhere, and where a chunk's recorded hook events are
+not the replayed ones, it spreads them evenly over the chunk's allocations and frees (each hook's gathers
+before the allocations that follow it). The reserved figure depends on that placement
+(`benchmarks/bench_zero3_one_pool.py`): on fit's recorded 4-layer run the model's pool alone is built to
+2 MiB (23.611 against 23.609 GiB, every phase within 10 MiB), and with the gathers in it the built peak
+is 30.61 GiB spread evenly, 29.77 with each chunk's hook events at its start and 28.31 at its end
+(recorded 29.77). On guide 000's non-reentrant fix with its parameters offloaded, spread gives 6.66 / 5.91
+GiB at 4 / 8 layers and recorded 6.56 / 6.57, where rank 0 made 6.41 / 6.42 and the worst rank 6.66 / 6.42.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
@@ -91,7 +97,9 @@ MICRO_STEPS = 4  # two optimizer steps of two micro-steps, as the recorded runs 
 # allocations; the recorded streams peak in the first backward (guide 000, Mistral-7B) or the second (rung 4)
 OFFLOAD_MICRO_STEPS = 2
 FP32_BYTES = 4
-PLACEMENTS = ("spread", "start", "end", "none")  # of a layer chunk's hook events; none: no gathers
+# of a layer chunk's hook events: where the trace recorded DeepSpeed's hooks firing (else spread), evenly
+# spread, all at the chunk's start, all at its end; none: no gathers
+PLACEMENTS = ("recorded", "spread", "start", "end", "none")
 
 
 @dataclass(frozen=True)
@@ -155,12 +163,12 @@ def applies(case: Case) -> bool:
 def applies_offload_one_pool(case: Case) -> bool:
     """`applies`, but with the parameters on the host and the model built under zero.Init (LLaMA-Factory's
     `ds_z3_offload_config.json`): the gathers and their host partition copies share the model's pool, and
-    the step is built with `_lora_offload_engine`'s load and engine. Its allocated peak is the stream's
-    (guide 000's non-reentrant fix with this config: 5.42 / 5.43 GiB against 5.44 / 5.45 measured at 4 / 8
-    layers); its reserve is not: built, 6.66 / 5.91 against 6.41 to 6.66 / 6.22 to 6.42 measured (the
-    ranks 0.2 GiB apart, each the same to the MiB in a second run), and -8 % at 8 layers would let the
-    run through its margin. Which transients take a segment of their own turns on where each chunk's hook
-    events fall among its allocations, which the trace does not record (docs/predictor.md)."""
+    the step is built with `_lora_offload_engine`'s load and engine, its gathers where the trace recorded
+    the hooks firing (placement `recorded`). Both its figures are that stream's: guide 000's non-reentrant
+    fix with this config, allocated 5.44 / 5.46 GiB against 5.44 / 5.45 measured at 4 / 8 layers, reserved
+    6.56 / 6.57 against the worst rank's 6.66 / 6.42 (the ranks 0.2 GiB apart, each the same to the MiB in
+    a second run). Spread evenly, the reserve is 6.66 / 5.91: which transients take a segment of their own
+    turns on where each chunk's hook events fall among its allocations."""
     from harness.predict.step import zero_init
 
     ds = case.deepspeed
@@ -417,6 +425,76 @@ def _device_step(stream: Stream, partitions: list[int], groups: list[int], half:
         stream.free(grad)
 
 
+@functools.lru_cache(maxsize=16384)  # the same names in every replayed step
+def _norm(name: str) -> str:
+    """A module name with its indices dropped: a decoder layer's modules at full depth against the
+    traced layer standing for them."""
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+
+def _recorded_marks(r2) -> dict[tuple[int, int], list[list[tuple[int, str, str]]]]:
+    """Where the 2-layer trace recorded DeepSpeed's hooks firing (`TraceResult.hooks`), grouped as `_groups`
+    groups a replayed step's hook events: (pass, layer) -> for each group of that key in order, its events
+    as (position in the trace's chunk of that key, event name, module name without indices). A position
+    outside that chunk is clamped to its ends; a key's k-th group takes the k-th chunk of that key."""
+    from harness.predict.fake import _layer_index
+    from harness.predict.stream import _chunks
+    from harness.predict.zero3_order import EVENT_NAMES
+
+    if not r2.hooks:
+        return {}
+    runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    start = 0
+    for phase, layer, evs in _chunks(r2.events):
+        runs.setdefault((phase, layer), []).append((start, len(evs)))
+        start += len(evs)
+    stack = next((m.group(1) for _, _, _, name in r2.hooks
+                  if (m := re.match(r"(.*)\.1$", name)) and f"{m.group(1)}.0" in {n for *_, n in r2.hooks}), "")
+    groups: list[tuple[tuple[int, int], list]] = []
+    seen = {False: False, True: False}
+    for at, backward, event, name in r2.hooks:
+        backward = bool(backward)
+        layer = _layer_index(name, stack)
+        if layer is not None:
+            seen[backward] = True
+        elif backward:
+            layer = LAYER_PRE if seen[True] else LAYER_POST
+        else:
+            layer = LAYER_POST if seen[False] else LAYER_PRE
+        key = (BACKWARD if backward else FORWARD, layer)
+        if not groups or groups[-1][0] != key:
+            groups.append((key, []))
+        groups[-1][1].append((at, EVENT_NAMES[event], _norm(name)))
+    out: dict[tuple[int, int], list[list[tuple[int, str, str]]]] = {}
+    for key, marks in groups:
+        k = len(out.setdefault(key, []))
+        chunk = runs.get(key, [])
+        first, n = chunk[min(k, len(chunk) - 1)] if chunk else (0, 0)
+        out[key].append([(min(max(at - first, 0), n), event, name) for at, event, name in marks])
+    return out
+
+
+def _positions(pieces: list[list], marks: list[tuple[int, str, str]] | None, n: int) -> list[int] | None:
+    """The position in its chunk (events before it) of each piece's hook event, where the trace recorded the
+    same hook events in the same order (`_recorded_marks`); a piece after the last hook event at the end.
+    None where they differ."""
+    from harness.predict.zero3 import HookEvent
+
+    hooked = [p[-1] for p in pieces if p and isinstance(p[-1], HookEvent)]
+    if marks is None or len(hooked) != len(marks) or any(  # a decoder layer is named apart from its stack
+            h.event != e or not (_norm(h.module).endswith(m) or m.endswith(_norm(h.module)))
+            for h, (_, e, m) in zip(hooked, marks, strict=True)):
+        return None
+    out, it, last = [], iter(marks), 0
+    for piece in pieces:
+        if piece and isinstance(piece[-1], HookEvent):
+            last = max(last, next(it)[0])
+            out.append(last)
+        else:
+            out.append(n)
+    return out
+
+
 def step_spec(shape: OnePoolShape):
     """The replay's settings a shape's build runs the coordinator under."""
     from harness.predict import zero3
@@ -448,6 +526,7 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     else:
         _lora_engine(stream, params, half, ranks, shape.ipg_bucket, spec.persistence_threshold)
 
+    marks = _recorded_marks(r2) if shape.placement == "recorded" and layers > 1 else {}
     ids: dict[int, int] = {}
 
     def put(item) -> None:
@@ -464,8 +543,10 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     for step, items in enumerate(steps[:shape.micro_steps]):
         queue = _groups(items)
         active: dict[tuple[int, int], list] = {}
+        taken: dict[tuple[int, int], int] = {}  # groups of recorded marks taken so far, by the traced chunk's key
 
-        def between(phase: int, layer: int, i: int, n: int, queue=queue, active=active, step=step) -> None:
+        def between(phase: int, layer: int, i: int, n: int, queue=queue, active=active, step=step,
+                    taken=taken) -> None:
             key = (phase, layer)
             if phase == BACKWARD and stream.phases[-1][0] != "backward":
                 stream.mark("backward")
@@ -477,13 +558,20 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
                             for item in piece:
                                 put(item)
                     pieces = queue.pop(0)[2]
-                active[key] = [pieces, 0]
+                traced = (phase, layer if layer in (LAYER_PRE, LAYER_POST) else min(layer, 1))
+                k = taken[traced] = taken.get(traced, -1) + (0 if traced[1] == 1 and traced in taken else 1)
+                groups = marks.get(traced, [])
+                active[key] = [pieces, 0, _positions(pieces, groups[k] if k < len(groups) else None, n)
+                               if marks else None]
                 if step == 0 and key == (FORWARD, 0):  # the first matmul: the forward thread's cuBLAS handle
                     stream.alloc(CUBLAS_HANDLE_WORKSPACE)
-            pieces, done = active[key]
+            pieces, done, positions = active[key]
             h = len(pieces)
-            want = (h if i >= n or shape.placement == "start" else 0 if shape.placement == "end"
-                    else min(h, i * h // max(n, 1) + 1))
+            if positions is not None:  # each hook event where the trace recorded it
+                want = h if i >= n else bisect.bisect_right(positions, i)  # the positions never fall
+            else:
+                want = (h if i >= n or shape.placement == "start" else 0 if shape.placement == "end"
+                        else min(h, i * h // max(n, 1) + 1))
             for piece in pieces[done:want]:
                 for item in piece:
                     put(item)
