@@ -311,14 +311,10 @@ def _zero3_one_pool(case: Case, arch: Architecture, layers: int, trace_spec, con
     each chunk, 6.66 / 5.91."""
     from harness.predict import zero3_stream
 
-    if conf.backend != "native" or conf.expandable_segments:
+    if (not (zero3_stream.applies(case) or zero3_stream.applies_offload_one_pool(case))
+            or conf.backend != "native" or conf.expandable_segments):
         return None
-    if zero3_stream.applies(case):
-        shape = zero3_stream.OnePoolShape.of(case, arch, layers)
-    elif zero3_stream.applies_offload_one_pool(case):  # which transients take a segment of their own turns on
-        shape = zero3_stream.OnePoolShape.of(case, arch, layers, "recorded")  # where the hooks fire
-    else:
-        return None
+    shape = zero3_stream.OnePoolShape.of(case, arch, layers, zero3_stream.placement_for(case))
     return _zero3_stream_simulated(trace_spec, shape, "the one-pool stream", "the ratio", notes)
 
 
@@ -354,10 +350,9 @@ def _zero3_step_stream(case: Case, arch: Architecture, layers: int, trace_spec, 
 
     if not _zero3_step_stream_applies(case):
         return None
-    # with the parameters offloaded and no overlap_comm the one stream gives the reserve too, its gathers
-    # where the trace recorded the hooks firing (`_zero3_one_pool`): one stream for both
-    placement = "recorded" if zero3_stream.applies_offload_one_pool(case) else "spread"
-    return _zero3_stream_simulated(trace_spec, zero3_stream.OnePoolShape.of(case, arch, layers, placement),
+    # the same shape as `_zero3_one_pool`'s where both apply: one stream for both figures
+    shape = zero3_stream.OnePoolShape.of(case, arch, layers, zero3_stream.placement_for(case))
+    return _zero3_stream_simulated(trace_spec, shape,
                                    "the step's stream with the gathers", "the terms' peak", notes, "allocated")
 
 

@@ -59,23 +59,32 @@ class _Positions(Recorder):
 
 
 @contextlib.contextmanager
+def module_stack_kept():
+    """DeepSpeed keeps the modules whose forward runs in a global list (`FWD_MODULE_STACK`): a step run with
+    its hooks leaves it as it was."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time logging (see zero3._deepspeed)
+        from deepspeed.runtime.zero import parameter_offload
+    saved = list(parameter_offload.FWD_MODULE_STACK)
+    try:
+        yield
+    finally:
+        parameter_offload.FWD_MODULE_STACK[:] = saved
+
+
+@contextlib.contextmanager
 def positions(model, where, out: list):
     """While the trace runs a step of `model`, DeepSpeed's own hooks on it append `[position, backward, event,
     module name]` to `out` for every event, `position, backward` what `where()` gives then (the allocation
     log's length, whether the backward has begun):
     where among the step's allocations and frees each hook fires, which the coordinator's gathers of a
     replayed step are placed by (`harness.predict.zero3_stream`, placement "recorded")."""
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time logging (see zero3._deepspeed)
-        from deepspeed.runtime.zero import parameter_offload
-    modules_stack = list(parameter_offload.FWD_MODULE_STACK)
-    recorder = _Positions({id(m): name or "root" for name, m in model.named_modules()}, where, out)
-    handles = hooked(model, recorder)
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        parameter_offload.FWD_MODULE_STACK[:] = modules_stack
+    with module_stack_kept():
+        handles = hooked(model, _Positions({id(m): name or "root" for name, m in model.named_modules()}, where, out))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def hooked(model, recorder: Recorder) -> list:

@@ -30,12 +30,10 @@ the trace spec, this code and the libraries' versions (`harness.predict.zero3`).
 
 from __future__ import annotations
 
-import contextlib
 import re
-import sys
 from dataclasses import dataclass
 
-from harness.predict.zero3_hook_calls import Recorder, hooked
+from harness.predict.zero3_hook_calls import Recorder, hooked, module_stack_kept
 from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, Module, Step
 
 RECORDED_LAYERS = 2  # layer 0, and layer 1 standing for every later one
@@ -72,8 +70,6 @@ def record(trace_spec) -> HookLog:
     fire them (`harness.predict.zero3` keeps them on disk)."""
     from harness.predict.fake import _decoder_stack, fake_step
 
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time logging (see zero3._deepspeed)
-        from deepspeed.runtime.zero import parameter_offload
     recorder = Recorder({})
     stack = [""]
 
@@ -82,11 +78,8 @@ def record(trace_spec) -> HookLog:
         stack[0] = _decoder_stack(model, RECORDED_LAYERS)
         hooked(model, recorder)
 
-    modules_stack = list(parameter_offload.FWD_MODULE_STACK)
-    try:
+    with module_stack_kept():
         fake_step(trace_spec, RECORDED_LAYERS, prepare)
-    finally:  # DeepSpeed keeps the modules whose forward runs in a global list: leave it as it was
-        parameter_offload.FWD_MODULE_STACK[:] = modules_stack
     events = recorder.events
     first_backward = next((i for i, (e, _) in enumerate(events) if e in (BWD_PRE, BWD_POST)), None)
     if first_backward is None or not stack[0]:

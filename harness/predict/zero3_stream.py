@@ -177,6 +177,14 @@ def applies_offload_one_pool(case: Case) -> bool:
             and case.method.quantization is None)
 
 
+def placement_for(case: Case) -> str:
+    """Where a case's step stream puts each chunk's hook events: where the trace recorded them for
+    `applies_offload_one_pool` (whose reserve turns on it; both its figures come from that stream), spread
+    evenly elsewhere (guide 002's allocated peak, placed where recorded, falls under its runs:
+    docs/predictor.md, "Where the hooks fire")."""
+    return "recorded" if applies_offload_one_pool(case) else "spread"
+
+
 def applies_model_stream(case: Case) -> bool:
     """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`), a full fine-tune of a
     half-precision model with its parameters on the device and the optimizer on the host or the device: the
@@ -186,6 +194,19 @@ def applies_model_stream(case: Case) -> bool:
     ds = case.deepspeed
     return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param != Offload.cpu
             and case.method.kind == "full" and case.method.quantization is None)
+
+
+def _chunk_of(backward: bool, layer: int | None, seen: dict[bool, bool]) -> tuple[int, int]:
+    """The (pass, layer) chunk a hook event falls in: its module's decoder layer, else LAYER_PRE or
+    LAYER_POST by which side of the layers it fires, `seen` saying whether a layer's event has come yet in
+    each pass (updated here)."""
+    if layer is not None:
+        seen[backward] = True
+    elif backward:
+        layer = LAYER_PRE if seen[True] else LAYER_POST
+    else:
+        layer = LAYER_POST if seen[False] else LAYER_PRE
+    return (BACKWARD if backward else FORWARD), layer
 
 
 def _groups(items: list) -> list[tuple[int, int, list[list]]]:
@@ -201,14 +222,7 @@ def _groups(items: list) -> list[tuple[int, int, list[list]]]:
         if not isinstance(item, HookEvent):
             pending.append(item)
             continue
-        phase = BACKWARD if item.backward else FORWARD
-        if item.layer is not None:
-            seen[item.backward] = True
-            layer = item.layer
-        elif item.backward:
-            layer = LAYER_PRE if seen[True] else LAYER_POST
-        else:
-            layer = LAYER_POST if seen[False] else LAYER_PRE
+        phase, layer = _chunk_of(item.backward, item.layer, seen)
         if not out or out[-1][:2] != (phase, layer):
             out.append((phase, layer, []))
         out[-1][2].append([*pending, item])
@@ -448,20 +462,15 @@ def _recorded_marks(r2) -> dict[tuple[int, int], list[list[tuple[int, str, str]]
     for phase, layer, evs in _chunks(r2.events):
         runs.setdefault((phase, layer), []).append((start, len(evs)))
         start += len(evs)
-    stack = next((m.group(1) for _, _, _, name in r2.hooks
-                  if (m := re.match(r"(.*)\.1$", name)) and f"{m.group(1)}.0" in {n for *_, n in r2.hooks}), "")
+    # the decoder layers' list: the outermost module list with both a .0 and a .1 (an MoE layer's experts
+    # are one inside it)
+    names = {name for *_, name in r2.hooks}
+    stack = min((m.group(1) for name in names if (m := re.match(r"(.*)\.1$", name)) and f"{m.group(1)}.0" in names),
+                key=lambda n: (len(n), n), default="")
     groups: list[tuple[tuple[int, int], list]] = []
     seen = {False: False, True: False}
     for at, backward, event, name in r2.hooks:
-        backward = bool(backward)
-        layer = _layer_index(name, stack)
-        if layer is not None:
-            seen[backward] = True
-        elif backward:
-            layer = LAYER_PRE if seen[True] else LAYER_POST
-        else:
-            layer = LAYER_POST if seen[False] else LAYER_PRE
-        key = (BACKWARD if backward else FORWARD, layer)
+        key = _chunk_of(bool(backward), _layer_index(name, stack), seen)
         if not groups or groups[-1][0] != key:
             groups.append((key, []))
         groups[-1][1].append((at, EVENT_NAMES[event], _norm(name)))
@@ -558,8 +567,11 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
                             for item in piece:
                                 put(item)
                     pieces = queue.pop(0)[2]
-                traced = (phase, layer if layer in (LAYER_PRE, LAYER_POST) else min(layer, 1))
-                k = taken[traced] = taken.get(traced, -1) + (0 if traced[1] == 1 and traced in taken else 1)
+                if layer in (LAYER_PRE, LAYER_POST):  # the k-th chunk of its key, as the trace made them
+                    traced = key
+                    k = taken[traced] = taken.get(traced, -1) + 1
+                else:  # every decoder layer after the first stands for the traced second one
+                    traced, k = (phase, min(layer, 1)), 0
                 groups = marks.get(traced, [])
                 active[key] = [pieces, 0, _positions(pieces, groups[k] if k < len(groups) else None, n)
                                if marks else None]
