@@ -276,36 +276,68 @@ def test_the_cuda_pool_backend_keeps_the_ratio_and_says_why():
 
 
 ALONGSIDE = """
+import dataclasses
+import json
+import sys
 import threading
-from harness.predict import predictor
-from harness.predict.predictor import predict
-from harness.predict.trace import TraceSpec
-from harness.spec.cases import CASES_DIR, load_case
 
-assert threading.active_count() == 1
-case = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")  # ZeRO-3 LoRA
+from harness.predict import predictor, zero3, zero3_stream
+from harness.predict.fake import trace
+from harness.predict.predictor import predict
+from harness.predict.trace import TraceSpec, trace_pair
+from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.variants import parse_variant
+
+# guide 000's no-overlap fix at 4 layers: its step stream replays four steps under a spec of its own
+case = parse_variant("2r4L2ga").apply(
+    load_case(CASES_DIR / "000-lora-z3-offload-cutoff1024-ga16-nonreentrant-no-overlap.yaml"))
 arch = predictor.load_model(case.model)
-spec = TraceSpec.of(case, arch)
-alongside = predictor._replay_alongside(case, arch, arch.layers, spec)
-assert alongside is not None
-notes = []
-(forked,) = alongside.take(notes)
-assert alongside.child.exitcode == 0
-here = []
-assert forked == predictor._zero3_gathered(case, arch, arch.layers, here) and notes == here
-predict(case)
-assert predictor._replay_alongside(case, arch, arch.layers, spec) is None  # traced in this process
-other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")  # no DeepSpeed: nothing to replay
-other_arch = predictor.load_model(other.model)
-assert predictor._replay_alongside(other, other_arch, 1, TraceSpec.of(other, other_arch)) is None
-print("ok")
+if sys.argv[1] == "serial":  # a thread besides this one: nothing is forked
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    assert predictor._trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None
+else:
+    assert threading.active_count() == 1
+    spec = TraceSpec.of(case, arch)
+    alongside = predictor._trace_alongside(case, arch, case.layers, spec)
+    assert alongside is not None and alongside.gathers
+    steps = zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, case.layers))
+    assert list(zero3._STEPS) == [steps]  # replayed here while the child traced
+    alongside.keep_trace(spec)
+    untimed = lambda r: {k: v for k, v in dataclasses.asdict(r).items() if k != "seconds"}  # noqa: E731
+    assert [untimed(r) for r in trace_pair(spec)] == [untimed(trace(spec, n)) for n in (1, 2)]
+    notes = []
+    (forked,) = alongside.take_gathered(notes)
+    assert alongside.child.exitcode == 0
+    here = []
+    assert forked == predictor._zero3_gathered(case, arch, case.layers, here) and notes == here
+    # rung 3 builds no step stream: this process replays the gathered set, the child only traces
+    rung3 = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")
+    rung3_arch = predictor.load_model(rung3.model)
+    rung3_spec = TraceSpec.of(rung3, rung3_arch)
+    replayed = zero3.gathered.cache_info().currsize
+    alongside = predictor._trace_alongside(rung3, rung3_arch, rung3_arch.layers, rung3_spec)
+    assert alongside is not None and not alongside.gathers
+    assert zero3.gathered.cache_info().currsize == replayed + 1  # replayed here while the child traced
+    alongside.keep_trace(rung3_spec)
+    assert alongside.take_gathered([]) is None and alongside.child.exitcode == 0
+    other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")  # no DeepSpeed: nothing to fork
+    other_arch = predictor.load_model(other.model)
+    assert predictor._trace_alongside(other, other_arch, 1, TraceSpec.of(other, other_arch)) is None
+prediction = predict(case)
+assert predictor._trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None  # traced here
+figures = dataclasses.asdict(prediction)
+figures.pop("seconds")
+print(json.dumps(figures, sort_keys=True))
 """
 
 
-def test_a_cold_zero3_prediction_replays_deepspeed_alongside_the_trace(tmp_path):
-    """With nothing cached, the coordinator replay runs in a forked process while the step is traced,
-    and gives the figures and notes the in-process replay gives; once traced, nothing is forked. In a
-    fresh interpreter: forking is refused where threads run (pytest-xdist's workers have some)."""
+def test_a_cold_zero3_prediction_traces_in_a_fork_while_deepspeed_is_replayed(tmp_path):
+    """With nothing cached, the step is traced in a forked process while this one replays DeepSpeed's
+    coordinator for the step stream, and the child then replays the gathered set: its traces, figures
+    and notes are the ones this process makes, and the prediction is the one made with nothing forked
+    (a thread running); once traced, nothing is forked. In fresh interpreters: forking is refused where
+    threads run (pytest-xdist's workers have some)."""
+    import json
     import os
     import subprocess
     import sys
@@ -314,9 +346,14 @@ def test_a_cold_zero3_prediction_replays_deepspeed_alongside_the_trace(tmp_path)
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, HARNESS_PREDICT_CACHE="off",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", ALONGSIDE], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    figures = {}
+    for mode in ("forked", "serial"):
+        proc = subprocess.run([sys.executable, "-c", ALONGSIDE, mode], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        figures[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["forked"] == figures["serial"]
+    assert figures["forked"]["reserved"] > figures["forked"]["allocated"] > 0
 
 
 def _architecture_run(case_id: str):

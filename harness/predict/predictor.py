@@ -154,38 +154,51 @@ _TRACED: set = set()
 
 
 @dataclass
-class _ReplayAlongside:
-    """DeepSpeed's coordinator replayed in a forked child while this process traces the step."""
+class _TracedAlongside:
+    """The step traced in a forked child while this process replays DeepSpeed's coordinator; where this
+    process replays the step stream's steps under their own spec, the child replays the gathered set after
+    the trace."""
 
     child: object  # multiprocessing.Process
-    conn: object  # the read end of a pipe the child sends (gathered, notes) through
+    conn: object  # the read end of a pipe the child sends the traces, then (gathered, notes), through
+    gathers: bool  # whether the child replays the gathered set
 
-    def take(self, notes: list[str]):
-        """The child's (gathered figures, notes); None where it sent nothing (it failed: the caller then
-        replays in-process, where the failure is met again and reported). The step stream's replayed
-        steps it sent too are kept for `zero3_stream.build`."""
-        from harness.predict import zero3
+    def keep_trace(self, trace_spec) -> None:
+        """The child's traces, kept for `trace_pair`; none where it sent none (it failed: `trace_pair` then
+        traces here, where the failure is met again and reported)."""
+        from harness.predict.trace import keep_pair
 
         try:
-            value, child_notes, steps = self.conn.recv()
+            keep_pair(trace_spec, self.conn.recv())
+        except (EOFError, OSError):
+            self.gathers = False  # nothing more comes
+
+    def take_gathered(self, notes: list[str]):
+        """The child's (gathered figures,), its notes added to `notes`; None where it replays none or sent
+        nothing (the caller then replays in-process, where a failure is met again and reported)."""
+        try:
+            if not self.gathers:
+                return None
+            value, child_notes = self.conn.recv()
         except (EOFError, OSError):
             return None
         finally:
             self.conn.close()
             self.child.join()
-        if steps is not None:
-            zero3.keep_steps(*steps)
         notes += child_notes
         return (value,)
 
 
-def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> _ReplayAlongside | None:
-    """On a cold start, replay DeepSpeed's coordinator for a ZeRO-3 case in a forked process while
-    this one traces the step: once the model's module layout is built here, the two are independent,
-    and the replay spends seconds importing DeepSpeed and running its coordinator. None where nothing
-    is gained or forking is not safe: a trace this process or the disk cache already has, one CPU, or
-    threads running in this process (a forked child holds only the forking thread, and a lock another
-    thread held stays locked in it)."""
+def _trace_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> _TracedAlongside | None:
+    """On a cold start of a ZeRO-3 case, trace the step in a forked child while this process replays
+    DeepSpeed's coordinator: once the model's module layout is built here (transformers imported once),
+    the two are independent and each takes seconds. This process replays what the step stream is built
+    from (`zero3.replayed_steps`, four steps), then builds that stream with the child's traces while the
+    child replays the gathered set (two steps); where the two specs are one, or no step stream is built,
+    this process replays the gathered set (`zero3.gathered`, which keeps its steps) and the child only
+    traces. None where nothing is gained or forking is not safe: a trace this process or the disk cache
+    already has, one CPU, or threads running in this process (a forked child holds only the forking
+    thread, and a lock another thread held stays locked in it)."""
     import multiprocessing
     import threading
 
@@ -196,38 +209,46 @@ def _replay_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -
             or (os.cpu_count() or 1) < 2 or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods() or _load(trace_spec) is not None):
         return None
-    from harness.predict import zero3
+    from harness.predict import zero3, zero3_stream
 
-    try:  # the model's layout first, here: it builds the model as the trace will (transformers imported once)
+    try:  # the model's layout first, here: it builds the model as the trace will
         zero3.layout(trace_spec)
-    except Exception:  # met again, and reported, by the in-process replay
+        spec = zero3.spec_for(case, arch, layers)
+        steps = (zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, layers))
+                 if _zero3_step_stream_applies(case) else spec)
+    except Exception:  # met again, and reported, by the in-process trace and replay
         return None
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_replay_in_child, args=(case, arch, layers, send), daemon=True)
+    child = ctx.Process(target=_trace_in_child, args=(case, arch, layers, trace_spec, steps != spec, send),
+                        daemon=True)
     child.start()
     send.close()
-    return _ReplayAlongside(child, receive)
+    try:
+        if steps != spec:
+            zero3.replayed_steps(steps)
+        else:
+            zero3.gathered(spec)
+    except Exception:  # met again, and reported, where the prediction replays
+        pass
+    return _TracedAlongside(child, receive, steps != spec)
 
 
-def _replay_in_child(case: Case, arch: Architecture, layers: int, send) -> None:
-    """The forked child: sends (gathered, notes), or nothing where it fails (the parent then replays
-    in-process, where the failure is met again and reported). Its torch runs on one thread: the OpenMP
-    thread team the parent may have started is not in a forked process, and a parallel region waiting
-    on it there never ends (the hook recording runs the model's forward and backward)."""
+def _trace_in_child(case: Case, arch: Architecture, layers: int, trace_spec, gathers: bool, send) -> None:
+    """The forked child: sends the traces, then, where `gathers`, (gathered, notes); it stops at what fails
+    (the parent then does it in-process, where the failure is met again and reported). Its torch runs on one
+    thread: the OpenMP thread team the parent may have started is not in a forked process, and a parallel
+    region waiting on it there never ends."""
     import torch
 
-    from harness.predict import zero3, zero3_stream
+    from harness.predict.trace import trace_pair
 
     torch.set_num_threads(1)
-    notes: list[str] = []
     try:
-        gathered = _zero3_gathered(case, arch, layers, notes)
-        steps = None
-        if _zero3_step_stream_applies(case):  # the steps `_zero3_step_stream` builds its stream from
-            spec = zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, layers))
-            steps = (spec, zero3.replayed_steps(spec))  # the replay `gathered` ran, where its spec is the same
-        send.send((gathered, notes, steps))
+        send.send(trace_pair(trace_spec))
+        if gathers:
+            notes: list[str] = []
+            send.send((_zero3_gathered(case, arch, layers, notes), notes))
     except Exception:
         pass
     finally:
@@ -415,7 +436,9 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         notes.append(f"predicted at {layers} of {arch.layers} layers (the case's `layers`)")
 
     trace_spec = TraceSpec.of(case, arch)
-    alongside = _replay_alongside(case, arch, layers, trace_spec)
+    alongside = _trace_alongside(case, arch, layers, trace_spec)
+    if alongside is not None:
+        alongside.keep_trace(trace_spec)
     r1, r2 = trace_pair(trace_spec)
     _TRACED.add(trace_spec)
     if r1.attention_note:
@@ -423,7 +446,13 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
     peak = int(extrapolate(r1.peak, r2.peak, layers))
     held = int(extrapolate(r1.held_after_forward, r2.held_after_forward, layers))
     inv = _inventory(r1, r2, layers)
-    replayed = alongside.take(notes) if alongside is not None else None
+    # where the step is built as one stream with DeepSpeed's gathers among the model's allocations
+    # (harness.predict.zero3_stream), its allocated peak is the step's: the gathered bytes and the
+    # activations each at the moment they are live together, not each at its own peak. Built before the
+    # gathered set is waited for (a forked child may still be replaying it); its notes go where it is used.
+    stream_notes: list[str] = []
+    stepped = _zero3_step_stream(case, arch, layers, trace_spec, stream_notes)
+    replayed = alongside.take_gathered(notes) if alongside is not None else None
     gathered = replayed[0] if replayed is not None else _zero3_gathered(case, arch, layers, notes)
     states = model_states(case, inv, hidden, gathered)
     notes += states.notes
@@ -467,10 +496,7 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         gathered_above = max(0, at - gathered.backward_start_bytes)
     gather_peak = resident + gathered_above + held_at_gather if above else 0
     allocated = max(backward_peak, optimizer_peak, retention_peak, gather_peak)
-    # where the step is built as one stream with DeepSpeed's gathers among the model's allocations
-    # (harness.predict.zero3_stream), its allocated peak is the step's: the gathered bytes and the
-    # activations each at the moment they are live together, not each at its own peak
-    stepped = _zero3_step_stream(case, arch, layers, trace_spec, notes)
+    notes += stream_notes
 
     terms = {k: int(v) for k, v in dev.items()}
     terms.update({k: int(v) for k, v in states.step_only.items()})

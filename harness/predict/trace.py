@@ -61,8 +61,8 @@ from pathlib import Path
 from harness.predict.step import ParamInfo, TraceResult, TraceSpec, extrapolate, reentrant_checkpointing, zero_init
 from harness.spec.files import write_atomic
 
-__all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "reentrant_checkpointing", "simulated_run",
-           "trace_pair", "zero_init"]
+__all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "keep_pair", "reentrant_checkpointing",
+           "simulated_run", "trace_pair", "zero_init"]
 
 
 # --- the on-disk cache ------------------------------------------------------------------------------
@@ -132,10 +132,22 @@ def _store(spec: TraceSpec, pair) -> None:
         pass
 
 
+_SENT: dict = {}  # TraceSpec -> a pair traced in another process, until trace_pair takes it
+
+
+def keep_pair(spec: TraceSpec, pair: tuple[TraceResult, TraceResult]) -> None:
+    """A pair traced in another process (harness.predict.predictor's forked trace), for `trace_pair` to
+    return the first time it is asked for `spec`."""
+    _SENT[spec] = pair
+
+
 @functools.lru_cache(maxsize=64)
 def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
-    """Traces at 1 and 2 layers: from the in-process cache, else the on-disk cache, else traced
-    (harness.predict.fake, which imports torch, transformers and peft)."""
+    """Traces at 1 and 2 layers: from the in-process cache, else one another process traced (`keep_pair`),
+    else the on-disk cache, else traced (harness.predict.fake, which imports torch, transformers and peft)."""
+    sent = _SENT.pop(spec, None)
+    if sent is not None:
+        return sent
     cached = _load(spec)
     if cached is not None:
         for r in cached:
