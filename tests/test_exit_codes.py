@@ -95,3 +95,66 @@ def test_oom_harness_debug_lets_the_traceback_through(monkeypatch):
     monkeypatch.setattr(cli_main.report, "run", lambda args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         cli_main.main(["report"])
+
+
+CONSOLE = """
+import atexit
+import sys
+import threading
+import time
+from pathlib import Path
+
+mark, thread_mark = Path(sys.argv[1]), Path(sys.argv[2])
+atexit.register(mark.write_text, "atexit ran")
+
+
+class Left:  # alive to the end: the interpreter's teardown would finalize it
+    def __del__(self, write=Path.write_text, path=mark.with_name("teardown")):
+        write(path, "torn down")
+
+
+left = Left()
+sys.argv = ["oom-harness", *sys.argv[3:]]
+import harness.cli.main as cli  # noqa: E402
+
+if thread_mark.name != "none":  # a thread still running when the command is done: waited for
+    done, command = threading.Event(), cli.main
+
+    def main():
+        try:
+            return command()
+        finally:
+            done.set()
+
+    cli.main = main
+    threading.Thread(target=lambda: (done.wait(), time.sleep(0.3), thread_mark.write_text("thread ran"))).start()
+cli.console()
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_the_console_entry_keeps_what_an_exit_guarantees(tmp_path, thread):
+    """The `oom-harness` command ends its process without the interpreter's teardown (an object left alive
+    is not finalized), yet its exit code is the command's, everything it printed reaches the pipe and the
+    handlers registered to run at exit run; where a thread still runs, it is waited for and the
+    interpreter exits as usual."""
+    import os
+    import subprocess
+    import sys
+
+    from hostile import ROOT
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    thread_mark = tmp_path / ("thread" if thread else "none")
+    ok = subprocess.run([sys.executable, "-c", CONSOLE, str(tmp_path / "ok"), str(thread_mark), "validate",
+                         str(CASES)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith("0 invalid"), ok.stderr[-2000:]
+    assert len(ok.stdout.splitlines()) > 20  # a line per bundled case, then the summary
+    assert (tmp_path / "ok").read_text() == "atexit ran"
+    assert thread_mark.exists() == thread
+    assert (tmp_path / "teardown").exists() == thread
+    bad = subprocess.run([sys.executable, "-c", CONSOLE, str(tmp_path / "bad"), str(tmp_path / "none"), "validate",
+                          str(tmp_path / "missing.yaml")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "missing.yaml" in bad.stdout + bad.stderr
+    assert (tmp_path / "bad").read_text() == "atexit ran"

@@ -1,7 +1,5 @@
 """`python -m harness.cli`: the same as the `oom-harness` command."""
 
-import sys
+from harness.cli.main import console
 
-from harness.cli.main import main
-
-sys.exit(main())
+console()
