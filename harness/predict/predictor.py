@@ -218,20 +218,21 @@ def _trace_alongside(case: Case, arch: Architecture, layers: int, trace_spec) ->
                  if _zero3_step_stream_applies(case) else spec)
     except Exception:  # met again, and reported, by the in-process trace and replay
         return None
+    child_gathers = steps != spec
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_trace_in_child, args=(case, arch, layers, trace_spec, steps != spec, send),
+    child = ctx.Process(target=_trace_in_child, args=(case, arch, layers, trace_spec, child_gathers, send),
                         daemon=True)
     child.start()
     send.close()
     try:
-        if steps != spec:
+        if child_gathers:
             zero3.replayed_steps(steps)
         else:
             zero3.gathered(spec)
     except Exception:  # met again, and reported, where the prediction replays
         pass
-    return _TracedAlongside(child, receive, steps != spec)
+    return _TracedAlongside(child, receive, child_gathers)
 
 
 def _trace_in_child(case: Case, arch: Architecture, layers: int, trace_spec, gathers: bool, send) -> None:
