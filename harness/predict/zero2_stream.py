@@ -511,6 +511,15 @@ def _shared_run(shared: _Shared, conf: AllocatorConf) -> Zero2Run | None:
     return best
 
 
+def _distinct_ranks(shared: _Shared) -> list[int]:
+    """The first rank of each set whose own allocations and norm casts are the same: their merged streams
+    are the same, and so are their replays (guide 000's QLoRA at 8 ranks and 64 layers: one set)."""
+    first: dict[tuple, int] = {}
+    for rank, (own, slices) in enumerate(zip(shared.side, shared.slices, strict=True)):
+        first.setdefault((tuple(own), tuple(slices)), rank)
+    return sorted(first.values())
+
+
 def _side_at(events, position: int, column: int) -> int:
     value = 0
     for event in events:
@@ -550,11 +559,11 @@ def zero2_run(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> Zero2Run:
         run = _shared_run(shared, conf)
         if run is not None:
             return run
-        streams = (_merged(shared, rank) for rank in range(shape.ranks))
+        streams = ((rank, _merged(shared, rank)) for rank in _distinct_ranks(shared))
     else:
-        streams = (build(r1, r2, shape, rank) for rank in range(shape.ranks))
+        streams = ((rank, build(r1, r2, shape, rank)) for rank in range(shape.ranks))
     best = None
-    for rank, (stream, side) in enumerate(streams):
+    for rank, (stream, side) in streams:
         peak, allocated, phase, side_reserved = simulate(stream, side, conf)
         if best is None or peak > best.peak_reserved:
             best = Zero2Run(peak, allocated, phase, side_reserved, rank)
