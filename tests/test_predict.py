@@ -295,6 +295,23 @@ arch = predictor.load_model(case.model)
 if sys.argv[1] == "serial":  # a thread besides this one: nothing is forked
     threading.Thread(target=threading.Event().wait, daemon=True).start()
     assert predictor._trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None
+elif sys.argv[1] == "child-fails":  # the forked trace fails: this process traces and replays the rest itself
+    import os
+
+    from harness.predict import trace as trace_module
+
+    parent, traced = os.getpid(), trace_module.trace_pair
+
+    def trace_here_only(spec):
+        if os.getpid() != parent:
+            raise RuntimeError("the forked trace fails")
+        return traced(spec)
+
+    trace_module.trace_pair = trace_here_only
+    spec = TraceSpec.of(case, arch)
+    alongside = predictor._trace_alongside(case, arch, case.layers, spec)
+    alongside.keep_trace(spec)
+    assert not alongside.gathers and alongside.take_gathered([]) is None and alongside.child.exitcode == 0
 else:
     assert threading.active_count() == 1
     spec = TraceSpec.of(case, arch)
@@ -335,8 +352,9 @@ def test_a_cold_zero3_prediction_traces_in_a_fork_while_deepspeed_is_replayed(tm
     """With nothing cached, the step is traced in a forked process while this one replays DeepSpeed's
     coordinator for the step stream, and the child then replays the gathered set: its traces, figures
     and notes are the ones this process makes, and the prediction is the one made with nothing forked
-    (a thread running); once traced, nothing is forked. In fresh interpreters: forking is refused where
-    threads run (pytest-xdist's workers have some)."""
+    (a thread running) or with a child that fails (this process then does its work); once traced,
+    nothing is forked. In fresh interpreters: forking is refused where threads run (pytest-xdist's
+    workers have some)."""
     import json
     import os
     import subprocess
@@ -347,12 +365,12 @@ def test_a_cold_zero3_prediction_traces_in_a_fork_while_deepspeed_is_replayed(tm
     env = dict(os.environ, HARNESS_PREDICT_CACHE="off",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     figures = {}
-    for mode in ("forked", "serial"):
+    for mode in ("forked", "serial", "child-fails"):
         proc = subprocess.run([sys.executable, "-c", ALONGSIDE, mode], env=env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         figures[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert figures["forked"] == figures["serial"]
+    assert figures["forked"] == figures["serial"] == figures["child-fails"]
     assert figures["forked"]["reserved"] > figures["forked"]["allocated"] > 0
 
 
