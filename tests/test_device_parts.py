@@ -101,9 +101,11 @@ def test_record_of_the_same_card_with_another_count(tmp_path):
     own, where = record_for("nvidia-h200-x2", tmp_path)
     assert where.endswith("nvidia-h200-x2.json") and own.part("cuda_context") == 600 * MiB
     assert sorted(own.nccl) == [1, 2, 8]  # the other count's NCCL sizes merged in
-    other, where = record_for("nvidia-h200-x4", tmp_path)
-    assert where.endswith("nvidia-h200-x8.json") and other.part("cuda_context") == 650 * MiB
+    other, where = record_for("nvidia-h200-x4", tmp_path)  # the nearest count: two cards, not eight
+    assert where.endswith("nvidia-h200-x2.json") and other.part("cuda_context") == 600 * MiB
     assert other.nccl_for(4)[0] == round((300 + (900 - 300) * (4 - 2) / 6) * MiB)
+    assert record_for("nvidia-h200-x16", tmp_path)[0].part("cuda_context") == 650 * MiB
+    assert record_for("nvidia-h200-x5", tmp_path)[1].endswith("nvidia-h200-x8.json")  # as near: the larger
     assert record_for("nvidia-h100-80gb-hbm3-x1", tmp_path)[0] is None
     assert record_for(None, tmp_path) == (None, "no platform named")
 

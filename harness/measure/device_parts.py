@@ -59,6 +59,12 @@ def card_of(platform: str) -> str:
     return re.sub(r"-x\d+$", "", platform)
 
 
+def _count_of(platform: str) -> int:
+    """The card count of a platform key ('nvidia-h200-x2' -> 2; 1 where it names none)."""
+    m = re.search(r"-x(\d+)$", platform)
+    return int(m.group(1)) if m else 1
+
+
 @dataclass(frozen=True)
 class Part:
     """One part: the bytes it holds outside the allocator (None: not measured, `error` says why)."""
@@ -185,8 +191,9 @@ def _part(path, key, value) -> Part:
 
 
 def record_for(platform: str | None, folder: Path) -> tuple[DeviceRecord | None, str]:
-    """The probe record of a platform, and where it came from: `<folder>/<platform>.json`, else a record
-    of the same card with another count (its NCCL and DeepSpeed sizes merged from every record of that card)."""
+    """The probe record of a platform, and where it came from: `<folder>/<platform>.json`, else the record
+    of the same card whose count is nearest the platform's (the larger of two as near), the host most like
+    it; its NCCL and DeepSpeed sizes merged from every record of that card."""
     if platform is None:
         return None, "no platform named"
     folder = Path(folder)
@@ -195,7 +202,8 @@ def record_for(platform: str | None, folder: Path) -> tuple[DeviceRecord | None,
     if not own.is_file() and not same_card:
         return None, f"no probe record {own}"
     records = {p: DeviceRecord.read(p) for p in same_card}
-    main = records.get(own) or max(records.values(), key=lambda r: r.device_count)
+    count = _count_of(platform)
+    main = records.get(own) or min(records.values(), key=lambda r: (abs(r.device_count - count), -r.device_count))
     tables: dict[str, dict[int, Part]] = {name: {} for name in WORLD_TABLES}
     for r in sorted(records.values(), key=lambda r: r.platform != main.platform):  # the platform's own first
         for name, table in tables.items():
