@@ -109,12 +109,42 @@ def test_the_search_judges_with_checks_verdict(tmp_path, capsys, monkeypatch):
 
 
 def test_the_walk_stops_at_the_time_it_is_given(tmp_path, capsys):
-    code = main(["fit", str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8",
-                 "--out", str(tmp_path / "out"), "--json", "--search-seconds", "0"])
+    argv = ["fit", str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8",
+            "--out", str(tmp_path / "out"), "--search-seconds", "0"]
+    code = main([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["fits"]
     assert out["search"]["stopped_early"] and out["search"]["predicted"] == 0
     assert not (tmp_path / "out").exists()
+    assert main(argv) == 1  # said as a search cut short, not as a verdict on candidates it never reached
+    said = capsys.readouterr().out
+    assert "no fitting config found in the 0 s the search was given" in said and "no config fits" not in said
+
+
+def test_a_walk_stopped_after_a_bound_fits_answers_with_it(monkeypatch):
+    """The walk predicts a family's micro-batch 1 as the bound of its larger micro-batches before it judges
+    them. Where the time limit comes right after such a prediction fits, that config is the answer (the
+    best of the fitting ones the walk predicted), never a 'closest' that fits reported as over."""
+    import dataclasses
+    import types
+
+    from harness.fit import search as search_module
+    from harness.predict.predictor import predict
+
+    base = run_check(EXAMPLES / "000-ds32b-failing.yaml", JobSpec(gpus=8, gpu_memory=64 * GIB))
+    now = [0.0]
+    monkeypatch.setattr(search_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def predict_until_one_fits(case, arch, platform=None):
+        p = predict(case, arch, platform=platform)
+        if check.CheckResult(config=dataclasses.replace(base.config, case=case), prediction=p, lints=()).fits:
+            now[0] = 1e9  # the time limit has passed at the walk's next candidate
+        return p
+
+    found = search_module.search(base, frozenset(), predict_until_one_fits, deadline_s=60)
+    assert found.stopped_early and found.closest is None
+    assert found.best is not None and found.best.fits and found.best.knobs.micro_batch == 1
+    assert found.best.result.card_peak <= found.best.result.budget
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -195,7 +225,7 @@ def test_when_nothing_fits_the_hint_offers_only_what_was_not_searched(capsys, al
     from harness.cli.fit import _report_none
 
     found = SimpleNamespace(base=SimpleNamespace(config=SimpleNamespace(training=SimpleNamespace(path="job.yaml"))),
-                            closest=None, considered=10, predicted=4)
+                            closest=None, considered=10, predicted=4, stopped_early=False, seconds=3.0)
     _report_none(found, False, allowed)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(hint)

@@ -6,10 +6,10 @@
 Searches the knobs that keep the training the same (and, with --allow, those that change it), keeps
 the candidates `check`'s verdict says fit, ranks them by predicted tokens/s, writes the best one into
 --out in the input's own format and checks the written files again as `check` would. Exit codes: 0 a
-fitting config was written; 1 none fits (the closest is named, with how far it is over); 2 bad input;
-3 an internal error. `--verify` runs the written config at full size on this host's GPU through
-`oom-harness run` (a GPU host only) and sets what it measured against the prediction
-(`harness.fit.verified`; `--json`: `verified`).
+fitting config was written; 1 none fits, or none was found within --search-seconds (the closest is
+named, with how far it is over); 2 bad input; 3 an internal error. `--verify` runs the written config
+at full size on this host's GPU through `oom-harness run` (a GPU host only) and sets what it measured
+against the prediction (`harness.fit.verified`; `--json`: `verified`).
 """
 
 from __future__ import annotations
@@ -250,8 +250,12 @@ def _report_none(found: Search, as_json_output: bool, allowed: frozenset[str]) -
                           "input": {"fits": found.base.fits, "card_peak_gib": gib_rounded(found.base.card_peak)},
                           "search": _search_json(found)}, indent=1))
         return
-    lines = [f"{found.base.config.training.path}: no config fits "
-             f"({found.considered} candidates searched, {found.predicted} predicted)"]
+    path = found.base.config.training.path
+    if found.stopped_early:  # not a verdict on the candidates it never reached
+        lines = [f"{path}: no fitting config found in the {found.seconds:.0f} s the search was given "
+                 f"({found.predicted} of {found.considered} candidates predicted); --search-seconds gives it longer"]
+    else:
+        lines = [f"{path}: no config fits ({found.considered} candidates searched, {found.predicted} predicted)"]
     if c is not None:
         lines.append(f"closest: {_knobs_text(c)}: {fmt_gib(c.result.card_peak)} per card predicted against a budget of "
                      f"{fmt_gib(c.result.budget)}, {fmt_gib(over)} over")

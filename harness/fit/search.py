@@ -146,10 +146,23 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
         seen_main.add(c.main())
         fitting.append(c)
     best, others = _choose(fitting)
+    by_knobs = {c.knobs: c for c in candidates}
+    if best is None:
+        # the walk ended (its time limit) before a candidate of its own was judged to fit; a family's micro-batch
+        # 1, predicted as the bound of its larger micro-batches, is a candidate too, and one that fits is an answer
+        bounds, mains = [], set()
+        for c in sorted((by_knobs[k] for k, r in predictions.items() if k in by_knobs and r.fits),
+                        key=candidates.index):
+            if c.main() not in mains:  # one of each main knob set, as the walk keeps
+                mains.add(c.main())
+                c.result = predictions[c.knobs]
+                bounds.append(c)
+        best, others = _choose(bounds)
     closest = None
-    if best is None and predictions:
-        k, r = min(predictions.items(), key=lambda kv: kv[1].card_peak / kv[1].budget)
-        closest = next(c for c in candidates if c.knobs == k)
+    over = [(k, r) for k, r in predictions.items() if k in by_knobs and not r.fits and r.card_peak is not None]
+    if best is None and over:
+        k, r = min(over, key=lambda kv: kv[1].card_peak / kv[1].budget)
+        closest = by_knobs[k]
         closest.result = r
     return Search(base=base, best=best, runners_up=others, closest=closest, throughput=model,
                   base_tokens_per_s=model.predict(case0, config), considered=len(candidates),

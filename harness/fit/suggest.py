@@ -19,10 +19,13 @@ def fit_diff(base: CheckResult, out_dir: Path, predict: PredictFn, *, deepspeed_
     found = search(base, allow, predict, platform=platform)
     if found.best is None:
         c = found.closest
+        stopped = (f"oom-harness fit: no fitting config found in the {found.seconds:.0f} s the search was given "
+                   f"({found.predicted} of {found.considered} candidates predicted)" if found.stopped_early else "")
         if c is None:
-            return "oom-harness fit: no candidate could be predicted"
-        return (f"oom-harness fit: no config fits; the closest is predicted at {fmt_gib(c.result.card_peak)} per "
-                f"card against {fmt_gib(c.result.budget)} ({fmt_gib(c.result.card_peak - c.result.budget)} over)")
+            return stopped or "oom-harness fit: no candidate could be predicted"
+        return ((stopped + ";" if stopped else "oom-harness fit: no config fits;")
+                + f" the closest is predicted at {fmt_gib(c.result.card_peak)} per card against "
+                f"{fmt_gib(c.result.budget)} ({fmt_gib(c.result.card_peak - c.result.budget)} over)")
     imported = base.config
     written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out_dir,
                            deepspeed_arg=deepspeed_arg, alloc_env=ALLOC_ENV not in imported.case.launch.env)
