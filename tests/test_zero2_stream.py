@@ -261,6 +261,31 @@ def test_ranks_with_the_same_own_allocations_are_replayed_once(monkeypatch):
     assert (run.rank, run.peak_reserved, run.peak_allocated) == (best, whole[best][0], whole[best][1])
 
 
+def test_with_the_optimizer_on_the_host_ranks_with_the_same_slices_are_built_once(monkeypatch):
+    """With the optimizer on the host a rank's stream differs from another's only by the slices of the flat
+    buffer its partition holds: one rank of each set with the same slices is built and replayed."""
+    from harness.predict import zero2_stream
+
+    sizes = [4, 4, 4, 4, 4, 4, 8]  # 8 elements a rank: [4, 4] on ranks 0 to 2, [8] on rank 3
+    slices = [partition_slices(sizes, 4, rank) for rank in range(4)]
+    monkeypatch.setattr(zero2_stream, "_rows", lambda r1, r2, shape: [(n, None, None, True) for n in sizes])
+    built = []
+
+    def build(r1, r2, shape, rank):  # a stream as large as the rank's largest slice
+        built.append(rank)
+        stream = Stream([], [], [])
+        stream.mark("step")
+        stream.alloc(max(partition_slices(sizes, 4, rank)) * 16 * 2**20)
+        return stream, set()
+
+    monkeypatch.setattr(zero2_stream, "build", build)
+    run = zero2_stream.zero2_run(None, None, Zero2Shape(layers=1, grad_accum=1, ranks=4, half_bytes=2,
+                                                        overlap_comm=False, offload=True))
+    distinct = sorted({tuple(s): r for r, s in reversed(list(enumerate(slices)))}.values())
+    assert built == distinct == [0, 3]
+    assert run.rank == 3
+
+
 F_, B_ = 0, 1
 
 

@@ -229,6 +229,11 @@ def _micro_steps(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, stream: St
             stream.free(ident)
 
 
+def _rows(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> list:
+    """The parameters in module order at the case's depth; the trainable ones make the flat buffer."""
+    return module_order(layout_at(r1.layout, r2.layout, shape.layers))
+
+
 def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tuple[Stream, set[int]]:
     """The stream of `rank` and the ids of its allocations on the reduction stream."""
     if not shape.offload:
@@ -236,7 +241,7 @@ def build(r1: TraceResult, r2: TraceResult, shape: Zero2Shape, rank: int) -> tup
     stream = Stream([], [], [])
     side: set[int] = set()
     half = shape.half_bytes
-    rows = module_order(layout_at(r1.layout, r2.layout, shape.layers))
+    rows = _rows(r1, r2, shape)
 
     stream.mark("load")
     trainable = built_from_config(rows, r1.params, half, stream)  # the ids of the trainable parameters' storage
@@ -514,9 +519,15 @@ def _shared_run(shared: _Shared, conf: AllocatorConf) -> Zero2Run | None:
 def _distinct_ranks(shared: _Shared) -> list[int]:
     """The first rank of each set whose own allocations and norm casts are the same: their merged streams
     are the same, and so are their replays (guide 000's QLoRA at 8 ranks and 64 layers: one set)."""
-    first: dict[tuple, int] = {}
-    for rank, (own, slices) in enumerate(zip(shared.side, shared.slices, strict=True)):
-        first.setdefault((tuple(own), tuple(slices)), rank)
+    return _first_of_each([(tuple(own), tuple(slices)) for own, slices in zip(shared.side, shared.slices, strict=True)])
+
+
+def _first_of_each(keys: list) -> list[int]:
+    """The first rank of each set of ranks with equal keys (what makes a rank's stream), in rank order:
+    ranks alike replay alike, so one of each set is replayed."""
+    first: dict = {}
+    for rank, key in enumerate(keys):
+        first.setdefault(tuple(key), rank)
     return sorted(first.values())
 
 
@@ -560,8 +571,10 @@ def zero2_run(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> Zero2Run:
         if run is not None:
             return run
         streams = ((rank, _merged(shared, rank)) for rank in _distinct_ranks(shared))
-    else:
-        streams = ((rank, build(r1, r2, shape, rank)) for rank in range(shape.ranks))
+    else:  # with the optimizer on the host a rank's stream differs from another's only by its partition's slices
+        sizes = [r[0] for r in _rows(r1, r2, shape) if r[3]]
+        slices = [partition_slices(sizes, shape.ranks, rank) for rank in range(shape.ranks)]
+        streams = ((rank, build(r1, r2, shape, rank)) for rank in _first_of_each(slices))
     best = None
     for rank, (stream, side) in streams:
         peak, allocated, phase, side_reserved = simulate(stream, side, conf)
