@@ -54,14 +54,17 @@ def platform_key(device_name: str, device_count: int) -> str:
     return f"{name}-x{device_count}"
 
 
+_COUNT_SUFFIX = re.compile(r"-x(\d+)$")  # what `platform_key` appends: the card count
+
+
 def card_of(platform: str) -> str:
     """The card part of a platform key ('nvidia-h200-x2' -> 'nvidia-h200')."""
-    return re.sub(r"-x\d+$", "", platform)
+    return _COUNT_SUFFIX.sub("", platform)
 
 
 def _count_of(platform: str) -> int:
     """The card count of a platform key ('nvidia-h200-x2' -> 2; 1 where it names none)."""
-    m = re.search(r"-x(\d+)$", platform)
+    m = _COUNT_SUFFIX.search(platform)
     return int(m.group(1)) if m else 1
 
 
