@@ -251,9 +251,8 @@ def _report_none(found: Search, as_json_output: bool, allowed: frozenset[str]) -
                           "search": _search_json(found)}, indent=1))
         return
     path = found.base.config.training.path
-    if found.stopped_early:  # not a verdict on the candidates it never reached
-        lines = [f"{path}: no fitting config found in the {found.seconds:.0f} s the search was given "
-                 f"({found.predicted} of {found.considered} candidates predicted); --search-seconds gives it longer"]
+    if found.stopped_early:
+        lines = [f"{path}: {found.cut_short()}; --search-seconds gives it longer"]
     else:
         lines = [f"{path}: no config fits ({found.considered} candidates searched, {found.predicted} predicted)"]
     if c is not None:

@@ -80,6 +80,12 @@ class Search:
     stopped_early: bool
     notes: list[str] = field(default_factory=list)
 
+    def cut_short(self) -> str:
+        """What a walk the time limit stopped says where it found nothing: not a verdict on the candidates
+        it never reached."""
+        return (f"no fitting config found in the {self.seconds:.0f} s the search was given "
+                f"({self.predicted} of {self.considered} candidates predicted)")
+
 
 PredictFn = Callable[..., Any]
 
@@ -146,19 +152,19 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
         seen_main.add(c.main())
         fitting.append(c)
     best, others = _choose(fitting)
-    by_knobs = {c.knobs: c for c in candidates}
     if best is None:
         # the walk ended (its time limit) before a candidate of its own was judged to fit; a family's micro-batch
         # 1, predicted as the bound of its larger micro-batches, is a candidate too, and one that fits is an answer
         bounds, mains = [], set()
-        for c in sorted((by_knobs[k] for k, r in predictions.items() if k in by_knobs and r.fits),
-                        key=candidates.index):
-            if c.main() not in mains:  # one of each main knob set, as the walk keeps
+        for c in candidates:  # in walk order, one of each main knob set, as the walk keeps
+            r = predictions.get(c.knobs)
+            if r is not None and r.fits and c.main() not in mains:
                 mains.add(c.main())
-                c.result = predictions[c.knobs]
+                c.result = r
                 bounds.append(c)
         best, others = _choose(bounds)
     closest = None
+    by_knobs = {c.knobs: c for c in candidates}
     over = [(k, r) for k, r in predictions.items() if k in by_knobs and not r.fits and r.card_peak is not None]
     if best is None and over:
         k, r = min(over, key=lambda kv: kv[1].card_peak / kv[1].budget)

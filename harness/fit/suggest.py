@@ -19,8 +19,7 @@ def fit_diff(base: CheckResult, out_dir: Path, predict: PredictFn, *, deepspeed_
     found = search(base, allow, predict, platform=platform)
     if found.best is None:
         c = found.closest
-        stopped = (f"oom-harness fit: no fitting config found in the {found.seconds:.0f} s the search was given "
-                   f"({found.predicted} of {found.considered} candidates predicted)" if found.stopped_early else "")
+        stopped = f"oom-harness fit: {found.cut_short()}" if found.stopped_early else ""
         if c is None:
             return stopped or "oom-harness fit: no candidate could be predicted"
         return ((stopped + ";" if stopped else "oom-harness fit: no config fits;")
