@@ -245,14 +245,13 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     assert run.gather_inputs_at_allocated_peak <= run.gathered_at_allocated_peak
 
 
-def test_a_prefetched_gathers_host_copy_is_held_to_its_wait():
-    """The one config whose step stream overshoots its recording by more than 2 %: Qwen2.5-1.5B's full
-    fine-tune with its parameters offloaded, 512 tokens (recorded 3.386 GiB, built 3.734). At the built
-    peak 709 MiB of host partition copies are live where the run held 334: NCCL keeps a collective's
-    input until the watchdog, polling every 100 ms, has seen it done and the next collective is issued,
-    so a prefetched gather's copy went 18 to 95 ms after it was made, before its wait; the replay, with
-    no clock, frees it at the wait. The figure is above the run's, never below; the model's own stream
-    is the recorded one to the MiB."""
+def test_nccl_lets_a_prefetched_gathers_host_copy_go_before_its_wait():
+    """Qwen2.5-1.5B's full fine-tune with its parameters offloaded, 512 tokens (recorded 3.386 GiB): with
+    every host partition copy held to its gather's wait the step stream peaks at 3.734 (+10 %), 709 MiB of
+    copies live where the run held 334. NCCL keeps a collective's input until its watchdog, polling every
+    100 ms, has seen it done and the next collective is launched; timed so (`harness.predict.gather_release`,
+    the worst phase on a fast host) the peak is 3.45 GiB, above the run's and within 2 %. The model's own
+    stream is the recorded one to the MiB."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
     from harness.predict.trace import TraceSpec, trace_pair
@@ -268,10 +267,11 @@ def test_a_prefetched_gathers_host_copy_is_held_to_its_wait():
     traces = trace_pair(TraceSpec.of(case, arch))
     recorded = timeline.curve().peak("allocated")[1]
     run = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers)))
-    assert recorded < run.peak_allocated < 1.11 * recorded, (run.peak_allocated / GiB, recorded / GiB)
-    # with every copy live at the built peak let go, the figure falls below the run's: the run lies between
-    assert run.peak_allocated - run.gather_inputs_at_allocated_peak < recorded
-    assert run.gather_inputs_at_allocated_peak > 0.6 * GiB  # 709 MiB
+    assert 1.09 * recorded < run.peak_allocated_held < 1.11 * recorded, (run.peak_allocated_held / GiB,
+                                                                         recorded / GiB)
+    assert recorded < run.peak_allocated < 1.03 * recorded, (run.peak_allocated / GiB, recorded / GiB)
+    # fewer copies live at the timed peak than the 709 MiB held to their waits, more than the run's 334
+    assert 334 * 2**20 < run.gather_inputs_at_allocated_peak < 0.6 * GiB
     alone = simulate(build(*traces, OnePoolShape.of(case, arch, arch.layers, "none")))
     assert abs(alone.peak_reserved - timeline.reserved_peak_on(0)) < 2**20  # 1.895 GiB
 
@@ -287,12 +287,14 @@ def test_the_predictor_takes_the_allocated_peak_from_the_step_stream():
     assert p.allocated != p.terms["allocated_by_terms"]
     assert 0 < p.terms["zero3_gathered_at_allocated_peak"] < p.allocated
     assert any(n.startswith("allocated: the peak of the step's stream with DeepSpeed's gathers") for n in p.notes)
-    # its parameters are on the host: a part of the peak is gather inputs NCCL may let go sooner, and the
-    # note gives the range that spans
+    # its parameters are on the host: a part of the peak is gather inputs NCCL may let go sooner; none of
+    # those live at the peak goes before it at any watchdog phase (the embedding's copy, just made), so
+    # holding them all to their waits gives the same figure, and the note says what was timed
     inputs = p.terms["zero3_gather_inputs_at_allocated_peak"]
     assert 0 < inputs < p.terms["zero3_gathered_at_allocated_peak"]
-    low = f"{(p.allocated - inputs) / GiB:.2f} and {p.allocated / GiB:.2f} GiB"
-    assert any("gather inputs" in n and low in n for n in p.notes)
+    assert "allocated_with_gather_inputs_held" not in p.terms
+    assert any("gather inputs" in n and "worst watchdog phase" in n and f"{p.allocated / GiB:.2f} GiB, the most"
+               in n for n in p.notes)
 
 
 def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_step_stream():

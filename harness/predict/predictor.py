@@ -523,12 +523,18 @@ def predict(case: Case, arch: Architecture | None = None, *, platform: str | Non
         inputs = stepped.gather_inputs_at_allocated_peak
         if inputs:
             terms["zero3_gather_inputs_at_allocated_peak"] = inputs
-        if inputs > MARGIN_FLOOR * allocated:  # more than a peak's run-to-run noise
-            notes.append(f"allocated: {inputs / GiB:.2f} GiB of it are host partition copies handed to NCCL as gather "
-                         "inputs, held here to their gathers' waits; NCCL lets one go sooner once its watchdog "
-                         "(polling every 100 ms) has seen the gather done, so the run peaks between "
-                         f"{(allocated - inputs) / GiB:.2f} and {allocated / GiB:.2f} GiB by the host's speed; the "
-                         "figure is the upper end, a fast host's")
+        if stepped.peak_allocated_held > allocated:
+            terms["allocated_with_gather_inputs_held"] = stepped.peak_allocated_held
+        if stepped.peak_allocated_held - allocated > MARGIN_FLOOR * allocated or inputs > MARGIN_FLOOR * allocated:
+            from harness.predict.gather_release import COPY_BYTES_PER_S, HOST_S_PER_ALLOCATION
+
+            notes.append(f"allocated: {inputs / GiB:.2f} GiB of it are host partition copies handed to NCCL as "
+                         "gather inputs; NCCL lets one go once its watchdog (polling every 100 ms) has seen the "
+                         "gather done and another collective is launched, so the step is timed (a host spending "
+                         f"{HOST_S_PER_ALLOCATION * 1e6:.0f} us per allocation and copying at "
+                         f"{COPY_BYTES_PER_S / 1e9:.0f} GB/s, faster than any recorded) and the figure is its "
+                         "worst watchdog phase; with every copy held to its gather's wait, "
+                         f"{stepped.peak_allocated_held / GiB:.2f} GiB, the most any host's run can reach")
     else:
         notes.append("peak during " + where[allocated])
 

@@ -72,8 +72,13 @@ class Stream:
     # (harness.predict.zero3_stream), so the peak can be taken apart
     gathers: set[int] = field(default_factory=set)
     # of those, the host partition copies one-parameter gathers hand NCCL as input (`zero3.GATHER_INPUT`),
-    # freed at the gather's wait where NCCL may let them go sooner
+    # freed at the gather's wait where NCCL may let them go sooner (`harness.predict.gather_release`)
     gather_inputs: set[int] = field(default_factory=set)
+    # of the gathers, every host partition copied to the device (the inputs and a coalesced gather's
+    # copies), and the allocations after which a collective is launched: the host's time and the moments
+    # NCCL lets an input go at
+    host_copies: set[int] = field(default_factory=set)
+    launches: set[int] = field(default_factory=set)
 
     def alloc(self, size: int) -> int:
         self.sizes.append(int(size))

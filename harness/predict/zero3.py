@@ -88,8 +88,11 @@ ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
 POOL_ROUNDS = 4
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
+# a coalesced gather's flat buffer: its collective is launched once the copies have filled it
+COALESCED_BUFFER = "coalesced all-gather buffer"
 # a one-parameter gather's input, its host partition copied to the device: NCCL holds it until the gather
 # is waited on or its watchdog, polling every 100 ms, has seen the gather done; the replay frees it at the wait
+# (harness.predict.gather_release times when NCCL lets it go)
 GATHER_INPUT = "host partition copied to the device as a gather's input"
 
 
@@ -302,7 +305,7 @@ def _param_class(status, ledger: _Ledger):
             flats = []
             for group in groups:
                 flats.append(ledger.alloc(sum(ledger.part(p.ds_numel) for p in group) * ledger.ranks
-                                          * group[0].nbytes, "coalesced all-gather buffer"))
+                                          * group[0].nbytes, COALESCED_BUFFER))
                 if ledger.offload:  # `torch.cat([p.ds_tensor.to(device), ...], out=...)`: each host partition's
                     copies = [ledger.alloc(ledger.part(p.ds_numel) * p.nbytes, COALESCED_STAGING)
                               for p in group]  # copy, freed once the cat has filled the buffer (the list's

@@ -57,9 +57,9 @@ whatever stream the gathers run on; `simulate` gives its allocated peak and what
 (`Stream.gathers`). On eleven recorded timelines of such configs it lands within -0.4 to +0.2 % of the
 recorded allocated peak, where the most gathered and the activations each at its own peak gave up to
 +5 % (guide 000 non-reentrant) and +11 % (Llama-3.1-8B's LoRA with parameter offload); on guide 002's
-+1.7 %, and on Qwen2.5-1.5B's full fine-tune with parameter offload +10.3 %: the replay frees a
-gather's host partition copy at its wait, where NCCL let the copies of prefetched gathers go sooner
-(docs/predictor.md, "Known limits").
++1.7 %, and on Qwen2.5-1.5B's full fine-tune with parameter offload +1.8 %, timed as NCCL lets a
+gather's host partition copy go before its wait (`harness.predict.gather_release`; +10.3 % with every
+copy held to its wait, as the replay frees them).
 
 The trace tags its allocations by decoder layer and pass, not by module. Where inside a layer's chunk
 each module's hooks fire is recorded by the 2-layer trace of a config with its parameters on the host and
@@ -83,6 +83,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from harness.predict import gather_release
 from harness.predict.allocator import AllocatorConf, CachingAllocator
 from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
 from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
@@ -145,8 +146,11 @@ class OnePoolRun:
     phase_ends: list[tuple[str, int]]  # reserved at the end of each marked phase
     allocated_phase: str = ""  # the phase of the allocated peak
     gathered_at_allocated_peak: int = 0  # bytes of DeepSpeed's gathers live at the allocated peak
-    # of those, host partition copies handed to NCCL as gather inputs (`Stream.gather_inputs`), held to their waits
+    # of those, host partition copies handed to NCCL as gather inputs (`Stream.gather_inputs`) NCCL still held
     gather_inputs_at_allocated_peak: int = 0
+    # the allocated peak with every gather input held to its wait: above `peak_allocated` where NCCL lets
+    # some go sooner (`harness.predict.gather_release`), the figure no host's run exceeds
+    peak_allocated_held: int = 0
 
 
 def applies(case: Case) -> bool:
@@ -546,6 +550,10 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
             stream.gathers.add(ids[item.id])
             if item.what == zero3.GATHER_INPUT:
                 stream.gather_inputs.add(ids[item.id])
+            if item.what in (zero3.GATHER_INPUT, zero3.COALESCED_STAGING):
+                stream.host_copies.add(ids[item.id])
+            if item.what in (zero3.GATHER_INPUT, zero3.COALESCED_BUFFER):
+                stream.launches.add(ids[item.id])
         else:
             stream.free(ids.pop(item.id))
 
@@ -608,21 +616,31 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
 
 
 def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
+    """The allocator model over `stream`: its reserved peak (each gather input held to its wait), and its
+    allocated peak with the inputs let go as NCCL lets them (`harness.predict.gather_release`)."""
     sim = CachingAllocator(conf)
+    clock = gather_release.Clock() if stream.gather_inputs else None
     blocks: dict[int, object] = {}
+    gathered_sizes: dict[int, int] = {}  # a gather's block size, by id
     ends = [*[start for _, start in stream.phases][1:], len(stream.ops)]
     phase_ends: list[tuple[str, int]] = []
     peak, peak_at = -1, 0
     gathered, most, most_at, most_gathered = 0, -1, 0, 0  # the gathers' live bytes; the allocated peak's
     inputs = most_inputs = 0  # the same of the gathers' host partition copies
+    allocations = 0  # the host's time: harness.predict.gather_release
     for i, op in enumerate(stream.ops):
         if op is EMPTY_CACHE:
             sim.empty_cache()
         elif op >= 0:
             blocks[op] = block = sim.malloc(stream.sizes[op])
+            allocations += 1
             if block is not None and op in stream.gathers:
+                gathered_sizes[op] = block.size
                 gathered += block.size
                 inputs += block.size if op in stream.gather_inputs else 0
+                if clock is not None:
+                    clock.gather(op, block.size, allocations, i, host_copy=op in stream.host_copies,
+                                 gather_input=op in stream.gather_inputs, launch=op in stream.launches)
             if sim.stats.reserved > peak:
                 peak, peak_at = sim.stats.reserved, i
             if sim.stats.allocated > most:
@@ -633,14 +651,39 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
                 if -op - 1 in stream.gathers:
                     gathered -= block.size  # before the free: a freed block merges with its free neighbours
                     inputs -= block.size if -op - 1 in stream.gather_inputs else 0
+                if clock is not None:
+                    clock.freed(-op - 1, i)
                 sim.free(block)
+        if clock is not None:
+            clock.allocated.append(sim.stats.allocated)
         while len(phase_ends) < len(ends) and i == ends[len(phase_ends)] - 1:
             phase_ends.append((stream.phases[len(phase_ends)][0], sim.stats.reserved))
+    held = sim.stats.peak_allocated
+    if clock is not None:
+        released = gather_release.worst_phase(clock)
+        most, most_at = released.peak, released.at
+        most_gathered, most_inputs = _gathered_at(stream, gathered_sizes, most_at, released.let_go)
+
     def phase(at: int) -> str:
         return next((name for name, start in reversed(stream.phases) if start <= at), "load")
 
-    return OnePoolRun(max(peak, 0), sim.stats.peak_allocated, phase(peak_at), phase_ends, phase(most_at),
-                      most_gathered, most_inputs)
+    return OnePoolRun(max(peak, 0), most if clock is not None else held, phase(peak_at), phase_ends,
+                      phase(most_at), most_gathered, most_inputs, held)
+
+
+def _gathered_at(stream: Stream, sizes: dict[int, int], at: int, let_go: frozenset[int]) -> tuple[int, int]:
+    """Bytes of the gathers live just after op `at`, and of those the gather inputs, less `let_go`."""
+    live: set[int] = set()
+    for op in stream.ops[:at + 1]:
+        if op is EMPTY_CACHE:
+            continue
+        if op >= 0:
+            if op in sizes:
+                live.add(op)
+        else:
+            live.discard(-op - 1)
+    live -= let_go
+    return (sum(sizes[i] for i in live), sum(sizes[i] for i in live if i in stream.gather_inputs))
 
 
 @functools.lru_cache(maxsize=16)
@@ -658,4 +701,4 @@ def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
         return OnePoolRun(**d)
 
     return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "zero3_hooks.py",
-                                                     "stream.py", "allocator.py"), make, load)
+                                                     "stream.py", "allocator.py", "gather_release.py"), make, load)
