@@ -14,7 +14,9 @@ milliseconds of gathers long.
 
 * the host spends `HOST_S_PER_ALLOCATION` per allocation of the stream, and copies a host partition to
   the device at `COPY_BYTES_PER_S`; a gather is done when its input's copy is (the collective itself is
-  short beside the host's time between gathers);
+  short beside the host's time between gathers). The copy is a blocking one on the compute stream, so
+  the host waits there for the device to reach it: the device's compute only makes the run's clock
+  longer than this one, and a shorter clock lets fewer copies go;
 * a collective is launched after each one-parameter gather's copy and with each coalesced gather's
   buffer (`Stream.launches`); the reduce-scatters of the gradients are not in the stream, so the model
   has fewer launches to let an input go at than the run: it holds more, never less;
