@@ -92,7 +92,6 @@ class Released:
     peak: int
     at: int  # the op index of the peak
     let_go: frozenset[int]  # ids of the inputs let go before their waits and not yet waited on at the peak
-    phase_s: float  # the first watchdog poll, seconds after the stream began
 
 
 def _candidates(clock: Clock) -> list[tuple[int, Input, int, int, int]]:
@@ -108,11 +107,11 @@ def _candidates(clock: Clock) -> list[tuple[int, Input, int, int, int]]:
     return out
 
 
-def _let_go(clock: Clock, phase: float, candidates=None) -> list[tuple[int, int, int]]:
-    """(first op index without it, op index of its wait, id) of each input let go before its wait when the
-    watchdog first polls `phase` seconds in."""
+def _let_go(clock: Clock, phase: float, candidates: list) -> list[tuple[int, int, int]]:
+    """(first op index without it, op index of its wait, id) of each of the `candidates` let go before its
+    wait when the watchdog first polls `phase` seconds in."""
     out = []
-    for ident, one, end, lo, hi in _candidates(clock) if candidates is None else candidates:
+    for ident, one, end, lo, hi in candidates:
         poll = phase + math.ceil((one.done - phase) / WATCHDOG_POLL_S) * WATCHDOG_POLL_S
         k = bisect.bisect_left(clock.launched_at, poll, lo, hi)  # the poll is before launch hi
         if k == len(clock.launches):
@@ -127,17 +126,16 @@ def worst_phase(clock: Clock) -> Released:
     """The highest allocated peak over the phases tried, each input let go as NCCL would."""
     n = len(clock.allocated)
     candidates = _candidates(clock)
-    lists = [(phase, _let_go(clock, phase, candidates))
-             for phase in (i * WATCHDOG_POLL_S / PHASES for i in range(PHASES))]
+    lists = [_let_go(clock, i * WATCHDOG_POLL_S / PHASES, candidates) for i in range(PHASES)]
     # between two moments where what was let go changes, the peak is the stream's own there
-    bounds = sorted({0, n, *(x for _, spans in lists for gone, end, _ in spans for x in (gone, end))})
+    bounds = sorted({0, n, *(x for spans in lists for gone, end, _ in spans for x in (gone, end))})
     tops = []
     for a, b in itertools.pairwise(bounds):
         segment = clock.allocated[a:b]
         value = max(segment)
         tops.append((value, a + segment.index(value)))
     best = None
-    for phase, spans in lists:
+    for spans in lists:
         change: dict[int, int] = {}
         for gone, end, ident in spans:
             change[gone] = change.get(gone, 0) + clock.inputs[ident].nbytes
@@ -146,6 +144,6 @@ def worst_phase(clock: Clock) -> Released:
         for a, (value, top) in zip(bounds, tops, strict=False):
             out += change.get(a, 0)
             if best is None or value - out > best[0]:
-                best = (value - out, top, phase, spans)
-    value, top, phase, spans = best
-    return Released(value, top, frozenset(ident for gone, end, ident in spans if gone <= top < end), phase)
+                best = (value - out, top, spans)
+    value, top, spans = best
+    return Released(value, top, frozenset(ident for gone, end, ident in spans if gone <= top < end))

@@ -703,7 +703,7 @@ def gathered(spec: Zero3Spec) -> Gathered:
     def compute() -> Gathered:  # its steps kept: a step stream over the same spec is built from them
         steps: list[list] = []
         result = replay(spec, every_step=steps)
-        keep_steps(spec, steps)
+        _keep_steps(spec, steps)
         return result
 
     return _cached("gathered", payload, compute, dataclasses.asdict, lambda d: Gathered(**d))
@@ -714,15 +714,15 @@ _STEPS: dict = {}  # Zero3Spec -> the hook events and gathers of each step its r
 
 def replayed_steps(spec: Zero3Spec) -> list[list]:
     """The hook events and gathers of each step the coordinator replays under `spec` (`replay(spec,
-    every_step=)`), kept in-process for the specs replayed last (by `gathered` too, `keep_steps`)."""
+    every_step=)`), kept in-process for the specs replayed last (by `gathered` too)."""
     if spec not in _STEPS:
         steps: list[list] = []
         replay(spec, every_step=steps)
-        keep_steps(spec, steps)
+        _keep_steps(spec, steps)
     return _STEPS[spec]
 
 
-def keep_steps(spec: Zero3Spec, steps: list[list]) -> None:
+def _keep_steps(spec: Zero3Spec, steps: list[list]) -> None:
     while len(_STEPS) >= 4:
         del _STEPS[next(iter(_STEPS))]
     _STEPS[spec] = steps

@@ -621,11 +621,12 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
     sim = CachingAllocator(conf)
     clock = gather_release.Clock() if stream.gather_inputs else None
     blocks: dict[int, object] = {}
-    gathered_sizes: dict[int, int] = {}  # a gather's block size, by id
+    gathered_after: list[int] = []  # timed: the gathers' and their inputs' live bytes after each op
+    inputs_after: list[int] = []
     ends = [*[start for _, start in stream.phases][1:], len(stream.ops)]
     phase_ends: list[tuple[str, int]] = []
     peak, peak_at = -1, 0
-    gathered, most, most_at, most_gathered = 0, -1, 0, 0  # the gathers' live bytes; the allocated peak's
+    gathered, most, most_at, most_gathered = 0, 0, 0, 0  # the gathers' live bytes; the allocated peak's
     inputs = most_inputs = 0  # the same of the gathers' host partition copies
     allocations = 0  # the host's time: harness.predict.gather_release
     for i, op in enumerate(stream.ops):
@@ -635,7 +636,6 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
             blocks[op] = block = sim.malloc(stream.sizes[op])
             allocations += 1
             if block is not None and op in stream.gathers:
-                gathered_sizes[op] = block.size
                 gathered += block.size
                 inputs += block.size if op in stream.gather_inputs else 0
                 if clock is not None:
@@ -656,34 +656,22 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
                 sim.free(block)
         if clock is not None:
             clock.allocated.append(sim.stats.allocated)
+            gathered_after.append(gathered)
+            inputs_after.append(inputs)
         while len(phase_ends) < len(ends) and i == ends[len(phase_ends)] - 1:
             phase_ends.append((stream.phases[len(phase_ends)][0], sim.stats.reserved))
     held = sim.stats.peak_allocated
     if clock is not None:
         released = gather_release.worst_phase(clock)
         most, most_at = released.peak, released.at
-        most_gathered, most_inputs = _gathered_at(stream, gathered_sizes, most_at, released.let_go)
+        let_go = sum(clock.inputs[ident].nbytes for ident in released.let_go)  # live inputs, all of them
+        most_gathered, most_inputs = gathered_after[most_at] - let_go, inputs_after[most_at] - let_go
 
     def phase(at: int) -> str:
         return next((name for name, start in reversed(stream.phases) if start <= at), "load")
 
-    return OnePoolRun(max(peak, 0), most if clock is not None else held, phase(peak_at), phase_ends,
-                      phase(most_at), most_gathered, most_inputs, held)
-
-
-def _gathered_at(stream: Stream, sizes: dict[int, int], at: int, let_go: frozenset[int]) -> tuple[int, int]:
-    """Bytes of the gathers live just after op `at`, and of those the gather inputs, less `let_go`."""
-    live: set[int] = set()
-    for op in stream.ops[:at + 1]:
-        if op is EMPTY_CACHE:
-            continue
-        if op >= 0:
-            if op in sizes:
-                live.add(op)
-        else:
-            live.discard(-op - 1)
-    live -= let_go
-    return (sum(sizes[i] for i in live), sum(sizes[i] for i in live if i in stream.gather_inputs))
+    return OnePoolRun(max(peak, 0), most, phase(peak_at), phase_ends, phase(most_at), most_gathered, most_inputs,
+                      held)
 
 
 @functools.lru_cache(maxsize=16)
