@@ -56,6 +56,8 @@ class Figures(BaseModel):
     tokens_per_s_per_gpu: float | None = Field(gt=0, allow_inf_nan=False)
     mfu: float | None = Field(ge=0, allow_inf_nan=False)
     step_times_s: list[float]
+    # the device's time of each step (CUDA events; harness.runtime.train), the first rank's; empty where not recorded
+    step_device_s: list[float] = Field(default_factory=list)
     outcome: str  # ok, or the failure kind (oom, crash, timeout)
     failure: str | None = None
     triton_cache: str | None = None  # 'cold' or 'warm' for runs that compiled Triton kernels (runtime.compile_cache)
@@ -150,6 +152,7 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         tokens_per_s_per_gpu=run.per_card_rate(procs_per_card),
         mfu=run.per_card_rate(procs_per_card, "mfu"),
         step_times_s=ranks[0].step_times_s if ranks else [],
+        step_device_s=ranks[0].step_device_s if ranks else [],
         outcome="ok" if err is None else err.kind.value,
         failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,
         triton_cache=next((c for c in ("cold", "warm") if any(r.triton_cache == c for r in ranks)), None),
@@ -348,6 +351,11 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
     from covers them all. Each run's case is read from the first of `case_dirs` holding it, then from
     the bundled suite. Each file is written whole or not at all (WriteError: the old one is intact)."""
     runs = sourced_runs([runs_json] if isinstance(runs_json, (str, Path)) else runs_json)
+    for where, run in runs:  # `report` reads such runs; a baseline never holds one
+        slowed = next((r.injected_delay for r in run.ranks if r.injected_delay), None)
+        if slowed:
+            raise BlessError(f"{where}: run of '{run.case_id}' refused: it was slowed on purpose "
+                             f"(HARNESS_INJECT_DELAY={slowed}), a test of the checks, not a measurement")
     baselines = baselines_of(runs, driver, root, note, recorded, append, case_dirs, replace)
     for path, baseline in baselines.items():  # written only once every run was accepted
         write_atomic(path, baseline.model_dump_json(indent=1) + "\n", root=root)

@@ -137,7 +137,10 @@ class RankReport(BaseModel):
     zero: Zero | None = None
     offload: Offload | None = None
     probes: Probes = Field(default_factory=Probes)
-    step_times_s: list[float] = Field(default_factory=list)
+    step_times_s: list[float] = Field(default_factory=list)  # wall clock of each step, the warm-up's first
+    # the device's own time of each step (CUDA events around it, harness.runtime.train); empty on a CPU and
+    # in runs recorded before it was kept
+    step_device_s: list[float] = Field(default_factory=list)
     warmup_steps: int = 1
     seq_len: int = 0
     micro_batch: int = 0
@@ -154,16 +157,19 @@ class RankReport(BaseModel):
     cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.runtime.launcher.cpu_threads)
     clocks: Clocks | None = None  # the card's SM clock during the timed steps (NVIDIA; harness.measure.clocks)
     host_cpu: str | None = None  # the host CPU's model name
+    # HARNESS_INJECT_DELAY as the run had it ('5%', '0.02s': a slowdown made on purpose to measure the
+    # checks' power, harness.runtime.train); None in every real measurement
+    injected_delay: str | None = None
     # the rank's allocator timeline, a file in the run's folder (harness.measure.timeline); "" when not recorded
     memory_timeline: FileNameOrEmpty = ""
     error: ErrorInfo | None = None
 
-    @field_validator("step_times_s")
+    @field_validator("step_times_s", "step_device_s")
     @classmethod
-    def _finite_times(cls, value):
+    def _finite_times(cls, value, info):
         bad = [t for t in value if not math.isfinite(t) or t < 0]
         if bad:
-            raise ValueError(f"step_times_s: {bad[0]!r} is not a duration; step times are finite seconds >= 0")
+            raise ValueError(f"{info.field_name}: {bad[0]!r} is not a duration; step times are finite seconds >= 0")
         return value
 
     @property
@@ -181,6 +187,12 @@ class RankReport(BaseModel):
         timed = self.step_times_s[self.warmup_steps :]
         median = statistics.median(timed) if timed else 0
         return self.tokens_per_step / median if median > 0 else None
+
+    @property
+    def device_step_s(self) -> float | None:
+        """The median device time of the timed steps (CUDA events), None where none was recorded."""
+        timed = self.step_device_s[self.warmup_steps :]
+        return statistics.median(timed) if timed else None
 
 
 class CaseRun(BaseModel):
