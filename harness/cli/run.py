@@ -15,8 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.cli.arguments import positive_int, seconds, wait_seconds
+from harness.cli.arguments import positive_int
 from harness.models.inputs import InputError
+from harness.pytest_plugin.options import add_run_options
 from harness.spec.cases import CASES_DIR
 from harness.spec.files import WriteError, check_writable, os_reason, write_atomic
 
@@ -27,40 +28,15 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="run cases and print a summary table")
     p.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
     p.add_argument("-k", action="append", help="run only cases whose id contains this (repeatable)")
-    p.add_argument("--case-dir", default=str(CASES_DIR), help="folder of case files (default: the bundled suite)")
-    p.add_argument("--baselines-dir", default=None,
-                   help="baselines full-size runs are held to, as `bless --baselines-dir` writes them "
-                        "(default: the bundled results/baselines)")
-    p.add_argument("--out", help="folder for the reports (default: a temporary folder)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
-    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per case run")
-    p.add_argument("--wait-for-card", type=wait_seconds, default=0.0, metavar="SECONDS",
-                   help="wait up to this long for a card another harness is measuring (default: refuse at once; "
-                        "the full-size runs then fail as card_busy, naming the other harness)")
-    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per case run")
     p.add_argument("--variant", action="append",
-                     help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
-                          "(grad accum cap), combined '2r8L2ga'; repeatable")
+                   help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
+                        "(grad accum cap), combined '2r8L2ga'; repeatable")
     p.add_argument("--select", choices=["all", "single", "multi"], default="all",
-                     help="only single-rank or only multi-rank cases")
+                   help="only single-rank or only multi-rank cases")
     p.add_argument("--shard", help="K/N: the K-th of N slices of the selected cases (one per GPU)")
-    p.add_argument("--benchmark-json", help="write full-size throughput as pytest-benchmark JSON here")
     p.add_argument("--repeat", type=positive_int, default=1, help="repetitions of each full-size run (for the spread)")
-    p.add_argument("--grad-accum-cap", type=positive_int, default=None,
-                     help="full-size runs accumulate at most N micro steps (peaks do not change past 2; "
-                          "saves time; labelled in every figure)")
-    p.add_argument("--full-depth", action="store_true",
-                     help="measure cases with depth_points at full depth (a host that holds them)")
-    p.add_argument("--jobs", type=positive_int, default=None,
-                     help="training processes at once for tiny runs (default: one per CPU core)")
-    p.add_argument("--selected-only", action="store_true",
-                     help="run only the selected cases: a claim about another case (a fix's peak against its "
-                          "failing config, a family's speed order) is not checkable instead of running it")
-    p.add_argument("--memory-history", action="store_true",
-                   help="GPU runs record rank 0's allocator history into the run's folder (rank0-memory.json.gz), "
-                        "for the report's memory timeline; slows the step, so compare no throughput from it")
-    p.add_argument("--html", metavar="DIR",
-                   help="also write the HTML report of the runs just made, beside the baselines, as DIR/index.html")
+    add_run_options(p.add_argument, "cli")  # the options pytest takes too (harness.pytest_plugin.settings)
     p.set_defaults(func=run)
 
 
@@ -143,6 +119,7 @@ def _measure_line(run) -> str:
 def run(args) -> int:
     from harness.baselines.store import RESULTS_DIR, load_baselines
 
+    args.case_dir = args.case_dir or str(CASES_DIR)  # the option's default: none, for pytest's sake
     if args.memory_history:
         from harness.runtime import memory_history
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.pytest_plugin.settings import BASELINES_DIR, CASE_DIR, PREMERGE_DIRS, SUITE, settings
+from harness.pytest_plugin.options import BASELINES_DIR, CASE_DIR, PREMERGE_DIRS, SUITE, add_run_options
+from harness.pytest_plugin.settings import settings
 
 MARKERS = (
     "tiny: a case at tiny size on a CPU (the default tier)",
@@ -38,34 +39,7 @@ def pytest_addoption(parser):
     group = parser.getgroup("oom-harness")
     group.addoption(SUITE[0], action="store_true",
                     help="run the case tests of the bundled example suite (where no case folder is set)")
-    group.addoption(CASE_DIR[0], default=None,
-                    help=f"folder of case files: one test per case and fidelity (ini: {CASE_DIR[1]})")
-    group.addoption(BASELINES_DIR[0], default=None,
-                    help=f"folder of baselines for full-size runs (ini: {BASELINES_DIR[1]}; "
-                         "default: the bundled suite's)")
-    group.addoption("--harness-run-dir", default=None,
-                    help="where workers write their reports (default: a temporary folder)")
-    group.addoption("--case-timeout", type=float, default=None, help="seconds per case run (default: 900)")
-    group.addoption("--harness-steps", type=int, default=None, help="optimizer steps per case run")
-    group.addoption("--harness-jobs", type=int, default=None,
-                    help="training processes at once for tiny runs (default: one per CPU core)")
-    group.addoption("--harness-full-depth", action="store_true",
-                    help="measure cases with depth_points at full depth (a host that holds them)")
-    group.addoption("--harness-grad-accum-cap", type=int, default=None,
-                    help="full-size runs accumulate at most N micro steps (peaks do not change past 2)")
-    group.addoption("--harness-benchmark-json", default=None,
-                    help="write full-size throughput in pytest-benchmark's JSON format to this file")
-    group.addoption("--harness-wait-for-card", type=float, default=0.0, metavar="SECONDS",
-                    help="wait up to this long for a card another harness is measuring (default: refuse at once; "
-                         "the full-size runs then fail as card_busy, naming the other harness)")
-    group.addoption("--harness-selected-only", action="store_true",
-                    help="run only the selected cases: a claim about another case (a fix's peak against its "
-                         "failing config, a family's speed order) is not checkable instead of running it")
-    group.addoption("--memory-history", action="store_true",
-                    help="GPU runs record rank 0's allocator history into its run folder (rank0-memory.json.gz; "
-                         "slows the step: not for throughput)")
-    group.addoption("--harness-html", default=None, metavar="DIR",
-                    help="write the HTML report of the full-size runs made, beside the baselines, as DIR/index.html")
+    add_run_options(group.addoption, "pytest")  # --case-dir, --baselines-dir and how a case runs
     group.addoption(PREMERGE_DIRS[0], action="append", default=None,
                     help=f"folder of training configs with a premerge.yaml: one test per config (repeatable; "
                          f"ini: {PREMERGE_DIRS[1]})")

@@ -1,9 +1,11 @@
 """What the pytest plugin was asked to do: the case folder, the baselines folder, the pre-merge folders.
 
-Each comes from the command line, else from the project's pytest ini or pyproject
+Each folder comes from the command line, else from the project's pytest ini or pyproject
 (`[tool.pytest.ini_options]`), else stays off. A path on the command line is relative to where
 pytest runs; one in the ini file is relative to that file. A folder that does not exist is a usage
 error naming the option and the path, before anything is collected.
+How a case run goes is set by the options of harness.pytest_plugin.options, which `oom-harness run`
+takes as well.
 """
 
 from __future__ import annotations
@@ -13,13 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.pytest_plugin.options import BASELINES_DIR, CASE_DIR, PREMERGE_DIRS, SUITE
 from harness.spec import suite
-
-# (option, ini name): the case folder and the baselines folder
-CASE_DIR = ("--case-dir", "harness_case_dir")
-BASELINES_DIR = ("--baselines-dir", "harness_baselines_dir")
-PREMERGE_DIRS = ("--premerge-dir", "harness_premerge_dirs")
-SUITE = ("--harness", "harness")
 
 
 @dataclass(frozen=True)
