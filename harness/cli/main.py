@@ -1,6 +1,6 @@
 """The command line: assembles one module per command (accelerate's `commands/` layout).
 
-    oom-harness run | check | fit | case-from | validate | bless | report
+    oom-harness run | check | fit | case-from | validate | bless | report | compare
 
 Exit codes, the same for every command (docs/cli.md):
 
@@ -21,11 +21,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.cli import bless, case_from, check, fit, report, run, validate
+from harness.cli import bless, case_from, check, compare, fit, report, run, validate
 from harness.models.inputs import InputError
 from harness.spec.files import WriteError
 
-COMMANDS = (run, check, fit, case_from, validate, bless, report)
+COMMANDS = (run, check, fit, case_from, validate, bless, report, compare)
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 

@@ -1,16 +1,19 @@
-"""A full-size run against its baseline: the per-card peak must not rise, tokens/s must not drop,
-each beyond a tolerance.
+"""A full-size run against its baseline: the per-card peak must not rise, tokens/s must not drop.
 
-The tolerance is the case's own (`expect.memory_tolerance`, `expect.speed_tolerance`) where the case
-sets one; otherwise it comes from the noise the baseline's repetitions showed: three times their
-largest relative deviation from the median, and never below a floor (allocator peaks repeat to the
-byte on one software stack, step times do not). A baseline of a single repetition has no spread;
-the floor alone applies and the verdict says so.
+Speed is judged by a statistical test (harness.judge.stats.run_vs_baseline): the run's log tokens/s
+against the mean of the baseline's repetitions, with the run-to-run noise pooled over the platform's
+baselines; it flags a clean run with probability `stats.ALPHA` and states, in every verdict, the
+slowdown it catches with `stats.POWER`. Speeds are compared across CPU thread counts where the config
+does no CPU-side work (no offload: the host only launches kernels); where it does and no repetition
+ran at the run's thread count, the verdict says NOT CHECKED (`not_checkable`), never a pass. Where no
+baseline of the platform has two repetitions, nothing estimates the noise: the old fixed floor
+applies and the verdict calls the check weak.
 
-Three times a wide spread can reach past zero: repetitions from different hosts of one card kind
-differ in speed by up to 75% (docs/baselines.md), and a floor below zero tokens/s is a check
-that cannot fail. So a derived limit is also bounded by the repetitions themselves: a run may be no
-slower than the slowest of them, and use no more memory than the highest, by more than the floor.
+Memory, and speed under a case's own `expect.speed_tolerance`, keep a tolerance: the case's own where
+it sets one; otherwise three times the repetitions' largest relative deviation from the median, never
+below a floor (allocator peaks repeat to the byte on one software stack). Three times a wide spread
+can reach past zero, so a derived limit is also bounded by the repetitions themselves: a run may use
+no more memory than the highest of them by more than the floor.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 
 from harness.baselines.store import MEMORY_FLOOR, Baseline, Figures, load_baselines, spread
+from harness.judge.stats import Noise, pooled_noise, run_vs_baseline
 from harness.judge.verdicts import Verdict
 from harness.measure.clocks import clock_note
 from harness.spec.schema import Case
@@ -108,6 +112,101 @@ def _under_condition(baseline: Baseline, attr: str, value, what: str, figure: st
     return [], Verdict(what, "not_checkable", say(value, " and ".join(str(v) for v in sorted(seen))))
 
 
+def cpu_side_work(case: Case) -> str | None:
+    """What of the config runs on the host's CPU, whose speed then moves with its threads (None: nothing)."""
+    from harness.spec.schema import Offload
+
+    ds = case.deepspeed
+    if ds is not None and ds.offload_optimizer != Offload.none:
+        return "its optimizer steps on the CPU (DeepSpeed's optimizer offload, CPU Adam)"
+    if ds is not None and ds.offload_param != Offload.none:
+        return "its parameters are offloaded to host memory"
+    return None
+
+
+def speed_noise(baseline: Baseline, pool: list[Baseline] | None) -> Noise | None:
+    """The run-to-run noise of log tokens/s: pooled over the repetitions of every baseline of the
+    platform in `pool` (each baseline's repetitions at one CPU thread count a group), `baseline`'s
+    own included; over every platform's where none of this one's has two repetitions."""
+    def groups(of: list[Baseline]) -> list[list[float]]:
+        out: dict[tuple, list[float]] = {}
+        for b in of:
+            for r in b.runs:
+                if r.outcome == "ok" and r.tokens_per_s_per_gpu:
+                    out.setdefault((b.platform.key, b.case_id, b.variant, r.cpu_threads), []).append(
+                        r.tokens_per_s_per_gpu)
+        return list(out.values())
+
+    every = [b for b in (pool or []) if b is not baseline] + [baseline]
+    same = [b for b in every if b.platform.key == baseline.platform.key]
+    return pooled_noise(groups(same)) or pooled_noise(groups(every))
+
+
+def _speed(case: Case, figures: Figures, baseline: Baseline, pool: list[Baseline] | None) -> list[Verdict]:
+    """The run's tokens/s against the baseline's repetitions: a statistical test (harness.judge.stats)
+    where the noise can be estimated, else the fixed floor, said to be weak. Across CPU thread counts
+    only where the config does no CPU-side work; elsewhere, without repetitions at the run's threads,
+    the speed is not checked, and the verdict says so."""
+    if figures.tokens_per_s_per_gpu is None:
+        return []
+    out = []
+    host_bound = cpu_side_work(case)
+    threads = sorted({r.cpu_threads for r in baseline.runs if r.cpu_threads})
+    note = ""
+    if host_bound:
+        rates, other = _under_condition(
+            baseline, "cpu_threads", figures.cpu_threads, "baseline_speed", "tokens_per_s_per_gpu",
+            lambda run, base: f"NOT CHECKED: this run had {run} CPU threads per process, the baseline {base}, and "
+                              f"{host_bound}: its speed moves with the threads. Bless a run at {run} threads "
+                              "(bless --append) or set OMP_NUM_THREADS to the baseline's")
+        if other:
+            return [other]
+        every = len(baseline.values("tokens_per_s_per_gpu"))
+        if figures.cpu_threads and not threads:
+            note = "; the baseline's CPU threads were not recorded"
+        elif len(rates) < every:
+            note = (f"; the {len(rates)} of {every} repetitions at {figures.cpu_threads} CPU "
+                    f"thread{'s' if figures.cpu_threads > 1 else ''} ({host_bound})")
+    else:
+        rates = [r.tokens_per_s_per_gpu for r in baseline.runs if r.tokens_per_s_per_gpu and r.outcome == "ok"]
+        if figures.cpu_threads and threads and threads != [figures.cpu_threads]:
+            note = (f"; compared across CPU threads ({figures.cpu_threads} here, {' and '.join(map(str, threads))} "
+                    "in the baseline): the config does no CPU-side work")
+    if not rates:
+        return out
+    rate = figures.tokens_per_s_per_gpu
+    device = _device_change(figures, baseline)
+    noise = speed_noise(baseline, pool) if case.expect.speed_tolerance is None else None
+    if noise is not None:
+        test = run_vs_baseline(rate, rates, noise)
+        out.append(Verdict("baseline_speed", "refuted" if test.slower else "confirmed",
+                           f"{rate:,.0f} tokens/s per GPU vs baseline {statistics.geometric_mean(rates):,.0f}: "
+                           f"{test.text()}{note}{device}{_host_side(figures, baseline)}"))
+        return out
+    least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
+    weak = ("" if case.expect.speed_tolerance is not None else
+            "; WEAK: no repetitions to estimate the noise from, so a fixed floor (bless --append more runs)")
+    out.append(Verdict("baseline_speed", "confirmed" if rate >= least.value else "refuted",
+                       f"{rate:,.0f} tokens/s per GPU vs baseline {statistics.median(rates):,.0f} "
+                       f"({rate / statistics.median(rates) - 1:+.1%}; floor {least.value:,.0f}, {least.why}){weak}"
+                       f"{note}{device}{_host_side(figures, baseline)}"))
+    return out
+
+
+def _device_change(figures: Figures, baseline: Baseline) -> str:
+    """The change of the device's own step time (CUDA events), where both sides recorded it."""
+    def median_device(f: Figures) -> float | None:
+        timed = f.step_device_s[1:] if len(f.step_device_s) > 1 else f.step_device_s
+        return statistics.median(timed) if timed else None
+
+    mine = median_device(figures)
+    theirs = [t for t in map(median_device, baseline.runs) if t]
+    if not mine or not theirs:
+        return ""
+    base = statistics.median(theirs)
+    return f"; device time per step {mine:.3f} s vs {base:.3f} s ({mine / base - 1:+.1%})"
+
+
 def _host_side(figures: Figures, baseline: Baseline) -> str:
     """What the host contributed to a speed: the card's clock and what held it down, and a host CPU
     other than the baseline's (speed moves with both; memory does not)."""
@@ -118,8 +217,10 @@ def _host_side(figures: Figures, baseline: Baseline) -> str:
     return note
 
 
-def against_baseline(case: Case, figures: Figures, baseline: Baseline | None, missing: str = "") -> list[Verdict]:
-    """`missing`: why there is no baseline (`no_baseline`), where `baseline` is None."""
+def against_baseline(case: Case, figures: Figures, baseline: Baseline | None, missing: str = "",
+                     pool: list[Baseline] | None = None) -> list[Verdict]:
+    """`missing`: why there is no baseline (`no_baseline`), where `baseline` is None. `pool`: the
+    baselines the speed check's run-to-run noise is pooled over (`speed_noise`; default: this one)."""
     if baseline is None:
         return [Verdict("baseline", "not_checkable", missing or "no baseline for this case on this platform "
                                                              "(oom-harness bless)")]
@@ -140,24 +241,5 @@ def against_baseline(case: Case, figures: Figures, baseline: Baseline | None, mi
                            f"per-card peak {fmt_gib(figures.per_card_peak)} vs baseline "
                            f"{fmt_gib(statistics.median(peaks))} (limit {fmt_gib(most.value)}, {most.why}; "
                            f"recorded {baseline.recorded})"))
-    # a CPU-bound step (CPU Adam under offload) scales with the threads: not a regression
-    rates, other = _under_condition(baseline, "cpu_threads", figures.cpu_threads, "baseline_speed",
-                                    "tokens_per_s_per_gpu",
-                                    lambda run, base: f"this run had {run} CPU threads per process, the baseline "
-                                                      f"{base}; speeds are compared at one thread count")
-    if other:
-        out.append(other)
-    if rates and figures.tokens_per_s_per_gpu is not None:
-        least = limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False)
-        ok = figures.tokens_per_s_per_gpu >= least.value
-        every = len(baseline.values("tokens_per_s_per_gpu"))
-        unrecorded = ("; the baseline's CPU threads were not recorded"
-                      if figures.cpu_threads and not baseline.values("cpu_threads")
-                      else f"; the {len(rates)} of {every} repetitions at {figures.cpu_threads} CPU "
-                           f"thread{'s' if figures.cpu_threads > 1 else ''}"
-                      if len(rates) < every else "")
-        out.append(Verdict("baseline_speed", "confirmed" if ok else "refuted",
-                           f"{figures.tokens_per_s_per_gpu:,.0f} tokens/s per GPU vs baseline "
-                           f"{statistics.median(rates):,.0f} (floor {least.value:,.0f}, {least.why}){unrecorded}"
-                           f"{_host_side(figures, baseline)}"))
+    out += _speed(case, figures, baseline, pool)
     return out or [Verdict("baseline", "not_checkable", "the baseline holds no peak or speed to compare")]

@@ -176,6 +176,9 @@ class Session:
     # seconds to wait for a card another harness is measuring before a full-size run (0: refuse at
     # once; harness.runtime.card_lock)
     wait_for_card_s: float = 0.0
+    # where each full-size run appends its line of history (harness.baselines.history) and is searched
+    # for change points: None takes HARNESS_HISTORY_DIR, and keeps no history where that is unset
+    history_root: Path | None = None
     cases: dict[str, tuple[Case, Path]] = field(default_factory=dict)
     errors: list[CaseError] = field(default_factory=list)
     _runs: dict[tuple[str, str, str, int], Future] = field(default_factory=dict)
@@ -336,10 +339,38 @@ class Session:
                 key = PlatformInfo.of_run(measured).key
                 found = find_baseline(case_id, variant.text, key, self._baselines)
                 verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found,
-                                            "" if found else no_baseline(case_id, variant.text, key, self._baselines))
+                                            "" if found else no_baseline(case_id, variant.text, key, self._baselines),
+                                            self._baselines)
                 regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
                                for v in verdicts]
+            regression += self._history(case, [r for r in runs if r.ranks])
         return Judgement(measured_case, run, outcome, claims, runs, extrapolation, regression, host_ram)
+
+    def _history(self, case: Case, runs: list[CaseRun]) -> list[Verdict]:
+        """Append the runs to this runner's history and search the case's series for change points
+        (harness.judge.changepoints): a new one that makes a metric worse fails the case."""
+        from harness.baselines import history
+        from harness.judge.changepoints import new_shifts
+
+        root = self.history_root or history.history_dir()
+        if root is None or not runs:
+            return []
+        path = history.history_file(root, history.runner_name())
+        entries = [history.entry_of(r, case.launch.procs_per_card) for r in runs]
+        try:
+            history.append(path, entries)
+        except OSError as exc:
+            return [Verdict("change_point", "not_checkable", f"the history {path} could not be written: "
+                                                              f"{os_reason(exc)}")]
+        mine = {e.series for e in entries}
+        every = [e for e in history.read(path) if e.series in mine]
+        found = new_shifts(every, {e.run for e in entries})
+        out = [Verdict("change_point", "refuted" if s.worse else "confirmed", s.text() + f" ({path})")
+               for s in found]
+        if not out:
+            nights = max(sum(1 for e in every if e.series == k and e.outcome == "ok") for k in mine)
+            out.append(Verdict("change_point", "confirmed", f"no new change point over {nights} night(s) of {path}"))
+        return out
 
     def series(self, case_id: str, fidelity: str) -> Series:
         """The runs of every variant the case is measured on here, and their depth fit (two depths or
