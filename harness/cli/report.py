@@ -1,5 +1,7 @@
-"""`oom-harness report`: the baselines, or a night's runs, as a markdown table; with `--html DIR`, as a
-static page of plots (harness.report.html) written into DIR."""
+"""`oom-harness report`: the verdict table (harness.report.verdicts: failures first), then the baselines,
+or a night's runs, as a markdown table; with `--html DIR`, as a static page of plots
+(harness.report.html) written into DIR and nowhere else. `--history DIR` adds the change points of the
+runners' histories (harness.baselines.history)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ def add_parser(subparsers) -> None:
     rep.add_argument("--html", metavar="DIR",
                      help="write the report as DIR/index.html (plots as inline SVG; opens from disk): the baselines, "
                           "the memory timelines and the runs given, instead of printing the table")
+    rep.add_argument("--history", metavar="DIR", default=None,
+                     help="a folder of run histories (<runner>.jsonl; default: $HARNESS_HISTORY_DIR): show their "
+                          "change points and series")
     rep.add_argument("--timelines-dir", default=None,
                      help="folder of memory timelines for --html (default: 'timelines' beside the baselines folder)")
     rep.set_defaults(func=run)
@@ -29,10 +34,21 @@ def run(args) -> int:
     in the same table, built in memory as `bless` would write them), and the verdicts that failed in
     them. Writes nothing."""
     from harness.baselines.store import baselines_of, load_baselines, sourced_runs
-    from harness.report.markdown import report_markdown
+    from harness.report.html.inputs import read_inputs
+    from harness.report.markdown import report_markdown, verdict_markdown
+    from harness.report.verdicts import rows_of
 
     if args.html:
         return write_html(args)
+    for path in map(Path, args.runs):
+        if not path.exists():
+            raise_missing(path)
+    # the verdict table leads: what failed, what could not be checked, what passed
+    inputs = read_inputs(Path(args.baselines_dir), Path(args.case_dir), [Path(r) for r in args.runs], [],
+                         predict=False)
+    verdicts = verdict_markdown(rows_of(inputs, history_shifts(args)))
+    if verdicts:
+        print(verdicts + "\n")
     if not args.runs:
         print(report_markdown(load_baselines(Path(args.baselines_dir)), Path(args.case_dir)))
         return 0
@@ -47,6 +63,23 @@ def run(args) -> int:
     print(table or "(no full-size run in them)")
     print("\nVerdicts that failed:\n" + ("\n".join(failed) or "none"))
     return 0
+
+
+def raise_missing(path: Path):
+    from harness.models.inputs import InputError
+
+    raise InputError(path, None, "no such file or folder", "name a `run --json` file or a run folder")
+
+
+def history_shifts(args) -> list:
+    """The change points of every runner's history in `--history` (or $HARNESS_HISTORY_DIR)."""
+    from harness.baselines.history import history_dir, read_all
+    from harness.judge.changepoints import shifts
+
+    folder = Path(args.history) if getattr(args, "history", None) else history_dir()
+    if folder is None:
+        return []
+    return [s for entries in read_all(folder).values() for s in shifts(entries)]
 
 
 def write_html(args) -> int:
@@ -68,7 +101,7 @@ def write_html(args) -> int:
             raise InputError(path, None, "no such file or folder", "name a `run --json` file or a run folder")
     timelines = [Path(args.timelines_dir)] if args.timelines_dir else None
     page = build_report(folder, Path(args.baselines_dir), Path(args.case_dir), [Path(r) for r in args.runs],
-                        timelines)
+                        timelines, shifts=history_shifts(args))
     print(f"wrote {page}")
     return 0
 
@@ -76,5 +109,6 @@ def write_html(args) -> int:
 def _failed_verdicts(paths: list[Path]) -> list[str]:
     """The refuted verdicts kept in `run --json` files (run folders and run.json files hold none)."""
     from harness.report.html.inputs import verdicts_of
+    from harness.report.markdown import md
 
-    return [f"- {name}: {v.line()}" for name, v in verdicts_of(paths) if v.status == "refuted"]
+    return [f"- {md(name)}: {md(v.line())}" for name, v in verdicts_of(paths) if v.status == "refuted"]

@@ -1,4 +1,6 @@
-"""REPORT.md: the baselines as a markdown table, and the depth extrapolations they support."""
+"""REPORT.md: the verdict table first, then the baselines as a markdown table, and the depth
+extrapolations they support. Every cell is escaped (`md`): a run record is JSON anyone can edit, and a
+device name holding `|` and a line break, or a detail opening an HTML comment, must not add or hide rows."""
 
 from __future__ import annotations
 
@@ -11,6 +13,34 @@ from harness.judge.verdicts import WHOLE_CARD_CLAIMS
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.units import fmt_gib
 from harness.spec.variants import parse_variant
+
+
+def md(text) -> str:
+    """`text` as one markdown table cell or list item: line breaks and control characters become spaces,
+    `|` and `\\` are escaped, and `<`, `>`, `&` become entities (no HTML, no comment hides what follows)."""
+    out = []
+    for ch in str(text):
+        if ch in "\r\n\t" or ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in "\u2028\u2029":
+            out.append(" ")
+        elif ch in "\\|":
+            out.append("\\" + ch)
+        else:
+            out.append({"<": "&lt;", ">": "&gt;", "&": "&amp;"}.get(ch, ch))
+    return "".join(out)
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(md(c) for c in cells) + " |"
+
+
+def verdict_markdown(rows) -> str:
+    """The verdict rows (harness.report.verdicts.rows_of) as a markdown table, with the count of each status."""
+    from harness.report.verdicts import HEADER, summary_line
+
+    if not rows:
+        return ""
+    lines = [f"Verdicts, failures first: {summary_line(rows)}.", "", _row(HEADER), "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + [_row(r.cells()) for r in rows])
 
 
 def report_markdown(baselines: list[Baseline], case_dir: Path = CASES_DIR) -> str:
@@ -71,8 +101,8 @@ def report_markdown(baselines: list[Baseline], case_dir: Path = CASES_DIR) -> st
             mark, claims = f"the mistake to detect: {case.expect.detect}", []
         elif b.variant:
             claims, mark = ["stated for the case as written: see the extrapolation below"], "a measured variant"
-        lines.append(f"| {b.case_id} | {where} | {card} | {verdict} ({mark}) | {peaks} | {head} | {host} | {rate} | "
-                     f"{mfu} | {'; '.join(claims) or '-'} |")
+        lines.append(_row((b.case_id, where, card, f"{verdict} ({mark})", peaks, head, host, rate, mfu,
+                           "; ".join(claims) or "-")))
     extra = extrapolation_markdown(baselines, case_dir)
     return "\n".join(lines) + ("\n\n" + extra if extra else "")
 
@@ -127,9 +157,8 @@ def extrapolation_markdown(baselines: list[Baseline], case_dir: Path = CASES_DIR
         if e.tokens_per_s is None and any(r.startswith("step time") for r in e.rejected):
             rate = "- (step time falls with depth)"
         host = node_text(case, e.values.get("host_peak"))
-        rows.append(f"| {case.id} | {e.platform_key}, variant {e.base_variant or 'as written'} | {e.label} | "
-                    f"{fmt_gib(peak)} | {per_layer} | {margin} | {host} | {rate} | {fmt_gib(budget)}: {verdict} | "
-                    f"{check} |")
+        rows.append(_row((case.id, f"{e.platform_key}, variant {e.base_variant or 'as written'}", e.label,
+                          fmt_gib(peak), per_layer, margin, host, rate, f"{fmt_gib(budget)}: {verdict}", check)))
     if not rows:
         return ""
     intro = ("Depth extrapolations (extrapolated figures, not measurements). A fit is judged with the margin "

@@ -7,13 +7,35 @@ report's folder and nothing anywhere else.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
-from harness.report.html import accuracy, claims, depth, peaks, timelines, trend
+from harness.report.html import accuracy, claims, depth, peaks, timelines, trend, verdicts
 from harness.report.html.inputs import read_inputs
 from harness.report.html.page import Section, Table, render, write_page
 
-SECTIONS = (peaks, accuracy, timelines, trend, depth, claims)
+SECTIONS = (peaks, accuracy, timelines, trend, depth, claims)  # after the verdicts, which lead the page
+CACHE = ".predict-cache"  # the predictor's trace cache, inside the report's folder
+
+
+@contextlib.contextmanager
+def _cache_inside(folder: Path):
+    """The predictor keeps its traces on disk (harness.predict.trace; by default in the home folder's
+    cache): while a report is built they go into the report's own folder, so that `report --html`
+    writes nowhere else."""
+    old = os.environ.get("HARNESS_PREDICT_CACHE")
+    if old is not None and old.lower() in ("off", "0", "no", "false"):
+        yield
+        return
+    os.environ["HARNESS_PREDICT_CACHE"] = str(Path(folder).resolve() / CACHE)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HARNESS_PREDICT_CACHE", None)
+        else:
+            os.environ["HARNESS_PREDICT_CACHE"] = old
 
 
 def timelines_dir_of(baselines_dir: Path) -> Path:
@@ -22,12 +44,15 @@ def timelines_dir_of(baselines_dir: Path) -> Path:
 
 
 def build_report(folder: Path, baselines_dir: Path, case_dir: Path, runs: list[Path] = (),
-                 timeline_dirs: list[Path] | None = None, generated: str | None = None) -> Path:
+                 timeline_dirs: list[Path] | None = None, generated: str | None = None, shifts=()) -> Path:
     """Write the report into `folder` (created where missing) and return the page's path. Raises
-    BlessError for a run file that cannot be read, WriteError where the page cannot be written."""
+    BlessError for a run file that cannot be read, WriteError where the page cannot be written.
+    `shifts`: the change points of the runners' histories (harness.judge.changepoints), shown in the
+    verdict table."""
     timeline_dirs = [timelines_dir_of(baselines_dir)] if timeline_dirs is None else timeline_dirs
-    inputs = read_inputs(Path(baselines_dir), Path(case_dir), list(runs), timeline_dirs)
-    sections = [module.section(inputs) for module in SECTIONS]
+    with _cache_inside(folder):
+        inputs = read_inputs(Path(baselines_dir), Path(case_dir), list(runs), timeline_dirs)
+    sections = [verdicts.section(inputs, shifts)] + [module.section(inputs) for module in SECTIONS]
     if inputs.skipped:
         sections.append(Section("skipped", "Inputs left out", "Files the report could not use, each with why.",
                                 [Table(("file", ), [(s,) for s in inputs.skipped])]))

@@ -19,7 +19,9 @@ class Table:
     header: tuple[str, ...]
     rows: list[tuple[str, ...]]
     title: str = ""
+    key: str = ""  # the table's id, where it has one
     collapsed: bool = False  # long tables open on a click (<details>: no script)
+    classes: list[str] = field(default_factory=list)  # a CSS class for each row (the verdict table's statuses)
 
 
 @dataclass
@@ -41,14 +43,25 @@ svg.plot{width:100%;height:auto;display:block}
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}nav li{margin:.1em 0}.note{color:#555;font-size:.9em}
+.scroll{overflow-x:auto;max-width:100%}
+tr.fail td{background:#fde2e1}tr.fail td:first-child{color:#a50f15;font-weight:bold}
+tr.not-checked td{background:#fff3cd}tr.finding td{background:#eef}
+#verdicts table{font-size:.8em}
+@media (max-width:700px){body{padding:.5em;font-size:15px}h1{font-size:1.25em}
+.figure-scroll{overflow-x:auto}.figure-scroll svg.plot{min-width:640px}figcaption{font-size:.9em}}
 """
 
 
 def _table(t: Table) -> str:
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in t.header)
-    body = "\n".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in t.rows)
-    table = f"<table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>"
+    classes = t.classes or [""] * len(t.rows)
+    body = "\n".join((f'<tr class="{e(c)}">' if c else "<tr>") + "".join(f"<td>{e(str(v))}</td>" for v in row)
+                     + "</tr>" for row, c in zip(t.rows, classes, strict=True))
+    # a wide table scrolls inside its own box, never the whole page (a phone's 390 px)
+    table = f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table></div>'
+    if t.key:
+        table = table.replace("<table>", f'<table id="{e(t.key)}">', 1)
     if t.collapsed:
         return f"<details><summary>{e(t.title or 'table')} ({len(t.rows)} rows)</summary>{table}</details>"
     return (f"<h3>{e(t.title)}</h3>" if t.title else "") + table
@@ -56,7 +69,7 @@ def _table(t: Table) -> str:
 
 def _figure(f: Figure) -> str:
     # the SVG is matplotlib's own markup, its text escaped by matplotlib; everything else is escaped here
-    return (f'<figure id="fig-{html.escape(f.key)}" class="report-figure">{f.svg}'
+    return (f'<figure id="fig-{html.escape(f.key)}" class="report-figure"><div class="figure-scroll">{f.svg}</div>'
             f"<figcaption>{html.escape(f.caption)}</figcaption></figure>")
 
 
