@@ -133,8 +133,7 @@ def speed_noise(baseline: Baseline, pool: list[Baseline] | None) -> Noise | None
         for b in of:
             for r in b.runs:
                 if r.outcome == "ok" and r.tokens_per_s_per_gpu:
-                    out.setdefault((b.platform.key, b.case_id, b.variant, r.cpu_threads), []).append(
-                        r.tokens_per_s_per_gpu)
+                    out.setdefault((id(b), r.cpu_threads), []).append(r.tokens_per_s_per_gpu)
         return list(out.values())
 
     every = [b for b in (pool or []) if b is not baseline] + [baseline]
