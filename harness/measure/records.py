@@ -118,6 +118,16 @@ class ErrorInfo(BaseModel):
     phase: str | None = None  # load, engine, step, probe
 
 
+class StackRun(BaseModel):
+    """The framework a case trained through (harness.runtime.stacks): its name and version, the trainer
+    class that ran, and what the run changed to train on this host (a CPU drops Liger, say)."""
+
+    name: str
+    version: str | None = None
+    trainer: str | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
 class RankReport(BaseModel):
     case_id: FileName
     fidelity: str
@@ -153,6 +163,7 @@ class RankReport(BaseModel):
     # default, which changes between versions and models, and moves a step's peak by GiBs
     attn_implementation: str | None = None
     versions: dict[str, str] = Field(default_factory=dict)
+    stack: StackRun | None = None  # the framework that trained, for llamafactory and hf_trainer cases
     triton_cache: str | None = None  # 'cold' or 'warm' where the run used Triton kernels (runtime.compile_cache)
     cpu_threads: int | None = None  # torch's intra-op threads in this process (harness.runtime.launcher.cpu_threads)
     clocks: Clocks | None = None  # the card's SM clock during the timed steps (NVIDIA; harness.measure.clocks)

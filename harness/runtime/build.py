@@ -56,8 +56,9 @@ def model_config_dict(case: Case, fidelity: str, seq_len: int, layers: int | Non
     return dict(arch.config)
 
 
-def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.device) -> Path:
-    """A folder holding config.json and random weights of this config, written once and cached."""
+def random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.device) -> Path:
+    """A folder holding config.json, random weights of this config and a tokenizer (`write_tokenizer`):
+    a model folder as a user's job loads one, written once and cached."""
     from transformers import AutoModelForCausalLM
 
     key = hashlib.sha256(json.dumps([config_dict, str(dtype)], sort_keys=True).encode()).hexdigest()[:16]
@@ -85,10 +86,33 @@ def _random_checkpoint(config_dict: dict, dtype: torch.dtype, device: torch.devi
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            write_tokenizer(tmp, int(config_dict["vocab_size"]))
             tmp.rename(folder)
+        elif not (folder / TOKENIZER_FILE).is_file():  # a folder written before tokenizers were kept
+            write_tokenizer(folder, int(config_dict["vocab_size"]))
     if distributed:
         dist.barrier()
     return folder
+
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_WORDS = 1024  # the data are token ids, never text: a word list this long is enough to load
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level fast tokenizer in `folder`, as the frameworks' loaders expect beside the weights
+    (LLaMA-Factory loads the tokenizer before the model). Its words are ids below the model's
+    vocabulary; the training data are synthetic token ids and never pass through it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = max(3, min(vocab_size, TOKENIZER_WORDS))
+    vocab = {f"t{i}": i for i in range(words - 2)}
+    vocab.update({"<eos>": words - 2, "<pad>": words - 1})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
+                            unk_token="t0").save_pretrained(folder)
 
 
 def attention_kwargs(case: Case) -> dict:
@@ -98,7 +122,18 @@ def attention_kwargs(case: Case) -> dict:
     return {} if attn is None else {"attn_implementation": attn}
 
 
-def _lora(case: Case, model):
+def bnb_config(case: Case, on_cpu: bool):
+    """The case's 4-bit quantization as transformers takes it (fp16 compute as bf16 on a CPU)."""
+    from transformers import BitsAndBytesConfig
+
+    q = case.method.quantization
+    compute = DTYPES[q.compute_dtype] if not (on_cpu and q.compute_dtype == Precision.fp16) else torch.bfloat16
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                              bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=compute)
+
+
+def lora_model(case: Case, model):
+    """The case's LoRA adapters through peft's `get_peft_model`."""
     from peft import LoraConfig, get_peft_model
 
     lora = case.method.lora
@@ -145,11 +180,12 @@ def _enable_checkpointing(model, reentrant: bool) -> None:
 
 def prepare_checkpoint(case: Case, fidelity: str, device: torch.device, seq_len: int,
                        layers: int | None = None) -> Path | None:
-    """Write the random-weight checkpoint a QLoRA case loads from (outside the measured phases:
-    it is the harness's stand-in for a downloaded model, not part of the scenario)."""
-    if case.method.kind != "qlora":
+    """Write the random-weight checkpoint a case loads from (QLoRA, and every case a framework trains),
+    outside the measured phases: it is the harness's stand-in for a downloaded model, not part of the
+    scenario."""
+    if harness_model_source(case) != "checkpoint":
         return None
-    return _random_checkpoint(model_config_dict(case, fidelity, seq_len, layers),
+    return random_checkpoint(model_config_dict(case, fidelity, seq_len, layers),
                               train_dtype(case, device.type == "cpu"),
                               device)
 
@@ -175,19 +211,10 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
         hf_ds_config = HfDeepSpeedConfig(ds_config)
 
     if harness_model_source(case) == "checkpoint":  # QLoRA: quantized as it loads
-        from transformers import BitsAndBytesConfig
-
-        q = case.method.quantization
-        compute = DTYPES[q.compute_dtype] if not (on_cpu and q.compute_dtype == Precision.fp16) else torch.bfloat16
-        bnb = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q.quant_type,
-            bnb_4bit_use_double_quant=q.double_quant,
-            bnb_4bit_compute_dtype=compute,
-        )
-        folder = checkpoint or _random_checkpoint(config_dict, dtype, device)
+        folder = checkpoint or random_checkpoint(config_dict, dtype, device)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=bnb, dtype=dtype, device_map={"": device}, **attention_kwargs(case)
+            folder, quantization_config=bnb_config(case, on_cpu), dtype=dtype, device_map={"": device},
+            **attention_kwargs(case)
         )
         gc_on = case.train.gradient_checkpointing
         if case.stack == Stack.peft:
@@ -219,6 +246,6 @@ def build_model(case: Case, fidelity: str, device: torch.device, ds_config: dict
 
     zero_init = any(hasattr(p, "ds_id") for p in model.parameters())
     if case.method.kind in ("lora", "qlora"):
-        model = _lora(case, model)
+        model = lora_model(case, model)
     model.train()  # from_pretrained returns eval mode, where HF checkpointing is silently off
     return Built(model=model, config_dict=config_dict, zero_init=zero_init, hf_ds_config=hf_ds_config)

@@ -38,3 +38,20 @@ def loader(case, shape, vocab, on_cpu, micro_steps):
         pin_memory=case.train.pin_memory and not on_cpu and torch.cuda.is_available(),
         **kwargs,
     )
+
+
+class SyntheticExamples(SyntheticTokens):
+    """The same sequences as a framework trainer's dataset takes them: one example a row, with its
+    attention mask and labels (a tokenized SFT example at the cutoff length, every token trained)."""
+
+    def __getitem__(self, i):
+        import torch
+
+        row = super().__getitem__(i)
+        return {"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()}
+
+
+def examples(shape, vocab: int) -> SyntheticExamples:
+    """A trainer's training set for `shape.steps` optimizer steps of `shape.grad_accum` micro-batches."""
+    return SyntheticExamples(vocab, shape.seq_len, distinct=shape.micro_batch * 2,
+                             length=shape.micro_batch * shape.grad_accum * shape.steps)

@@ -61,11 +61,12 @@ def run(args) -> int:
     from harness.measure.records import ErrorInfo, Failure, RankReport, Zero, short_of
     from harness.runtime import compile_cache
     from harness.runtime.build import build_model, prepare_checkpoint
-    from harness.runtime.data import loader
+    from harness.runtime.data import examples, loader
     from harness.runtime.engine import start_engine
     from harness.runtime.measurement import Measurement, local_bytes, offload, weights
     from harness.runtime.platform import Platform, detect, dist_backend, parse_oom
     from harness.runtime.probe import card_to_itself, run_probes
+    from harness.runtime.stacks import through_trainer
     from harness.runtime.train import train_steps
     from harness.spec.cases import load_case
     from harness.spec.dsconfig import deepspeed_config
@@ -137,10 +138,22 @@ def run(args) -> int:
                 deepspeed.init_distributed(dist_backend=dist_backend(platform), verbose=False)
             history.start()
             layers = case.layers if args.fidelity == "real" else None
-            checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len, layers)
-            phase = "load"
-            meas.reset()
-            built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, layers, checkpoint)
+            job = None
+            if through_trainer(case):  # the framework's own parsing, loader and trainer
+                from harness.runtime.stacks.callback import MeasuringCallback
+                from harness.runtime.stacks.job import prepare as prepare_stack_job
+
+                job = prepare_stack_job(case, args.fidelity, shape, device, layers, Path(args.out_dir), rank,
+                                        ds_config)
+                report.stack = job.record
+                phase = "load"
+                meas.reset()
+                built = job.load()
+            else:
+                checkpoint = prepare_checkpoint(case, args.fidelity, device, shape.seq_len, layers)
+                phase = "load"
+                meas.reset()
+                built = build_model(case, args.fidelity, device, ds_config, shape.seq_len, layers, checkpoint)
             model = built.model
             report.model_config_used = built.config_dict
             report.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -153,17 +166,27 @@ def run(args) -> int:
             progress(f"loaded, {report.load.allocated / 2**30:.2f} GiB peak allocated")
             phase = "engine"
             history.phase("engine")
-            trainer = start_engine(case, model, ds_config)
-            engine, runner = trainer.engine, trainer.runner
-            meas.check_cpu_limit()
-
-            progress("engine ready")
-            phase = "step"
             vocab = int(built.config_dict["vocab_size"])
-            batches = iter(loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum))
-            meas.sync()
-            meas.reset()
-            train_steps(trainer, shape, batches, device, meas, report, progress, history)
+            if job is not None:  # the trainer builds its engine, then the callback starts the step phase
+                job.train(examples(shape, vocab), MeasuringCallback(meas, report, progress, history, shape.steps))
+                phase = "step"
+                if not job.checkpointing_as_asked():
+                    raise RuntimeError(f"{case.id}: activation checkpointing is not as the case asks "
+                                       f"({'on' if case.train.gradient_checkpointing else 'off'}) in the model "
+                                       f"{job.record.name} trained")
+                model, engine = job.model, job.engine
+                runner = engine if engine is not None else model
+            else:
+                trainer = start_engine(case, model, ds_config)
+                engine, runner = trainer.engine, trainer.runner
+                meas.check_cpu_limit()
+
+                progress("engine ready")
+                phase = "step"
+                batches = iter(loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum))
+                meas.sync()
+                meas.reset()
+                train_steps(trainer, shape, batches, device, meas, report, progress, history)
             report.step = meas.figures()
             history.finish()  # before the probes, whose allocations are not the step's
             report.clocks = meas.sampler.clocks()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
@@ -42,13 +43,18 @@ class Precision(str, Enum):
 class Stack(str, Enum):
     """The training stack a config comes from; it changes memory (GiBs on a 7B QLoRA).
 
-    peft: peft's `prepare_model_for_kbit_training` (upcasts non-4-bit parameters to fp32).
-    llamafactory: LLaMA-Factory's QLoRA path (keeps them in the compute dtype).
-    plain: no k-bit preparation (non-quantized cases).
+    llamafactory: LLaMA-Factory itself: its argument parsing, loader, adapter setup (the fp32 upcast of
+        trainable parameters unless pure_bf16 or ZeRO-3; its QLoRA path keeps non-4-bit parameters in the
+        compute dtype) and trainer (harness.runtime.stacks.llamafactory).
+    hf_trainer: transformers' Trainer with the config's TrainingArguments (harness.runtime.stacks.hf_trainer).
+    peft: the harness's own loop, with peft's `prepare_model_for_kbit_training` (upcasts non-4-bit
+        parameters to fp32) for QLoRA: a user's script.
+    plain: the harness's own loop, no k-bit preparation (non-quantized cases).
     """
 
     peft = "peft"
     llamafactory = "llamafactory"
+    hf_trainer = "hf_trainer"
     plain = "plain"
 
 
@@ -321,6 +327,16 @@ class Source(Strict):
     deepspeed: str | None = Field(default=None, min_length=1,
                                   description="the DeepSpeed config it was made with, relative to the case file or "
                                               "absolute")
+
+    @field_validator("config", "deepspeed")
+    @classmethod
+    def _from_case_folder(cls, value, info: ValidationInfo):
+        """A relative path becomes absolute (relative to `base_dir` in the validation context, the case
+        file's folder), so a framework's run reads the user's own config from any working directory."""
+        base_dir = (info.context or {}).get("base_dir")
+        if value is None or base_dir is None or Path(value).is_absolute():
+            return value
+        return str((Path(base_dir) / value).resolve())
 
 
 class Predicted(Strict):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from harness.models.registry import tiny_config
 from harness.models.source import load_model
-from harness.spec.schema import Case
+from harness.spec.schema import Case, Stack
 
 TINY_SEQ_DIVISOR = 16
 TINY_MIN_SEQ = 16
@@ -27,10 +27,13 @@ REAL_STEPS = 6
 
 
 def harness_model_source(case: Case) -> str:
-    """How the harness's own runs build the case's model (`launch.model_source`): a QLoRA model from a
-    random-weight checkpoint through from_pretrained (bitsandbytes quantizes it as it loads), every
+    """How the harness's runs build the case's model (`launch.model_source`): from a random-weight
+    checkpoint through from_pretrained where the case trains through a framework (LLaMA-Factory, the
+    HF Trainer: `harness.runtime.stacks`) or is QLoRA (bitsandbytes quantizes it as it loads); every
     other from its config on the device (harness.runtime.build)."""
-    return "checkpoint" if case.method.kind == "qlora" else "config"
+    if case.method.kind == "qlora" or case.stack in (Stack.llamafactory, Stack.hf_trainer):
+        return "checkpoint"
+    return "config"
 
 
 def tiny_max_ranks() -> int:
