@@ -45,6 +45,7 @@ def add_parser(subparsers) -> None:
                    help="the cases whose id contains this (repeatable), as `run -k` selects them")
     p.add_argument("--base-python", help="the interpreter of arm A (an older virtual environment's bin/python)")
     p.add_argument("--base-checkout", help="a checkout of the harness whose code arm A runs (PYTHONPATH)")
+    p.add_argument("--python", help="the interpreter of arm B (default: the one running this command)")
     p.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable of arm A only (repeatable)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -108,7 +109,10 @@ def arms(args) -> tuple[Arm, Arm]:
         cwd = str(checkout)
     env_a.update(_pairs(args.base_env, "--base-env"))
     env_b = {**os.environ, **_pairs(args.env, "--env")}
-    return Arm("A (base)", python, env_a, cwd), Arm("B (this environment)", sys.executable, env_b)
+    python_b = args.python or sys.executable
+    if not Path(python_b).is_file():
+        raise InputError(Path(python_b), "--python", "no such interpreter", "name a virtual environment's bin/python")
+    return Arm("A (base)", python, env_a, cwd), Arm("B (this environment)", python_b, env_b)
 
 
 def _figures(json_path: Path) -> dict[str, dict[str, float]]:
