@@ -54,7 +54,7 @@ def test_every_case_file_in_the_repo_is_valid(path):
     seq_len=st.integers(16, 32768),
     r=st.integers(1, 256),
     headroom=st.floats(0.05, 1.0),
-    memory=st.sampled_from(["16 GB", "23.52 GiB", "64GB", "80 GiB", 17179869184]),
+    memory=st.sampled_from(["16 GB", "23.52 GiB", "64GB", "80 GiB", "17179869184 B"]),
 )
 def test_valid_variations_are_accepted(micro_batch, grad_accum, seq_len, r, headroom, memory):
     data = copy.deepcopy(BASE)

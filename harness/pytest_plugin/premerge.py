@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from harness.models.inputs import InputError, load_yaml
 from harness.premerge.check import CheckResult, run_check, table
 from harness.premerge.importers import ConfigError, ConfigFormat, JobSpec, detect_format, read_mapping, resolve_path
 from harness.pytest_plugin.settings import settings
-from harness.spec.units import parse_size
+from harness.spec.units import WRITTEN, parse_size_field
 
 SIDECAR = "premerge.yaml"
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -62,8 +62,8 @@ class PremergeSettings(BaseModel):
 
     @field_validator("gpu_memory", "host_ram", mode="before")
     @classmethod
-    def _size(cls, value):
-        return None if value is None else parse_size(value)
+    def _size(cls, value, info: ValidationInfo):
+        return None if value is None else parse_size_field(value, info)
 
 
 class Sidecar(BaseModel):
@@ -89,14 +89,17 @@ def load_sidecar(folder: Path) -> Sidecar:
     if not path.is_file():
         return Sidecar()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        return Sidecar.model_validate(data)
-    except yaml.YAMLError as exc:
-        raise ConfigError(path, None, f"not valid YAML: {exc}", "fix the YAML syntax") from None
+        data = load_yaml(path)  # the one reader of users' files: its limits, duplicate keys refused
+    except InputError as exc:
+        raise ConfigError(exc.path, exc.key, exc.problem, exc.fix) from None
+    try:
+        # a person wrote it: `gpu_memory: 80` is refused, not read as 80 bytes
+        return Sidecar.model_validate(data or {}, context={WRITTEN: True})
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(path, key, err["msg"], "see the format in harness/pytest_plugin/premerge.py") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(path, key, msg, "see the format in harness/pytest_plugin/premerge.py") from None
 
 
 def _is_training_config(path: Path) -> bool:

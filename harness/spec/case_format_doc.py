@@ -251,7 +251,7 @@ def _size_fields(model: type[BaseModel]) -> set[str]:
     for dec in model.__pydantic_decorators__.field_validators.values():
         func = getattr(dec.func, "__func__", dec.func)
         code = getattr(func, "__code__", None)
-        if dec.info.mode == "before" and code is not None and "parse_size" in code.co_names:
+        if dec.info.mode == "before" and code is not None and {"parse_size", "parse_size_field"} & set(code.co_names):
             found.update(dec.info.fields)
     return found
 

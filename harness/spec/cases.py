@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from harness.models.inputs import InputError, load_yaml
 from harness.spec.schema import Case
 from harness.spec.suite import CASES_DIR  # the bundled suite's cases, the default folder
+from harness.spec.units import WRITTEN
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def parse_case(data: object, path: Path) -> Case:
     if not isinstance(data, dict):
         raise CaseError(path, (f"the file must hold a mapping of case fields, not {type(data).__name__}",))
     try:
-        return Case.model_validate(data, context={"base_dir": path.parent})
+        return Case.model_validate(data, context={"base_dir": path.parent, WRITTEN: True})
     except ValidationError as exc:
         raise CaseError(path, tuple(_describe(e) for e in exc.errors())) from None
 

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
-from harness.spec.units import parse_size
+from harness.spec.units import parse_size, parse_size_field
 
 
 class Strict(BaseModel):
@@ -250,8 +250,8 @@ class Card(Strict):
 
     @field_validator("memory", mode="before")
     @classmethod
-    def _size(cls, value):
-        size = parse_size(value)
+    def _size(cls, value, info: ValidationInfo):
+        size = parse_size_field(value, info)
         if size <= 0:
             raise ValueError("card memory must be above zero")
         return size
@@ -270,8 +270,8 @@ class Target(Strict):
 
     @field_validator("host_ram", mode="before")
     @classmethod
-    def _size(cls, value):
-        return None if value is None else parse_size(value)
+    def _size(cls, value, info: ValidationInfo):
+        return None if value is None else parse_size_field(value, info)
 
 
 def _finding_field(subject: str):
@@ -357,8 +357,8 @@ class Predicted(Strict):
 
     @field_validator("per_card_peak", "allocated", "host_ram", "budget", "margin", mode="before")
     @classmethod
-    def _size(cls, value):
-        return None if value is None else parse_size(value)
+    def _size(cls, value, info: ValidationInfo):
+        return None if value is None else parse_size_field(value, info)
 
 
 # --- Claims -------------------------------------------------------------------------------------
@@ -499,8 +499,8 @@ class OomAllocationClaim(_Claim):
 
     @field_validator("size", mode="before")
     @classmethod
-    def _size(cls, value):
-        return parse_size(value)
+    def _size(cls, value, info: ValidationInfo):
+        return parse_size_field(value, info)
 
 
 class SpeedRankClaim(_Claim):
