@@ -11,7 +11,9 @@ DeepSpeed configs (`harness.premerge.importers.reading`), a model's config.json
   alias bomb is a few hundred bytes that expand to billions of nodes), and no alias that contains
   itself; counted on the composed node graph, before any object is built;
 - JSON: nesting depth, and no `NaN`/`Infinity`;
-- numbers finite (YAML `.nan`, `.inf`; JSON `1e999`) and integers within 64 bits, wherever they are.
+- numbers finite (YAML `.nan`, `.inf`; JSON `1e999`) and integers within 64 bits, wherever they are;
+- no key written twice in one mapping: YAML and JSON would keep the last and drop the first without a
+  word, so a config reviewed at one value runs at another.
 
 A problem is one `InputError` naming the file, the key where there is one, and the fix. It is the
 exception every layer raises for bad input; the command line exits 2 on it (`harness.cli.main`).
@@ -146,6 +148,25 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self.depth -= 1
 
+    def construct_mapping(self, node, deep=False):
+        """A mapping whose own keys are each written once (keys merged in with `<<: *alias` may be
+        overridden, as YAML means them to be)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise _duplicate(self.path, key, f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}")
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _duplicate(path: Path | None, key: Any, where: str) -> InputError:
+    return InputError(path, str(key), f"is written twice ({where}); only the last would count",
+                      "keep one of them")
+
 
 def _too_deep(path: Path | None, key: str | None = None) -> InputError:
     return InputError(path, key, f"nests deeper than {MAX_DEPTH} levels", "flatten the file; no config nests so deep")
@@ -229,16 +250,30 @@ class _NonFinite:
         self.name = name
 
 
+def _unique_keys(path: Path):
+    """json's object_pairs_hook: an object as a dict, refused where a key is written twice."""
+    def hook(pairs: list) -> dict:
+        data = dict(pairs)
+        if len(data) != len(pairs):
+            seen: set = set()
+            key = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise _duplicate(path, key, "in one object")
+        return data
+    return hook
+
+
 def parse_json(text: str, path: Path | str) -> Any:
     """The value of a JSON document, within the limits (module docstring)."""
     path = Path(path)
     try:
-        data = json.loads(text, parse_constant=_NonFinite)
+        data = json.loads(text, parse_constant=_NonFinite, object_pairs_hook=_unique_keys(path))
     except json.JSONDecodeError as exc:
         raise InputError(path, None, f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
                          "fix the JSON syntax (no comments or trailing commas in JSON)") from None
     except RecursionError:
         raise _too_deep(path) from None
+    except InputError:  # a key written twice
+        raise
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
         raise InputError(path, None, f"not valid JSON: {exc}", "write numbers of ordinary size") from None
     check_values(data, path)
