@@ -7,7 +7,9 @@ lint it (`harness.premerge.lints`), and judge: it fits when the predicted device
 card, summed, plus the prediction's margin (`harness.predict.margin.fit_verdict`, the one verdict every
 caller uses), stays within the card's memory times the headroom, and (with --host-ram) the node's
 predicted host RAM within its usable share of the host. A prediction that could not size part of
-the job (`Prediction.missing`) is UNDECIDED, never FITS. Exit codes: 0 fits and no lint of
+the job (`Prediction.missing`) is UNDECIDED, never FITS; so is a config with a key read but not modelled
+that can raise the peak (`ImportedConfig.not_modelled`), and one that can only lower it makes a
+DOES NOT FIT undecided (FITS holds). Each such key is named in the output. Exit codes: 0 fits and no lint of
 severity error; 1 it does not fit, is undecided, or an error lint fired; 2 bad input (one message, no traceback);
 3 the predictor failed on a config it should size (harness.cli.main logs the traceback).
 """
@@ -50,8 +52,14 @@ class CheckResult:
         p, c = self.prediction, self.config
         if p is None:
             return None
-        return fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
-                           procs_per_gpu=c.procs_per_gpu, missing=p.missing)
+        raising = [n.line() for n in c.not_modelled if n.raises]
+        verdict = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
+                              procs_per_gpu=c.procs_per_gpu, missing=list(p.missing) + raising)
+        lowering = [n.line() for n in c.not_modelled if not n.raises]
+        if verdict.decided and not verdict.fits and lowering:  # it may fit once what they save is counted
+            verdict = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
+                                  procs_per_gpu=c.procs_per_gpu, missing=list(p.missing) + raising + lowering)
+        return verdict
 
     @property
     def node_host_ram(self) -> int | None:
@@ -169,6 +177,7 @@ def as_json(result: CheckResult) -> dict[str, Any]:
         "files": [str(s) for s in c.sources],
         "format": c.training.format.value,
         "lints": [f.as_dict() for f in result.lints],
+        "not_modelled": [n.as_dict() for n in c.not_modelled],
         "notes": list(c.notes) + (list(p.notes) if p else []),
         "calibrated_on": list(p.calibrated_on) if p else [],
         "platform": p.platform if p else None,
@@ -218,6 +227,8 @@ def table(result: CheckResult) -> str:
         lines += ["", "lints:"]
         for f in result.lints:
             lines += [f"  {f.one_line()}", f"      why: {f.reason}", f"      fix: {f.fix}"]
+    if c.not_modelled:
+        lines += ["", "read, not modelled:"] + [f"  - {n.line()}" for n in c.not_modelled]
     notes = list(c.notes) + (list(p.notes) if p else [])
     if notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in notes]

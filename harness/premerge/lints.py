@@ -283,7 +283,21 @@ def zero3_reentrant_checkpointing(c: ImportedConfig, p) -> list[Lint]:
     )]
 
 
+def boolean_written_as_text(c: ImportedConfig, p) -> list[Lint]:
+    """A boolean written as text that its stack reads otherwise than it looks (importers.reading)."""
+    return [Lint(
+        "boolean-written-as-text", "warning",
+        f"{r.written!r} is text, not a boolean: {r.stack} reads it as {str(r.read_as).lower()}",
+        "the HF Trainer's argument dataclasses (TrainingArguments, LLaMA-Factory's, a script's through "
+        "HfArgumentParser.parse_dict or parse_json_file) keep a value as written and test it for truth, and "
+        "any non-empty text is true: \"false\" turns the setting on. The check reads it as the job will run.",
+        f"write true or false without quotes; as written, the job runs with {str(r.read_as).lower()}",
+        str(r.path), r.key,
+    ) for r in c.read_as]
+
+
 RULES: tuple[Rule, ...] = (
+    boolean_written_as_text,
     zero3_model_before_deepspeed,
     deepspeed_plain_python,
     eval_strategy_renamed,

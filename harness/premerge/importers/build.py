@@ -11,7 +11,16 @@ from pydantic import ValidationError
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.job import Job, case_launcher
 from harness.premerge.importers.model import ModelRef
-from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, ImportedConfig, InitOrder, TrainingFile
+from harness.premerge.importers.reading import Reader
+from harness.premerge.importers.records import (
+    ConfigFormat,
+    DeepSpeedFile,
+    ImportedConfig,
+    InitOrder,
+    NotModelled,
+    ReadAs,
+    TrainingFile,
+)
 from harness.spec.cases import _describe
 from harness.spec.schema import Case
 
@@ -105,19 +114,26 @@ def triton_notes(arch, job: Job) -> list[str]:
 
 def assemble(case: Case | None, model: ModelRef, training: TrainingFile, ds: DeepSpeedFile | None, *, launcher: str,
              launcher_from: str, ranks: int, job: Job, init: InitOrder, notes: list[str],
-             unpredictable: str | None = None) -> ImportedConfig:
+             unpredictable: str | None = None, not_modelled: tuple[NotModelled, ...] = (),
+             read_as: tuple[ReadAs, ...] = ()) -> ImportedConfig:
+    """The ImportedConfig; keys read but not modelled, and booleans read otherwise than they look, are
+    the training config's (`not_modelled`, `read_as`) and its DeepSpeed config's."""
     return ImportedConfig(
         case=case, arch=model.arch, training=training, deepspeed=ds, launcher=launcher,
         launcher_from=launcher_from, world_size=ranks, gpus=job.gpus, gpu_memory=job.gpu_memory,
         procs_per_gpu=job.procs_per_gpu, headroom=job.headroom, host_ram=job.host_ram,
         init_order=init, unpredictable=unpredictable, notes=tuple(notes),
+        not_modelled=tuple(not_modelled) + (ds.not_modelled if ds else ()),
+        read_as=tuple(read_as) + (ds.read_as if ds else ()),
     )
 
 
 def finish(path: Path, fmt: ConfigFormat, training: TrainingFile, model: ModelRef, ds: DeepSpeedFile | None,
            job: Job, launcher: str, launcher_from: str, stack: str,
-           precision: str, method: dict, train: dict, init: InitOrder, notes: list[str]) -> ImportedConfig:
-    """A training format's settings, read, as an ImportedConfig (its case left out where unpredictable)."""
+           precision: str, method: dict, train: dict, init: InitOrder, notes: list[str],
+           reader: Reader | None = None) -> ImportedConfig:
+    """A training format's settings, read, as an ImportedConfig (its case left out where unpredictable);
+    `reader`: the training config's, with what it recorded."""
     if model.note:
         notes.append(model.note)
     notes += triton_notes(model.arch, job)
@@ -131,4 +147,6 @@ def finish(path: Path, fmt: ConfigFormat, training: TrainingFile, model: ModelRe
                           train=train, ds=ds, launcher=launcher, ranks=ranks, init_order=init.order, job=job,
                           triton_cache=case_triton_cache(model.arch, job))
     return assemble(case, model, training, ds, launcher=launcher, launcher_from=launcher_from, ranks=ranks, job=job,
-                    init=init, notes=notes, unpredictable=unpredictable)
+                    init=init, notes=notes, unpredictable=unpredictable,
+                    not_modelled=tuple(reader.not_modelled) if reader else (),
+                    read_as=tuple(reader.read_as) if reader else ())

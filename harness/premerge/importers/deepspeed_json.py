@@ -1,5 +1,10 @@
 """DeepSpeed JSON: "auto" values resolved as the Hugging Face integration resolves them, left-out keys at
-DeepSpeed's defaults, and which DeepSpeed config a job uses (--deepspeed, a path, or inline)."""
+DeepSpeed's defaults, and which DeepSpeed config a job uses (--deepspeed, a path, or inline).
+
+Keys that change memory beyond what the case's `deepspeed` block models (a partial optimizer offload,
+ZeRO++, MiCS, an `optimizer` block other than Adam, gradient and communication dtypes) are recorded as
+read but not modelled (`records.NotModelled`, listed in docs/case-format.md); the check names them.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ from harness.premerge.importers.keys import (
     DEEPSPEED_DEFAULTS,
     DEEPSPEED_KEYS,
     DEEPSPEED_OFFLOAD_KEYS,
+    DEEPSPEED_OPTIMIZERS,
     DEEPSPEED_ZERO_KEYS,
     check_keys,
 )
-from harness.premerge.importers.reading import Reader, read_mapping, resolve_path
-from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec
+from harness.premerge.importers.reading import DEEPSPEED_TRUTH, PYDANTIC, Reader, read_mapping, resolve_path
+from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec, NotModelled, ReadAs
 from harness.spec.dsconfig import auto_sizes
 
 _STAGE3_SIZES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
@@ -32,14 +38,16 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
     """A DeepSpeed config with its "auto" buckets and thresholds resolved for this model's hidden size
     (what transformers' HfTrainerDeepSpeedConfig writes) and left-out keys at DeepSpeed's defaults."""
     check_keys(path, data, DEEPSPEED_KEYS, prefix=key_prefix)
-    top = Reader(path, data, key_prefix)
+    reads: list[ReadAs] = []
+    unmodelled: list[NotModelled] = []
+    top = Reader(path, data, key_prefix, DEEPSPEED_TRUTH, reads, unmodelled)
     zero_raw = data.get("zero_optimization") or {}
     if not isinstance(zero_raw, dict):
         raise ConfigError(path, key_prefix + "zero_optimization", "must be a mapping")
     zprefix = key_prefix + "zero_optimization."
     check_keys(path, zero_raw, DEEPSPEED_ZERO_KEYS, prefix=zprefix)
     zero = {DEEPSPEED_ALIASES.get(k, k): v for k, v in zero_raw.items()}
-    z = Reader(path, zero, zprefix)
+    z = Reader(path, zero, zprefix, PYDANTIC, reads, unmodelled)  # DeepSpeedZeroConfig: a pydantic model
     stage = z.int("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise z.fail("stage", f"ZeRO stage {stage} does not exist", "use 0, 1, 2 or 3")
@@ -51,14 +59,25 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
         if not isinstance(block, dict):
             raise z.fail(name, "must be a mapping like {\"device\": \"cpu\", \"pin_memory\": false}")
         check_keys(path, block, DEEPSPEED_OFFLOAD_KEYS, prefix=f"{zprefix}{name}.")
-        r = Reader(path, block, f"{zprefix}{name}.")
+        r = z.sub(block, f"{zprefix}{name}.")
         device = r.choice("device", ("none", "cpu", "nvme"), "none")
         if device == "nvme":
             raise r.fail("device", "NVMe offload is not modelled by the predictor", "offload to 'cpu' or 'none'")
+        if name == "offload_param" and "ratio" in block:
+            raise r.fail("ratio", "is a key of offload_optimizer only (DeepSpeed refuses it here)", "remove it")
+        ratio = r.float("ratio", 1.0)
+        if not 0 <= ratio <= 1:
+            raise r.fail("ratio", f"must be between 0 and 1 (the share of the optimizer offloaded), got {ratio:g}")
+        if device != "none" and ratio < 1:
+            r.not_modelled_key("ratio", True, f"a partial offload: {1 - ratio:.0%} of the optimizer's fp32 state "
+                               "and its step stay on the card; predicted as a full offload")
         return device, device != "none" and r.bool("pin_memory", False)
 
     opt_dev, opt_pin = offload("offload_optimizer")
     par_dev, par_pin = offload("offload_param")
+    _zero_extensions(z, stage)
+    _optimizer_block(top)
+    _dtypes(top)
     if zero.get("cpu_offload") is True and opt_dev == "none":  # DeepSpeed's legacy spelling
         opt_dev, opt_pin = "cpu", z.bool("cpu_offload_use_pin_memory", False)
     if par_dev != "none" and stage != 3:
@@ -98,7 +117,7 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
         enabled = sub.get("enabled") if isinstance(sub, dict) else sub
         if enabled is None or _auto(enabled):
             return None
-        return Reader(path, {"enabled": enabled}, f"{key_prefix}{name}.").bool("enabled", False)
+        return top.sub({"enabled": enabled}, f"{key_prefix}{name}.").bool("enabled", False)
 
     def batch(key: str) -> int | None:
         return None if _auto(data.get(key)) else top.int(key, None, minimum=1)
@@ -111,8 +130,57 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
         grad_accum=batch("gradient_accumulation_steps"), fp16=precision("fp16"),
         bf16=precision("bf16") if "bf16" in data else precision("bfloat16"),
         offload_optimizer=opt_dev, offload_param=par_dev, offload_pin_memory=opt_pin or par_pin,
-        activation_checkpointing=ac_on, zero=block,
+        activation_checkpointing=ac_on, zero=block, not_modelled=tuple(unmodelled), read_as=tuple(reads),
     )
+
+
+def _zero_extensions(z: Reader, stage: int) -> None:
+    """ZeRO++ (hpZ, qwZ, qgZ) and MiCS: read, not modelled (the case's `deepspeed` block has no place for them)."""
+    hpz = z.int("zero_hpz_partition_size", 1, minimum=1)
+    if hpz > 1 and stage == 3:
+        z.not_modelled_key("zero_hpz_partition_size", True, f"ZeRO++ hpZ keeps a second copy of the 16-bit "
+                           f"parameters, partitioned over {hpz} ranks of a node (1/{hpz} of the model per rank)")
+    if z.bool("zero_quantized_weights", False):
+        z.not_modelled_key("zero_quantized_weights", True, "ZeRO++ qwZ: int8 copies of the parameters and "
+                           "quantization buffers for every all-gather")
+    if z.bool("zero_quantized_gradients", False):
+        z.not_modelled_key("zero_quantized_gradients", True, "ZeRO++ qgZ: quantized gradient all-to-all buffers")
+    if z.bool("zero_quantized_nontrainable_weights", False):
+        z.not_modelled_key("zero_quantized_nontrainable_weights", False, "frozen weights kept in int8")
+    mics = z.int("mics_shard_size", -1, minimum=-1)
+    if mics > 0:
+        z.not_modelled_key("mics_shard_size", True, f"MiCS partitions the model states over groups of {mics} "
+                           "ranks, not the whole world: each rank holds more of them")
+
+
+def _optimizer_block(top: Reader) -> None:
+    """DeepSpeed's own `optimizer`: Adam and AdamW hold what the predictor models (two fp32 moments per
+    trainable parameter); other types are read but not modelled."""
+    block = top.data.get("optimizer")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise top.fail("optimizer", "must be a mapping like {\"type\": \"AdamW\", \"params\": {...}}")
+    kind = str(block.get("type") or "").strip()
+    effect = DEEPSPEED_OPTIMIZERS.get(kind.lower().replace("_", ""))
+    if effect == "modelled":
+        return
+    opt = top.sub(block, "optimizer.")
+    if effect == "smaller":
+        opt.not_modelled_key("type", False, f"{kind} keeps less state per parameter than the Adam modelled")
+    else:
+        opt.not_modelled_key("type", True, f"{kind or 'an optimizer without a type'}: its state is not Adam's "
+                             "two moments per parameter")
+
+
+def _dtypes(top: Reader) -> None:
+    """Gradient accumulation and communication dtypes other than DeepSpeed's defaults."""
+    types = top.data.get("data_types")
+    if isinstance(types, dict) and types.get("grad_accum_dtype") is not None:
+        top.sub(types, "data_types.").not_modelled_key("grad_accum_dtype", True,
+                                                       "gradients accumulated in a dtype of its own")
+    if top.data.get("communication_data_type") is not None:
+        top.not_modelled_key("communication_data_type", True, "reduction buffers in a dtype of their own")
 
 
 def deepspeed_of(config_path: Path, ref: Any, spec: JobSpec,

@@ -128,6 +128,55 @@ device nvme_path buffer_count buffer_size max_in_cpu pin_memory pipeline_read pi
 fast_init ratio
 """.split())
 
+# TrainingArguments' `optim` (transformers' OptimizerNames, 4.4x-5.x) by the state it keeps next to the AdamW
+# the predictor models (two fp32 moments per trainable parameter): "modelled" keeps the same; "smaller" keeps
+# less (8- or 4-bit moments, one moment or none, paged state that can leave the card, low-rank projected
+# state); any other valid name can keep more (a third moment, extra buffers) and leaves the verdict undecided.
+HF_OPTIMIZERS = {
+    **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_hf",
+                     "adamw_apex_fused"), "modelled"),
+    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch_4bit",
+                     "adamw_torch_8bit", "adafactor", "sgd", "adagrad", "lion_8bit", "lion_32bit", "paged_lion_8bit",
+                     "paged_lion_32bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+                     "ademamix_8bit", "paged_ademamix_8bit", "lomo", "adalomo", "galore_adamw", "galore_adamw_8bit",
+                     "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+                     "galore_adafactor_layerwise", "apollo_adamw", "apollo_adamw_layerwise"), "smaller"),
+}
+
+# LLaMA-Factory keys that change memory and that the predictor does not model: (raises the peak, what it does).
+# Each counts where it is set true (a non-empty list for additional_target, a method for mixture_of_depths).
+LLAMAFACTORY_NOT_MODELLED = {
+    "use_dora": (True, "DoRA adds a magnitude vector per adapted module and keeps the weight norm's "
+                       "activations for backward"),
+    "pissa_init": (True, "PiSSA initialises adapters from an SVD of each adapted weight (full-size fp32 "
+                         "temporaries at load)"),
+    "use_llama_pro": (True, "LLaMA Pro adds and trains new decoder blocks"),
+    "additional_target": (True, "modules trained in full beside LoRA: their gradients and optimizer state"),
+    "mixture_of_depths": (True, "Mixture-of-Depths adds routers and changes which tokens each layer keeps"),
+    "upcast_lmhead_output": (True, "the logits are upcast to fp32: a second logits-sized tensor"),
+    "upcast_layernorm": (True, "norm weights and their outputs in fp32"),
+    "block_diag_attn": (True, "a 4D block-diagonal attention mask per batch (seq_len^2 per sample)"),
+    "neat_packing": (True, "packing with a 4D block-diagonal attention mask (seq_len^2 per sample)"),
+    "use_galore": (False, "GaLore keeps the optimizer state in a low-rank projection"),
+    "use_apollo": (False, "APOLLO keeps the optimizer state in a low-rank projection"),
+    "use_badam": (False, "BAdam trains one block of layers at a time"),
+    "use_adam_mini": (False, "Adam-mini keeps one second moment per block, not per parameter"),
+    "use_muon": (False, "Muon keeps one momentum for its matrices"),
+    "use_unsloth": (False, "Unsloth's kernels keep less for backward"),
+    "use_unsloth_gc": (False, "Unsloth's checkpointing offloads the checkpoints to the host"),
+    "shift_attn": (False, "shift short attention (S^2-Attn) attends within groups"),
+}
+
+# DeepSpeed's optimizer `type`s (lowercase, no '_'; deepspeed/runtime/config.py) by their state next to the
+# Adam the predictor models: "modelled" (Adam's two fp32 moments), "smaller" (one moment or none); any other
+# type is taken as one that can hold more.
+DEEPSPEED_OPTIMIZERS = {
+    "adam": "modelled", "adamw": "modelled", "fusedadam": "modelled", "cpuadam": "modelled",
+    "deepspeedcpuadam": "modelled", "muadam": "modelled", "muadamw": "modelled",
+    "lion": "smaller", "deepspeedcpulion": "smaller", "adagrad": "smaller", "deepspeedcpuadagrad": "smaller",
+    "musgd": "smaller", "sgd": "smaller",
+}
+
 # The stage-3 keys DeepSpeed also accepts without their `stage3_` prefix.
 DEEPSPEED_ALIASES = {
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",

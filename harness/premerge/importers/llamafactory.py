@@ -16,11 +16,13 @@ from harness.premerge.importers.build import finish
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import job_of, launcher_of
-from harness.premerge.importers.keys import HF_TRAINING_KEYS, LLAMAFACTORY_KEYS, check_keys
+from harness.premerge.importers.keys import HF_TRAINING_KEYS, LLAMAFACTORY_KEYS, LLAMAFACTORY_NOT_MODELLED, check_keys
 from harness.premerge.importers.model import model_of
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, ImportedConfig, InitOrder, JobSpec
 from harness.premerge.importers.training_common import (
+    check_lora_targets,
+    hf_not_modelled,
     job_deepspeed,
     lora_block,
     precision_of,
@@ -35,8 +37,7 @@ _QUANT_METHODS = ("bnb", "bitsandbytes")
 # LLaMA-Factory's `flash_attn` (configure_attn_implementation) as transformers' attn_implementation;
 # auto leaves it to transformers' default
 _LF_ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
-_NOT_MODELLED = ("use_dora", "pissa_init", "use_galore", "use_apollo", "use_badam", "use_unsloth",
-                 "enable_liger_kernel", "use_llama_pro", "use_adam_mini")
+_MOD_METHODS = ("convert", "load")  # LLaMA-Factory's mixture_of_depths
 
 
 def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> ImportedConfig:
@@ -57,11 +58,9 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
             raise r.fail("quantization_bit", "quantized weights cannot be fully fine-tuned (finetuning_type: full)",
                          "use finetuning_type: lora with quantization_bit, or remove quantization_bit")
     reject_fsdp(r, "use a DeepSpeed config (deepspeed: ds_z3_config.json)")
-    for key in _NOT_MODELLED:
-        if r.bool(key, False):
-            notes.append(f"{key}: true is not modelled; the prediction is for plain {finetuning}")
-    if r.has("additional_target"):
-        notes.append("additional_target: modules trained in full beside LoRA are not modelled")
+    if r.bool("enable_liger_kernel", False):
+        notes.append(f"enable_liger_kernel: true is not modelled; the prediction is for plain {finetuning}")
+    _not_modelled(r)
 
     gc, gc_key = _checkpointing(r)
     fp16, bf16 = r.bool("fp16", False), r.bool("bf16", False) or r.bool("pure_bf16", False)
@@ -73,6 +72,8 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
 
     lora = lora_block(r, r.int("lora_rank", 8, minimum=1), "lora_target", r.raw("lora_target", "all"))
     method: dict[str, Any] = {"kind": "full"} if finetuning == "full" else {"kind": "lora", "lora": lora}
+    if finetuning == "lora":
+        check_lora_targets(r, "lora_target", lora["targets"], model.arch, notes)
     if bits == 4:
         method = qlora_method(lora, r.choice("quantization_type", ("nf4", "fp4"), "nf4"),
                               r.bool("double_quantization", True), precision if precision != "fp32" else "bf16")
@@ -83,6 +84,7 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
                                   why=" (the attention kernels modelled: auto, disabled, sdpa, fa2)")]
     if attn is not None:
         train["attn_implementation"] = attn
+    hf_not_modelled(r, train, ds)
     stack = spec.stack or "llamafactory"
     training = training_file(r, ConfigFormat.llamafactory, train, fp16=fp16, bf16=bf16, gc_key=gc_key,
                              method=method["kind"], quantization_bits=bits, stack=stack,
@@ -92,7 +94,21 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
     init = init_order_of(spec, InitOrder("deepspeed_first",
                                          "LLaMA-Factory configures DeepSpeed before it loads the model"))
     return finish(path, ConfigFormat.llamafactory, training, model, ds, job, launcher, launcher_from,
-                  stack, precision, method, train, init, notes)
+                  stack, precision, method, train, init, notes, reader=r)
+
+
+def _not_modelled(r: Reader) -> None:
+    """LLaMA-Factory's own keys that change memory and are not modelled (keys.LLAMAFACTORY_NOT_MODELLED)."""
+    for key, (raises, why) in LLAMAFACTORY_NOT_MODELLED.items():
+        if key == "additional_target":
+            on = r.raw(key) not in (None, "", [])
+        elif key == "mixture_of_depths":
+            on = r.choice(key, _MOD_METHODS, None, why=" (LLaMA-Factory's Mixture-of-Depths: convert or load)") \
+                is not None
+        else:
+            on = r.bool(key, False)
+        if on:
+            r.not_modelled_key(key, raises, why)
 
 
 def _checkpointing(r: Reader) -> tuple[bool, str]:

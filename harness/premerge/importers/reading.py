@@ -1,4 +1,12 @@
-"""Reading a config file into a mapping, paths as written in one, and typed access to its keys."""
+"""Reading a config file into a mapping, paths as written in one, and typed access to its keys.
+
+Booleans are read as the stack that reads the file reads them. The HF Trainer's argument dataclasses
+(TrainingArguments, LLaMA-Factory's, a script's through HfArgumentParser.parse_dict/parse_json_file)
+keep a value as written and test it for truth: `"false"` is a non-empty string, so true (text that is
+no boolean at all, `"sometimes"`, is refused rather than read as that true). DeepSpeed's
+config models are pydantic's, which read "false", "no", "off", "0" as false and refuse other text.
+A boolean written as text that reads otherwise than it looks is recorded (`ReadAs`) for the lints.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,13 @@ from typing import Any
 
 from harness.models.inputs import InputError, load_data
 from harness.premerge.importers.errors import ConfigError
+from harness.premerge.importers.records import NotModelled, ReadAs
+
+_TRUE_TEXT = ("true", "yes", "1", "on", "t", "y")
+_FALSE_TEXT = ("false", "no", "0", "off", "f", "n")
+# who reads the booleans of a file, by the semantics above
+PYTHON_TRUTH, PYDANTIC = "the HF Trainer (a non-empty text is true)", "DeepSpeed (pydantic)"
+DEEPSPEED_TRUTH = "DeepSpeed (a non-empty text is true)"  # its top-level blocks, read as raw dicts
 
 
 def read_mapping(path: Path) -> dict[str, Any]:
@@ -36,10 +51,25 @@ def resolve_path(ref: str, config_path: Path) -> Path:
 
 
 class Reader:
-    """Typed access to one config's keys, with errors that name the file and the key."""
+    """Typed access to one config's keys, with errors that name the file and the key. `booleans`: who
+    reads them (PYTHON_TRUTH, PYDANTIC). Readers of one job share `read_as` (booleans written as text
+    that read otherwise than they look) and `not_modelled` (memory-relevant keys the predictor does
+    not model), passed on to the ImportedConfig."""
 
-    def __init__(self, path: Path, data: dict[str, Any], prefix: str = ""):
-        self.path, self.data, self.prefix = path, data, prefix
+    def __init__(self, path: Path, data: dict[str, Any], prefix: str = "", booleans: str = PYTHON_TRUTH,
+                 read_as: list[ReadAs] | None = None, not_modelled: list[NotModelled] | None = None):
+        self.path, self.data, self.prefix, self.booleans = path, data, prefix, booleans
+        self.read_as = [] if read_as is None else read_as
+        self.not_modelled = [] if not_modelled is None else not_modelled
+
+    def sub(self, data: dict[str, Any], prefix: str) -> Reader:
+        """A reader of a block inside this config (same file, same stack, same records)."""
+        return Reader(self.path, data, prefix, self.booleans, self.read_as, self.not_modelled)
+
+    def not_modelled_key(self, key: str, raises: bool, why: str, value: Any = None) -> None:
+        """Record `key` as read but not modelled (records.NotModelled)."""
+        self.not_modelled.append(NotModelled(self.path, self.prefix + key,
+                                             self.data.get(key) if value is None else value, raises, why))
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
@@ -57,9 +87,24 @@ class Reader:
             return default
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.strip().lower() in ("true", "yes", "1")
-        raise self.fail(key, f"must be true or false, got {value!r}")
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        text = value.lower()
+        looks = True if text.strip() in _TRUE_TEXT else False if text.strip() in _FALSE_TEXT else None
+        if self.booleans == PYDANTIC:
+            if text not in _TRUE_TEXT + _FALSE_TEXT:
+                raise self.fail(key, f"must be true or false, got {value!r} (DeepSpeed refuses it)",
+                                "write true or false without quotes")
+            return text in _TRUE_TEXT
+        read = bool(value)  # the dataclass keeps the text; the Trainer tests it for truth
+        if looks is None and read:  # no boolean at all: refused rather than run as the true it would be
+            raise self.fail(key, f"must be true or false, got {value!r} ({self.booleans.split(' (')[0]} would "
+                            "take this text as true)", "write true or false without quotes")
+        if looks is not read:
+            self.read_as.append(ReadAs(self.path, self.prefix + key, value, read, self.booleans))
+        return read
 
     def int(self, key: str, default: int | None, minimum: int = 0) -> int | None:
         value = self.data.get(key)

@@ -41,6 +41,39 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class NotModelled:
+    """A key that changes memory, read from the config, that the predictor does not model. `raises`: it can
+    put the peak above the prediction, so no verdict is claimed (the check says UNDECIDED, naming it);
+    otherwise it can only lower the peak, so FITS holds and DOES NOT FIT becomes UNDECIDED."""
+
+    path: Path
+    key: str  # as the user finds it in the file ('zero_optimization.offload_optimizer.ratio')
+    value: Any
+    raises: bool
+    why: str  # what it does to memory
+
+    def line(self) -> str:
+        effect = "can raise the peak" if self.raises else "can only lower the peak"
+        return f"{self.key}: {self.value!r} is read but not modelled ({self.why}; {effect})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": str(self.path), "key": self.key, "value": self.value, "raises_peak": self.raises,
+                "why": self.why}
+
+
+@dataclass(frozen=True)
+class ReadAs:
+    """A value the training stack reads otherwise than it looks: a boolean written as text, which the
+    HF Trainer's dataclasses keep as text and test for truth (`"false"` is true)."""
+
+    path: Path
+    key: str
+    written: Any
+    read_as: Any
+    stack: str  # who reads it so ('the HF Trainer', 'DeepSpeed')
+
+
+@dataclass(frozen=True)
 class DeepSpeedFile:
     """A DeepSpeed config as written; None where it says "auto" (the HF integration fills it)."""
 
@@ -58,6 +91,8 @@ class DeepSpeedFile:
     offload_pin_memory: bool  # pin_memory of either offload block
     activation_checkpointing: tuple[str, ...]  # keys of its activation_checkpointing block set true
     zero: dict[str, Any] = field(default_factory=dict, repr=False)  # the case's `deepspeed` block
+    not_modelled: tuple[NotModelled, ...] = ()
+    read_as: tuple[ReadAs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +144,8 @@ class ImportedConfig:
     init_order: InitOrder
     unpredictable: str | None = None
     notes: tuple[str, ...] = ()
+    not_modelled: tuple[NotModelled, ...] = ()  # the training config's and its DeepSpeed config's
+    read_as: tuple[ReadAs, ...] = ()
 
     @property
     def job_processes(self) -> int:

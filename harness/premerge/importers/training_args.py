@@ -16,6 +16,8 @@ from harness.premerge.importers.model import model_of
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, ImportedConfig, InitOrder, JobSpec
 from harness.premerge.importers.training_common import (
+    check_lora_targets,
+    hf_not_modelled,
     job_deepspeed,
     lora_block,
     precision_of,
@@ -60,6 +62,7 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
             raise ConfigError(path, "lora_target_modules", "LoRA is on but no target modules are named",
                               "set lora_target_modules, e.g. \"q_proj,k_proj,v_proj,o_proj\" or \"all\"")
         lora = lora_block(r, rank, target_key, data[target_key])
+        check_lora_targets(r, target_key, lora["targets"], model.arch, notes)
         method = {"kind": "lora", "lora": lora}
         if four_bit:
             compute = r.str("bnb_4bit_compute_dtype", None)
@@ -78,6 +81,8 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
                     why=" (the attention kernels modelled: eager, sdpa, flash_attention_2)")
     if attn is not None:
         train["attn_implementation"] = attn
+    hf_not_modelled(r, train, ds)
+    _script_not_modelled(r, precision)
     stack = spec.stack or ("peft" if four_bit else "plain")
     training = training_file(r, ConfigFormat.training_args, train, fp16=fp16, bf16=bf16,
                              gc_key="gradient_checkpointing" if r.has("gradient_checkpointing") else "",
@@ -91,7 +96,24 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
     init = init_order_of(spec, InitOrder("deepspeed_first", "assumed: TrainingArguments are built before the model "
                                          "(pass --script to check the training script)"))
     return finish(path, ConfigFormat.training_args, training, model, ds, job, launcher, launcher_from,
-                  stack, precision, method, train, init, notes)
+                  stack, precision, method, train, init, notes, reader=r)
+
+
+def _script_not_modelled(r: Reader, precision: str) -> None:
+    """The model-loading fields scripts add, where they load the model otherwise than the case predicts."""
+    for key in ("torch_dtype", "dtype"):
+        dtype = r.str(key, None)
+        if dtype is None or dtype.lower() == "auto":
+            continue
+        loaded = {**_DTYPES, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "float": "fp32",
+                  "half": "fp16"}.get(dtype.lower())
+        if loaded is None:
+            raise r.fail(key, f"'{dtype}' is not a dtype", "use bfloat16, float16, float32 or auto")
+        if loaded != precision:
+            r.not_modelled_key(key, loaded == "fp32", f"weights loaded in {loaded}; predicted in {precision}")
+    if r.raw("model_init_kwargs") not in (None, {}, ""):
+        r.not_modelled_key("model_init_kwargs", True, "arguments to from_pretrained (dtype, quantization, "
+                           "attention) beyond the keys read")
 
 
 def _seq_len(r: Reader) -> int:
@@ -118,4 +140,4 @@ def _use_reentrant(r: Reader) -> bool | None:
         raise r.fail(_GC_KWARGS, f"must be a mapping like {{\"use_reentrant\": false}}, got {r.raw(_GC_KWARGS)!r}")
     if kwargs.get("use_reentrant") is None:
         return None
-    return Reader(r.path, kwargs, f"{_GC_KWARGS}.").bool("use_reentrant", False)
+    return r.sub(kwargs, f"{_GC_KWARGS}.").bool("use_reentrant", False)  # torch tests it for truth

@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.models.registry import Architecture
+from harness.models.source import adapter_targets, lora_target_matches
 from harness.premerge.importers.deepspeed_json import deepspeed_of
 from harness.premerge.importers.errors import ConfigError
+from harness.premerge.importers.keys import HF_OPTIMIZERS
 from harness.premerge.importers.model import hidden_size, model_precision
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec, TrainingFile
@@ -42,6 +44,30 @@ def lora_targets(value: Any, path: Path, key: str) -> list[str] | str:
     if not names:
         raise ConfigError(path, key, "is empty", "name at least one module (q_proj,v_proj) or write 'all'")
     return "all" if "all" in names else names
+
+
+def check_lora_targets(r: Reader, key: str, targets: list[str] | str, arch: Architecture, notes: list[str]) -> None:
+    """Targets as peft matches them (a module's name, or its dotted tail): none matching is refused as peft
+    refuses it (naming the modules the model has); a container module (peft cannot adapt it) likewise; a
+    name matching nothing beside others that match is skipped by peft, and said in a note."""
+    if targets == "all":
+        return
+    names, adaptable = adapter_targets(arch)
+    have = sorted({n.rsplit(".", 1)[-1] for n in adaptable if not n.rsplit(".", 1)[-1].isdigit()})
+    unmatched = []
+    for target in targets:
+        found = lora_target_matches(target, names)
+        if found and not any(n in adaptable for n in found):
+            raise r.fail(key, f"'{target}' names a block of the model ({found[0]}), not a layer LoRA can adapt",
+                         f"name its layers, from: {', '.join(have)} (or write all)")
+        if not found and not any(part.isdigit() for part in target.split(".")):  # a deeper layer's index: not built
+            unmatched.append(target)
+    if len(unmatched) == len(targets):
+        raise r.fail(key, f"no module of {arch.name} is named {', '.join(unmatched)} (peft refuses it)",
+                     f"name modules the model has: {', '.join(have)} (or write all)")
+    if unmatched:
+        notes.append(f"{r.prefix}{key}: {', '.join(unmatched)} matches no module of {arch.name}; peft skips it "
+                     f"(the model has {', '.join(have)})")
 
 
 def lora_block(r: Reader, rank: int, targets_key: str, targets: Any) -> dict[str, Any]:
@@ -94,3 +120,51 @@ def training_file(r: Reader, fmt: ConfigFormat, train: dict[str, Any], *, fp16: 
         checkpointing_reentrant=default_reentrant(stack, method) if reentrant is None else reentrant,
         checkpointing_reentrant_key=reentrant_key if reentrant is not None else "",
     )
+
+
+def hf_not_modelled(r: Reader, train: dict[str, Any], ds: DeepSpeedFile | None) -> None:
+    """TrainingArguments fields that change memory beyond the case, recorded on `r` as read but not modelled
+    (both formats hold them: LLaMA-Factory passes every TrainingArguments field through)."""
+    optim = r.str("optim", None)
+    if ds is not None and "optimizer" in ds.keys:
+        optim = None  # DeepSpeed's own optimizer replaces the Trainer's (its block is read with the DeepSpeed file)
+    if r.bool("adafactor", False):
+        r.not_modelled_key("adafactor", False, "Adafactor keeps factored second moments, far less than AdamW")
+    if optim is not None:
+        effect = HF_OPTIMIZERS.get(optim.lower())
+        if effect is None and optim.lower() not in installed_optimizers():
+            raise r.fail("optim", f"'{optim}' is not an optimizer TrainingArguments knows",
+                         "use one of transformers' OptimizerNames, e.g. adamw_torch_fused or adamw_bnb_8bit")
+        if effect == "smaller":
+            r.not_modelled_key("optim", False, "its state is smaller than the fp32 AdamW modelled (8-bit or "
+                               "4-bit moments, one moment, paged, or projected to a low rank)")
+        elif effect is None:
+            r.not_modelled_key("optim", True, "its state is not the two fp32 moments of the AdamW modelled")
+    eval_on = str(r.str("eval_strategy", None) or r.str("evaluation_strategy", None) or "no").lower() != "no"
+    eval_batch = r.int("per_device_eval_batch_size", 8, minimum=1)
+    if eval_on and eval_batch > train["micro_batch"]:
+        r.not_modelled_key("per_device_eval_batch_size", True, f"evaluation forwards at batch {eval_batch}, above "
+                           f"the training micro batch {train['micro_batch']}: their logits are not predicted",
+                           value=eval_batch)
+    if r.float("label_smoothing_factor", 0.0):
+        r.not_modelled_key("label_smoothing_factor", True, "the Trainer's label smoother takes a log-softmax of "
+                           "the logits outside the model, a logits-sized tensor more")
+    if r.bool("torch_compile", False):
+        r.not_modelled_key("torch_compile", True, "torch.compile changes what the forward keeps for backward "
+                           "and adds buffers of its own")
+    if r.bool("auto_find_batch_size", False):
+        r.not_modelled_key("auto_find_batch_size", False, "the Trainer halves the batch after an out-of-memory "
+                           "error; the prediction is for the batch as written")
+    if r.int("torch_empty_cache_steps", None, minimum=1) is not None:
+        r.not_modelled_key("torch_empty_cache_steps", False, "emptying the cache returns cached blocks: reserved "
+                           "can only fall")
+
+
+def installed_optimizers() -> frozenset[str]:
+    """TrainingArguments' optimizer names in the installed transformers (for names newer than HF_OPTIMIZERS).
+    Asked only for a name not in that list (importing transformers takes seconds)."""
+    try:
+        from transformers.training_args import OptimizerNames
+    except Exception:  # no transformers, or one that fails to import: the list alone decides
+        return frozenset(HF_OPTIMIZERS)
+    return frozenset(o.value for o in OptimizerNames)
