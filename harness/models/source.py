@@ -8,7 +8,13 @@ local directory must hold the model's `config.json` (the weights are not needed:
 shapes only).
 
 `resolve_model` returns the `Architecture` to predict with and, where the registry holds the same
-shapes, the registry name a `Case` can carry; otherwise the case carries the folder itself.
+shapes, the registry name a `Case` can carry; otherwise the case carries the folder itself. A local
+config.json is refused, naming what is supported, where the model is none the predictor can build:
+shapes that do not divide (the hidden size by the heads, the heads by the key/value heads), a
+`model_type` the installed transformers does not know, an encoder-only or encoder-decoder model
+(BERT, T5), a vision-language model whose language model transformers does not build on its own
+(`qwen2_vl`; Gemma 3's nested `text_config` is sized as its language model). `adapter_targets` gives
+the module names a LoRA `target_modules` list can name.
 
 A case's `model` is narrower: a registry name exactly, or a folder holding a config.json (relative
 to the case file, or absolute). `case_model` normalises it as a case file is read, `load_model`
@@ -17,12 +23,14 @@ gives its architecture wherever the case is used (tiny rule, model building, pre
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.models.inputs import InputError, load_json
-from harness.models.registry import Architecture, known_architectures, load_architecture
+from harness.models.registry import Architecture, hf_config, known_architectures, load_architecture, truncated_config
 
 # Keys whose values decide parameter and activation memory; two configs equal on these are one model.
 SHAPE_KEYS = (
@@ -158,6 +166,101 @@ def _check_shapes(path: Path, config: dict) -> None:
         if not ok:
             raise ModelSourceError(f"{path}: {key} must be {want}, got {value!r}",
                                    f"write {key} as the model's published config.json has it")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and config.get("head_dim") is None and config["hidden_size"] % heads:
+        raise ModelSourceError(
+            f"{path}: hidden_size {config['hidden_size']} is not divisible by num_attention_heads {heads}, and no "
+            "head_dim is given: the heads would not split the hidden size",
+            "write hidden_size, num_attention_heads (and head_dim) as the model's published config.json has them")
+    if heads and kv_heads and heads % kv_heads:
+        raise ModelSourceError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}: grouped-query "
+            "attention shares each key/value head among a whole number of query heads",
+            "write num_key_value_heads as a divisor of num_attention_heads, as the published config.json has it")
+
+
+# What the predictor builds: a causal language model transformers builds with AutoModelForCausalLM
+# (or flash-linear-attention's GLA). Named in the errors below.
+SUPPORTED = ("decoder-only causal language models that transformers builds with AutoModelForCausalLM (llama, "
+             "mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmoe, deepseek_v2, "
+             "deepseek_v3, ...), GLA, and a multimodal config whose text_config is one of them (Gemma 3)")
+
+
+def check_buildable(arch: Architecture, raw_model_type: str | None = None) -> None:
+    """Refuse a local config.json the predictor cannot build as a causal language model (ModelSourceError,
+    naming what is supported). `raw_model_type`: the config.json's own model_type where its text_config was
+    taken. Imports transformers (seconds): asked where a model is about to be traced anyway."""
+    model_type = arch.model_type
+    if model_type == "gla":
+        return
+    from transformers import __version__ as version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    where, fix = arch.source, f"use the config.json of a model of these kinds: {SUPPORTED}"
+    shown = raw_model_type or model_type
+    if shown in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelSourceError(f"{where}: model_type '{shown}' is a vision-language model, and transformers "
+                               f"{version} does not build its language model on its own; the harness sizes "
+                               "text models only", fix)
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ModelSourceError(f"{where}: model_type '{model_type}' is not a model transformers {version} knows "
+                               "(models with their own code, trust_remote_code, are not run)", fix)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        kind = "encoder-decoder" if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES else "encoder-only"
+        raise ModelSourceError(f"{where}: model_type '{model_type}' is an {kind} model; the harness sizes "
+                               "decoder-only causal language models", fix)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelSourceError(f"{where}: model_type '{model_type}' is not a causal language model "
+                               f"(transformers {version} has no AutoModelForCausalLM class for it)", fix)
+    try:
+        hf_config(arch.config)
+    except Exception as exc:  # transformers' own validation of the config (a strict dataclass in 5.x)
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"{where}: transformers {version} refuses this config: {reason}",
+                               "write the config.json as published with the model") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _adapter_targets(config_json: str) -> tuple[frozenset[str], frozenset[str]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    config = json.loads(config_json)
+    if config["model_type"] == "gla":
+        import fla  # noqa: F401  registers GLA with the transformers Auto classes
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(config))
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
+    names = [name for name, module in model.named_modules() if name]
+    adaptable = frozenset(name for name, module in model.named_modules() if name and isinstance(module, kinds))
+    return frozenset(names), adaptable
+
+
+# Layers built to list module names: every kind of layer appears within the first few (dense layers before
+# the experts, sliding and global attention), and a whole 64-layer model takes seconds even on the meta device.
+_NAME_LAYERS = 4
+
+
+def adapter_targets(arch: Architecture) -> tuple[frozenset[str], frozenset[str]]:
+    """The model's module names (full, dotted), and those of the modules LoRA can adapt (linear, embedding,
+    convolution), from the model built on the meta device (no memory, no weights) with its first
+    `_NAME_LAYERS` layers: a name of a deeper layer differs only by its index."""
+    config = truncated_config(arch, min(arch.layers, _NAME_LAYERS)) if arch.model_type != "gla" else dict(arch.config)
+    if arch.model_type == "gla":
+        config["num_hidden_layers"] = min(arch.layers, _NAME_LAYERS)
+    return _adapter_targets(json.dumps(config, sort_keys=True))
+
+
+def lora_target_matches(target: str, names: frozenset[str]) -> list[str]:
+    """The module names a peft `target_modules` entry matches: the name itself, or a name ending in '.' + it."""
+    return [n for n in names if n == target or n.endswith("." + target)]
 
 
 def is_registry_name(model: str) -> bool:
@@ -239,6 +342,8 @@ def resolve_model(reference: str, base_dirs: tuple[Path, ...] = (Path.cwd(),)) -
     local = _local_dir(reference, base_dirs)
     if local is not None:
         arch = architecture_from_config_json(local)
+        raw_type = load_json(local / "config.json").get("model_type")
+        check_buildable(arch, raw_type if raw_type != arch.model_type else None)
         matches = [n for n in known_architectures() if same_shapes(arch.config, load_architecture(n).config)]
         registry = matches[0] if matches else None
         return ResolvedModel(arch=arch, registry_name=registry,
