@@ -4,14 +4,20 @@ either land whole or leave the old file as it was.
 Case ids and variants name files (case files, run folders, baselines); a record anyone can edit must
 not turn them into paths elsewhere on disk. Every file the harness writes goes through `write_atomic`:
 a temporary file in the same folder, flushed to the disk, then renamed over the target, so a full disk
-or a killed process leaves the previous file intact and no half-written one behind.
+or a killed process leaves the previous file intact and no half-written one behind. It replaces only a
+regular file: a rename over a symbolic link, a named pipe or a device (`--json /dev/null` as root) would
+put a plain file where the link or the device was, so those are refused (`RefusedOutput`). What a
+command checks before it works, and how it undoes a failed write of several files, is
+harness.spec.outputs.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +42,61 @@ class OutsideFolderError(ValueError):
 
 class WriteError(OSError):
     """A result file that could not be written (full disk, no permission); the old file is intact."""
+
+
+class RefusedOutput(WriteError):
+    """A path a command will not write: not a regular file (a symbolic link, a folder, a named pipe, a
+    device), one of the command's inputs, an existing file without --force, or a name the file system
+    cannot hold. Nothing was written; the command line answers it with exit 2."""
+
+
+# Characters that end a line or steer a terminal: C0 and C1 controls (newline, ESC, NUL, DEL), the
+# Unicode line and paragraph separators (YAML and many editors break lines there), and the bidirectional
+# overrides that make text display in another order than it is read.
+_BIDI = frozenset("\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _is_control(char: str) -> bool:
+    return unicodedata.category(char) in ("Cc", "Zl", "Zp") or char in _BIDI
+
+
+def control_character(text: str) -> str | None:
+    """The first control character in `text`, written as its escape ('\\n', '\\x1b'); None where there is none."""
+    return next((ascii(c)[1:-1] for c in text if _is_control(c)), None)
+
+
+def printable(text: str) -> str:
+    """`text` with each control character written as its escape: one line, safe in a comment, a log or a
+    terminal, and still saying which character it was."""
+    return "".join(ascii(c)[1:-1] if _is_control(c) else c for c in str(text))
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_regular(path: Path) -> str | None:
+    """What `path` is where it is there but is not a regular file ('a symbolic link', 'a folder', 'a named
+    pipe', 'a character device', ...); None where it is a regular file or absent. The link itself is
+    looked at, not what it points to."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def refuse_not_regular(path: Path, what: str | None = None) -> None:
+    """RefusedOutput unless `path` is a regular file or absent (see `not_regular`)."""
+    kind = not_regular(path)
+    if kind:
+        raise RefusedOutput(f"{(what + ' ') if what else ''}{printable(str(path))}: is {kind}, and only a regular "
+                            "file is written (replacing it would put a plain file where it was); remove it or name "
+                            "another file")
 
 
 def name_problem(value: str, empty_ok: bool = False) -> str | None:
@@ -96,12 +157,14 @@ def os_reason(exc: OSError) -> str:
 def write_atomic(path: Path, text: str | bytes, root: Path | None = None) -> Path:
     """Write `text` (or bytes) to `path` whole or not at all: a temporary file in the same folder, flushed and
     synced, renamed over `path`. With `root`, `path` must resolve inside it (OutsideFolderError). A
+    `path` that is there but is not a regular file is refused (RefusedOutput) before anything is written. A
     failed write (ENOSPC, EACCES) removes the temporary file, leaves any old file as it was and raises
     WriteError naming the file."""
     path = Path(path)
     if root is not None and not path.resolve().is_relative_to(Path(root).resolve()):
         raise OutsideFolderError(f"{path}: resolves outside {Path(root).resolve()}; name the file with "
                                  "letters, digits, '.', '_' and '-' only")
+    refuse_not_regular(path)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
