@@ -19,7 +19,15 @@ from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_va
 from harness.measure.device_parts import platform_key
 from harness.measure.records import CaseRun, Clocks
 from harness.models.inputs import InputError, load_json
-from harness.spec.files import FileName, FileNameOrEmpty, OutsideFolderError, inside, write_atomic
+from harness.spec.files import (
+    FileName,
+    FileNameOrEmpty,
+    OutsideFolderError,
+    control_character,
+    inside,
+    printable,
+    write_atomic,
+)
 from harness.spec.suite import BASELINES_DIR
 
 RESULTS_DIR = BASELINES_DIR  # the bundled suite's baselines (harness.spec.suite)
@@ -154,7 +162,8 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         step_times_s=ranks[0].step_times_s if ranks else [],
         step_device_s=ranks[0].step_device_s if ranks else [],
         outcome="ok" if err is None else err.kind.value,
-        failure=None if err is None else err.message.strip().splitlines()[-1][:400] if err.message else None,
+        # the message's last line, its control characters (a terminal's colours, a tab) written as escapes
+        failure=None if err is None else printable(err.message.strip().splitlines()[-1][:400]) if err.message else None,
         triton_cache=next((c for c in ("cold", "warm") if any(r.triton_cache == c for r in ranks)), None),
         cpu_threads=max((r.cpu_threads for r in ranks if r.cpu_threads), default=None),
         clocks=min((r.clocks for r in ranks if r.clocks), key=lambda c: c.sm_mhz_median, default=None),
@@ -341,6 +350,38 @@ def baselines_of(runs: list[tuple[str, CaseRun]], driver: str | None = None, roo
     return baselines
 
 
+def control_field(value, where: str = "") -> tuple[str, str] | None:
+    """The first field of a record (`model_dump(mode="json")`) whose text, or key, holds a control
+    character, as (dotted field, the character's escape); None where there is none."""
+    if isinstance(value, str):
+        bad = control_character(value)
+        return (where, bad) if bad else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        field = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        bad = control_character(key) if isinstance(key, str) else None
+        found = (field, bad) if bad else control_field(item, field)
+        if found:
+            return found
+    return None
+
+
+def _refuse_control(baselines: dict[Path, Baseline], runs: list[tuple[str, CaseRun]]) -> None:
+    """BlessError for a baseline whose text holds a control character: a device name, a version, a note
+    is one line, and a newline or a terminal escape kept in a baseline would forge the rows of every
+    report made from it. Names the field and the run file it came from (or the option)."""
+    for path, baseline in baselines.items():
+        found = control_field(baseline.model_dump(mode="json"))
+        if not found:
+            continue
+        field, bad = found
+        source = next((where for where, run in runs if run.case_id == baseline.case_id
+                       and run.variant == baseline.variant), str(path))
+        raise BlessError(f"{source}: field {field} of the baseline {path.name} would hold the control character "
+                         f"{bad}; a run record's text is one line of plain text: fix the record, or run the case "
+                         "again")
+
+
 def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = RESULTS_DIR, note: str = "",
           recorded: str | None = None, append: bool = False, case_dirs: list[Path] | None = None,
           replace: bool = False) -> list[Path]:
@@ -350,13 +391,22 @@ def bless(runs_json: Path | list[Path], driver: str | None = None, root: Path = 
     (runs of another day or another host of the same platform), so the spread the tolerances derive
     from covers them all. Each run's case is read from the first of `case_dirs` holding it, then from
     the bundled suite. Each file is written whole or not at all (WriteError: the old one is intact)."""
-    runs = sourced_runs([runs_json] if isinstance(runs_json, (str, Path)) else runs_json)
+    for option, text in (("--note", note), ("--driver", driver)):
+        bad = control_character(text or "")
+        if bad:
+            raise BlessError(f"{option}: holds the control character {bad}; give one line of plain text")
+    paths = [runs_json] if isinstance(runs_json, (str, Path)) else list(runs_json)
+    runs = sourced_runs(paths)
     for where, run in runs:  # `report` reads such runs; a baseline never holds one
         slowed = next((r.injected_delay for r in run.ranks if r.injected_delay), None)
         if slowed:
             raise BlessError(f"{where}: run of '{run.case_id}' refused: it was slowed on purpose "
                              f"(HARNESS_INJECT_DELAY={slowed}), a test of the checks, not a measurement")
     baselines = baselines_of(runs, driver, root, note, recorded, append, case_dirs, replace)
+    if not baselines:
+        raise BlessError(f"{', '.join(map(str, paths))}: no full-size run to bless (tiny runs and empty files hold "
+                         "none); bless the --json of `oom-harness run --fidelity real`")
+    _refuse_control(baselines, runs)
     for path, baseline in baselines.items():  # written only once every run was accepted
         write_atomic(path, baseline.model_dump_json(indent=1) + "\n", root=root)
     return list(baselines)
