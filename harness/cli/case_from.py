@@ -11,8 +11,6 @@ Exit codes: 0 the case was written, 2 bad input (one line naming the file, the k
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from harness.cli.arguments import layer_counts
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.models.source import model_label
@@ -26,7 +24,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", required=True, help="the folder of the case file (the team's --case-dir)")
     p.add_argument("--id", help="the case id and file name (default: the config's file name)")
     p.add_argument("--card-name", help="the card's name in the case, e.g. 'RTX 4090' (default: its memory)")
-    p.add_argument("--force", action="store_true", help="replace a case file of the same id")
+    p.add_argument("--force", action="store_true",
+                   help="replace a case file of the same id (without it, an existing one is refused)")
     p.add_argument("--depth-points", type=layer_counts, metavar="L1,L2",
                    help="full-size runs measure at these layer counts and extrapolate to the full depth (a model "
                         "the GPU host cannot hold, or not in reasonable time), e.g. 4,8")
@@ -36,12 +35,14 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from harness.models.inputs import InputError
     from harness.premerge.case_writer import write_case
-    from harness.spec.files import WriteError
+    from harness.spec.files import RefusedOutput, WriteError
 
     try:
-        written = write_case(args.config, spec_from_args(args), Path(args.out), case_id=args.id,
+        written = write_case(args.config, spec_from_args(args), args.out, case_id=args.id,
                              card_name=args.card_name, platform=args.platform, force=args.force,
                              depth_points=args.depth_points)
+    except RefusedOutput:  # names the option or the file itself; main answers it with exit 2
+        raise
     except WriteError as exc:  # the case file could not be written: name the option that chose its folder
         raise InputError(None, "--out", str(exc)) from None
     case, result = written.case, written.check

@@ -28,7 +28,8 @@ from harness.premerge.check import CheckResult, PredictFn, run_check
 from harness.premerge.importers import ConfigError, JobSpec
 from harness.premerge.importers.model import LOCAL_MODEL_NOTE
 from harness.spec.cases import CaseError, parse_case
-from harness.spec.files import write_atomic
+from harness.spec.files import RefusedOutput, control_character, printable
+from harness.spec.outputs import Outputs, check_name
 from harness.spec.schema import CASE_ID_PATTERN, Case
 from harness.spec.units import fmt_gib, fmt_size_exact
 
@@ -146,7 +147,8 @@ _Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
 
 def _header(result: CheckResult) -> str:
     c = result.config
-    return (f"# A case made by `oom-harness case-from` from {c.training.path.name}. `expect` is what runs assert;\n"
+    return (f"# A case made by `oom-harness case-from` from {printable(c.training.path.name)}. `expect` is what runs "
+            "assert;\n"
             "# `predicted` is the prediction when it was written, kept to compare measurements with.\n")
 
 
@@ -177,6 +179,27 @@ def _with_depth_points(data: dict[str, Any], depth_points: list[int], result: Ch
     return out
 
 
+def _control_problem(given: Path | str | None) -> ConfigError | None:
+    bad = given is not None and control_character(str(given))
+    if not bad:
+        return None
+    return ConfigError(Path(printable(str(given))), None, f"the name holds the control character {bad}, which would "
+                       "be written into the case file", "rename it without control characters")
+
+
+def _refuse_read_names(result: CheckResult, path: Path) -> None:
+    """The files the import found (the DeepSpeed JSON the config names, the model's folder): none may be
+    the case file, and no name written into the case may hold a control character."""
+    model = result.config.case.model
+    for source in [*result.config.sources, None if is_registry_name(model) else model]:
+        problem = _control_problem(source)
+        if problem:
+            raise problem
+        if source is not None and Path(source).resolve() == path.resolve():
+            raise RefusedOutput(f"the case file {path}: is one of this command's inputs, never written over; "
+                                "name another with --id or --out")
+
+
 def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_id: str | None = None,
                card_name: str | None = None, platform: str | None = None, force: bool = False,
                predict: PredictFn | None = None, today: str | None = None,
@@ -185,34 +208,35 @@ def write_case(config: Path | str, spec: JobSpec, out_dir: Path | str, *, case_i
 
     `depth_points`: layer counts its full-size runs measure at, extrapolating to the full depth (a
     config whose full depth the GPU host at hand cannot hold, or not in reasonable time)."""
-    config, out_dir = Path(config), Path(out_dir)
+    config, out_dir = Path(config), check_name(out_dir, "--out")  # '' would be the current folder
     case_id = case_id or default_case_id(config)
     if not re.fullmatch(CASE_ID_PATTERN, case_id) or ".." in case_id or len(case_id) > MAX_CASE_ID:
         raise ConfigError(None, "--id", f"'{case_id[:MAX_CASE_ID]}' is not a safe file name",
                           f"use up to {MAX_CASE_ID} letters, digits, '.', '_' and '-', starting with a letter or "
                           "digit")
-    path = out_dir / f"{case_id}.yaml"
-    if path.exists() and not force:
-        raise ConfigError(path, None, "the case file exists", "pass --force to replace it, or --id to name another")
+    inputs = [config, spec.deepspeed, spec.script]
+    problem = next(filter(None, map(_control_problem, [*inputs, out_dir])), None)
+    if problem:
+        raise problem
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(out_dir, "--out", "is a file, not a folder", "name a folder for the case file")
-    result = run_check(config, spec, platform=platform, predict=predict)
-    if result.prediction is None:
-        raise ConfigError(config, None, f"no expected outcome can be predicted: {result.config.unpredictable}",
-                          "change the settings the lint names, then run case-from again")
-    data = case_data(result, out_dir, case_id, card_name, today)
-    if depth_points:
-        data = _with_depth_points(data, depth_points, result)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(out_dir, "--out", f"cannot create the folder ({exc.strerror})",
-                          "name a folder you can write in") from None
-    try:
-        case = parse_case(data, path)  # the file must load as it will be read: relative to its folder
-    except CaseError as exc:
-        raise ConfigError(config, None, "the case written from it is invalid: " + "; ".join(exc.problems),
-                          "report it with the config attached") from None
-    text = _header(result) + yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
-    write_atomic(path, text, root=out_dir)
+    # the case file checked before the import and the prediction; the folder taken back if they fail
+    with Outputs(force=force, inputs=inputs) as outputs:
+        folder = outputs.folder(out_dir, "--out")
+        path = outputs.file(folder / f"{case_id}.yaml", "the case file")
+        result = run_check(config, spec, platform=platform, predict=predict)
+        if result.prediction is None:
+            raise ConfigError(config, None, f"no expected outcome can be predicted: {result.config.unpredictable}",
+                              "change the settings the lint names, then run case-from again")
+        _refuse_read_names(result, path)
+        data = case_data(result, out_dir, case_id, card_name, today)
+        if depth_points:
+            data = _with_depth_points(data, depth_points, result)
+        try:
+            case = parse_case(data, path)  # the file must load as it will be read: relative to its folder
+        except CaseError as exc:
+            raise ConfigError(config, None, "the case written from it is invalid: " + "; ".join(exc.problems),
+                              "report it with the config attached") from None
+        text = _header(result) + yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
+        outputs.write(path, text, root=out_dir)
     return WrittenCase(path=path, case=case, check=result)
