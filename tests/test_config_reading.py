@@ -310,3 +310,24 @@ def test_lora_target_naming_a_block_not_a_layer_is_refused(tmp_path):
     folder = _model(tmp_path, {})
     with pytest.raises(ConfigError, match="'mlp' names a block"):
         import_config(write(tmp_path, "lf.yaml", dict(LF, model_name_or_path=str(folder), lora_target="mlp")), ONE)
+
+
+# --- The list of keys ------------------------------------------------------------------------------
+
+
+def test_every_key_listed_as_not_modelled_is_a_key_its_format_knows_and_is_in_the_docs():
+    from harness.premerge.importers import keys
+
+    known = {"LLaMA-Factory": (keys.LLAMAFACTORY_NOT_MODELLED, keys.LLAMAFACTORY_KEYS | keys.HF_TRAINING_KEYS),
+             "TrainingArguments": (keys.HF_NOT_MODELLED, keys.HF_TRAINING_KEYS),
+             "script": (keys.SCRIPT_NOT_MODELLED, keys.SCRIPT_KEYS)}
+    page = (ROOT / "docs" / "case-format.md").read_text()
+    for table, names in known.values():
+        for key in table:
+            assert key in names and f"| `{key}` |" in page
+    for dotted in keys.DEEPSPEED_NOT_MODELLED:
+        *blocks, last = dotted.split(".")
+        assert last in (keys.DEEPSPEED_OFFLOAD_KEYS if blocks[-1:] == ["offload_optimizer"]
+                        else keys.DEEPSPEED_ZERO_KEYS if blocks[:1] == ["zero_optimization"]
+                        else {"type", "grad_accum_dtype"} | keys.DEEPSPEED_KEYS)
+        assert f"| `{dotted}` |" in page

@@ -8,7 +8,10 @@ Every pydantic model reachable from `Case` becomes a section, named by its path 
 values or range (from the field's constraints), and its description. A discriminated union (the
 claims) becomes one section per kind. Fields, models and claim kinds added to the schema appear
 here without a change to this module; `tests/test_docs.py` fails when docs/case-format.md is stale.
-Imports pydantic and the schema only (no torch).
+The page ends with the memory-relevant keys of the configs `oom-harness check` reads (LLaMA-Factory
+YAML, TrainingArguments JSON, DeepSpeed JSON): how each is modelled, or that it is read and named as
+not modelled, from the importers' own tables (harness.premerge.importers.keys).
+Imports pydantic, the schema and those tables only (no torch).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import inspect
 import io
 import re
 import sys
+import textwrap
 import tokenize
 import types
 import typing
@@ -51,7 +55,9 @@ Check files without running them:
 oom-harness validate cases/my-case.yaml
 ```
 
-Sizes are written with a unit: `64 GB` (10^9 bytes), `23.52 GiB` (2^30 bytes), `512 MiB`.
+Sizes are written with a unit: `64 GB` (10^9 bytes), `23.52 GiB` (2^30 bytes), `512 MiB`. Units are
+case-sensitive (`16Gb` is gigabits, and refused), and a bare number is refused (`memory: 12` would be
+12 bytes): write `12GiB` or `12GB`.
 
 A minimal case:
 
@@ -437,7 +443,51 @@ def render(root: type[BaseModel] = schema.Case) -> str:
         lines.append("")
     for union in walk.unions:
         lines += _render_union(union, types_)
+    lines += render_config_keys()
     return "\n".join(lines).rstrip() + "\n"
+
+
+_EFFECT = {True: "can raise the peak: UNDECIDED", False: "can only lower it: FITS holds, DOES NOT FIT is UNDECIDED",
+           None: "depends on the value (below)"}
+
+
+def render_config_keys() -> list[str]:
+    """The section on the keys of users' configs that change memory: modelled, or named as not modelled."""
+    from harness.models.source import SUPPORTED
+    from harness.premerge.importers import keys
+
+    prose = ["`oom-harness check` and `case-from` read LLaMA-Factory YAML, TrainingArguments JSON and DeepSpeed "
+             "JSON into a case. Every key that changes memory is either modelled (first table: the case field it "
+             "sets) or read and named as not modelled: `check` lists it under \"read, not modelled\" (and in "
+             "`--json` as `not_modelled`). One that can raise the peak leaves the verdict UNDECIDED (exit 1), as "
+             "an unsized part of the job does; one that can only lower it keeps FITS and makes DOES NOT FIT "
+             "UNDECIDED. A key not in any list of known keys is an error naming the closest known one; known keys "
+             "not listed here do not change memory.",
+             "Values are read as the framework reads them: the HF Trainer's dataclasses keep a boolean written as "
+             "text and test it for truth (`gradient_checkpointing: \"false\"` is on; the lint "
+             "`boolean-written-as-text` says so), DeepSpeed's pydantic blocks read `\"false\"` as false, and text "
+             "that is no boolean is refused. A key written twice in one mapping is refused in every file.",
+             f"A model folder (`model_name_or_path` naming a folder with a config.json) holds one of these: "
+             f"{SUPPORTED}. Another model type, an encoder-only or encoder-decoder model (BERT, T5), a "
+             "vision-language model whose language model transformers does not build alone (Qwen2-VL), and "
+             "shapes that do not divide (the hidden size by the heads, the heads by the key/value heads) are "
+             "refused, naming what is supported. LoRA targets are checked against the model's modules."]
+    lines = ["## Keys of the configs `check` reads", ""]
+    for paragraph in prose:
+        lines += [*textwrap.wrap(paragraph, 104), ""]
+    lines += ["### Modelled", "", "| format | key | modelled as |", "|---|---|---|"]
+    for fmt, table in keys.MODELLED_KEYS.items():
+        lines += [f"| {fmt} | `{key}` | {_cell(how)} |" for key, how in table.items()]
+    lines += ["", "### Read, not modelled", "", "| format | key | counts when | effect | what it does |",
+              "|---|---|---|---|---|"]
+    tables = {"LLaMA-Factory YAML": keys.LLAMAFACTORY_NOT_MODELLED,
+              "TrainingArguments (both training formats)": keys.HF_NOT_MODELLED,
+              "TrainingArguments JSON: script fields": keys.SCRIPT_NOT_MODELLED,
+              "DeepSpeed JSON": keys.DEEPSPEED_NOT_MODELLED}
+    for fmt, table in tables.items():
+        lines += [f"| {fmt} | `{key}` | {_cell(u.when)} | {_EFFECT[u.raises]} | {_cell(u.why)} |"
+                  for key, u in table.items()]
+    return [*lines, ""]
 
 
 def main() -> int:

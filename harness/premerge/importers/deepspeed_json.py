@@ -17,6 +17,7 @@ from harness.premerge.importers.keys import (
     DEEPSPEED_ALIASES,
     DEEPSPEED_DEFAULTS,
     DEEPSPEED_KEYS,
+    DEEPSPEED_NOT_MODELLED,
     DEEPSPEED_OFFLOAD_KEYS,
     DEEPSPEED_OPTIMIZERS,
     DEEPSPEED_ZERO_KEYS,
@@ -25,6 +26,8 @@ from harness.premerge.importers.keys import (
 from harness.premerge.importers.reading import DEEPSPEED_TRUTH, PYDANTIC, Reader, read_mapping, resolve_path
 from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec, NotModelled, ReadAs
 from harness.spec.dsconfig import auto_sizes
+
+_DS = DEEPSPEED_NOT_MODELLED
 
 _STAGE3_SIZES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                  "stage3_max_live_parameters", "stage3_max_reuse_distance")
@@ -69,8 +72,8 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
         if not 0 <= ratio <= 1:
             raise r.fail("ratio", f"must be between 0 and 1 (the share of the optimizer offloaded), got {ratio:g}")
         if device != "none" and ratio < 1:
-            r.not_modelled_key("ratio", True, f"a partial offload: {1 - ratio:.0%} of the optimizer's fp32 state "
-                               "and its step stay on the card; predicted as a full offload")
+            r.not_modelled_key("ratio", _DS["zero_optimization.offload_optimizer.ratio"].entry(),
+                               f"{1 - ratio:.0%} of it stays on the card")
         return device, device != "none" and r.bool("pin_memory", False)
 
     opt_dev, opt_pin = offload("offload_optimizer")
@@ -138,19 +141,15 @@ def _zero_extensions(z: Reader, stage: int) -> None:
     """ZeRO++ (hpZ, qwZ, qgZ) and MiCS: read, not modelled (the case's `deepspeed` block has no place for them)."""
     hpz = z.int("zero_hpz_partition_size", 1, minimum=1)
     if hpz > 1 and stage == 3:
-        z.not_modelled_key("zero_hpz_partition_size", True, f"ZeRO++ hpZ keeps a second copy of the 16-bit "
-                           f"parameters, partitioned over {hpz} ranks of a node (1/{hpz} of the model per rank)")
-    if z.bool("zero_quantized_weights", False):
-        z.not_modelled_key("zero_quantized_weights", True, "ZeRO++ qwZ: int8 copies of the parameters and "
-                           "quantization buffers for every all-gather")
-    if z.bool("zero_quantized_gradients", False):
-        z.not_modelled_key("zero_quantized_gradients", True, "ZeRO++ qgZ: quantized gradient all-to-all buffers")
-    if z.bool("zero_quantized_nontrainable_weights", False):
-        z.not_modelled_key("zero_quantized_nontrainable_weights", False, "frozen weights kept in int8")
+        z.not_modelled_key("zero_hpz_partition_size", _DS["zero_optimization.zero_hpz_partition_size"].entry(),
+                           f"1/{hpz} of the model per rank")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if z.bool(key, False):
+            z.not_modelled_key(key, _DS[f"zero_optimization.{key}"].entry())
     mics = z.int("mics_shard_size", -1, minimum=-1)
     if mics > 0:
-        z.not_modelled_key("mics_shard_size", True, f"MiCS partitions the model states over groups of {mics} "
-                           "ranks, not the whole world: each rank holds more of them")
+        z.not_modelled_key("mics_shard_size", _DS["zero_optimization.mics_shard_size"].entry(),
+                           f"groups of {mics} ranks")
 
 
 def _optimizer_block(top: Reader) -> None:
@@ -166,21 +165,17 @@ def _optimizer_block(top: Reader) -> None:
     if effect == "modelled":
         return
     opt = top.sub(block, "optimizer.")
-    if effect == "smaller":
-        opt.not_modelled_key("type", False, f"{kind} keeps less state per parameter than the Adam modelled")
-    else:
-        opt.not_modelled_key("type", True, f"{kind or 'an optimizer without a type'}: its state is not Adam's "
-                             "two moments per parameter")
+    opt.not_modelled_key("type", _DS["optimizer.type"].entry(raises=effect != "smaller"),
+                         f"{kind or 'no type'}: {'less' if effect == 'smaller' else 'other'} state than Adam's")
 
 
 def _dtypes(top: Reader) -> None:
     """Gradient accumulation and communication dtypes other than DeepSpeed's defaults."""
     types = top.data.get("data_types")
     if isinstance(types, dict) and types.get("grad_accum_dtype") is not None:
-        top.sub(types, "data_types.").not_modelled_key("grad_accum_dtype", True,
-                                                       "gradients accumulated in a dtype of its own")
+        top.sub(types, "data_types.").not_modelled_key("grad_accum_dtype", _DS["data_types.grad_accum_dtype"].entry())
     if top.data.get("communication_data_type") is not None:
-        top.not_modelled_key("communication_data_type", True, "reduction buffers in a dtype of their own")
+        top.not_modelled_key("communication_data_type", _DS["communication_data_type"].entry())
 
 
 def deepspeed_of(config_path: Path, ref: Any, spec: JobSpec,

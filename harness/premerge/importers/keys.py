@@ -8,6 +8,7 @@ transformers adds a TrainingArguments field, the installed one is asked before a
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,28 +144,159 @@ HF_OPTIMIZERS = {
                      "galore_adafactor_layerwise", "apollo_adamw", "apollo_adamw_layerwise"), "smaller"),
 }
 
-# LLaMA-Factory keys that change memory and that the predictor does not model: (raises the peak, what it does).
-# Each counts where it is set true (a non-empty list for additional_target, a method for mixture_of_depths).
+# --- Keys that change memory ---------------------------------------------------------------------
+# Each format's memory-relevant keys that the predictor does not model: key -> Unmodelled. The importers
+# record one where its value counts (`when`); the check names it and, where it can raise the peak,
+# claims no verdict. docs/case-format.md lists these tables and MODELLED_KEYS (harness.spec.case_format_doc).
+
+
+@dataclass(frozen=True)
+class Unmodelled:
+    raises: bool | None  # True: can raise the peak; False: can only lower it; None: depends on the value
+    why: str  # what it does to memory
+    when: str  # the values that count
+
+    def entry(self, raises: bool | None = None) -> tuple[bool, str]:
+        """(raises, why) for one value (`raises` given where the table says it depends)."""
+        chosen = self.raises if raises is None else raises
+        if chosen is None:
+            raise ValueError("this key's effect depends on its value: pass raises")
+        return chosen, self.why
+
+
 LLAMAFACTORY_NOT_MODELLED = {
-    "use_dora": (True, "DoRA adds a magnitude vector per adapted module and keeps the weight norm's "
-                       "activations for backward"),
-    "pissa_init": (True, "PiSSA initialises adapters from an SVD of each adapted weight (full-size fp32 "
-                         "temporaries at load)"),
-    "use_llama_pro": (True, "LLaMA Pro adds and trains new decoder blocks"),
-    "additional_target": (True, "modules trained in full beside LoRA: their gradients and optimizer state"),
-    "mixture_of_depths": (True, "Mixture-of-Depths adds routers and changes which tokens each layer keeps"),
-    "upcast_lmhead_output": (True, "the logits are upcast to fp32: a second logits-sized tensor"),
-    "upcast_layernorm": (True, "norm weights and their outputs in fp32"),
-    "block_diag_attn": (True, "a 4D block-diagonal attention mask per batch (seq_len^2 per sample)"),
-    "neat_packing": (True, "packing with a 4D block-diagonal attention mask (seq_len^2 per sample)"),
-    "use_galore": (False, "GaLore keeps the optimizer state in a low-rank projection"),
-    "use_apollo": (False, "APOLLO keeps the optimizer state in a low-rank projection"),
-    "use_badam": (False, "BAdam trains one block of layers at a time"),
-    "use_adam_mini": (False, "Adam-mini keeps one second moment per block, not per parameter"),
-    "use_muon": (False, "Muon keeps one momentum for its matrices"),
-    "use_unsloth": (False, "Unsloth's kernels keep less for backward"),
-    "use_unsloth_gc": (False, "Unsloth's checkpointing offloads the checkpoints to the host"),
-    "shift_attn": (False, "shift short attention (S^2-Attn) attends within groups"),
+    "use_dora": Unmodelled(True, "DoRA adds a magnitude vector per adapted module and keeps the weight norm's "
+                                 "activations for backward", "true"),
+    "pissa_init": Unmodelled(True, "PiSSA initialises adapters from an SVD of each adapted weight (full-size "
+                                   "fp32 temporaries at load)", "true"),
+    "use_llama_pro": Unmodelled(True, "LLaMA Pro adds and trains new decoder blocks", "true"),
+    "additional_target": Unmodelled(True, "modules trained in full beside LoRA: their gradients and optimizer "
+                                          "state", "a module list"),
+    "mixture_of_depths": Unmodelled(True, "Mixture-of-Depths adds routers and changes which tokens each layer "
+                                          "keeps", "convert or load"),
+    "upcast_lmhead_output": Unmodelled(True, "the logits are upcast to fp32: a second logits-sized tensor", "true"),
+    "upcast_layernorm": Unmodelled(True, "norm weights and their outputs in fp32", "true"),
+    "block_diag_attn": Unmodelled(True, "a 4D block-diagonal attention mask per batch (seq_len^2 per sample)",
+                                  "true"),
+    "neat_packing": Unmodelled(True, "packing with a 4D block-diagonal attention mask (seq_len^2 per sample)",
+                               "true"),
+    "use_galore": Unmodelled(False, "GaLore keeps the optimizer state in a low-rank projection", "true"),
+    "use_apollo": Unmodelled(False, "APOLLO keeps the optimizer state in a low-rank projection", "true"),
+    "use_badam": Unmodelled(False, "BAdam trains one block of layers at a time", "true"),
+    "use_adam_mini": Unmodelled(False, "Adam-mini keeps one second moment per block, not per parameter", "true"),
+    "use_muon": Unmodelled(False, "Muon keeps one momentum for its matrices", "true"),
+    "use_unsloth": Unmodelled(False, "Unsloth's kernels keep less for backward", "true"),
+    "use_unsloth_gc": Unmodelled(False, "Unsloth's checkpointing offloads the checkpoints to the host", "true"),
+    "shift_attn": Unmodelled(False, "shift short attention (S^2-Attn) attends within groups", "true"),
+}
+
+# TrainingArguments fields (both training formats: LLaMA-Factory passes every one through).
+HF_NOT_MODELLED = {
+    "optim": Unmodelled(None, "the optimizer's state: the AdamW modelled (adamw_torch, adamw_torch_fused) keeps "
+                              "two fp32 moments per trainable parameter; 8-bit, 4-bit, paged, one-moment and "
+                              "low-rank ones (adamw_bnb_8bit, paged_adamw_8bit, adafactor, lion_*, sgd, galore_*) "
+                              "keep less, so they can only lower the peak; others (ademamix, grokadamw, "
+                              "schedule_free_*) can raise it", "any optimizer but that AdamW"),
+    "adafactor": Unmodelled(False, "Adafactor keeps factored second moments, far less than AdamW", "true"),
+    "per_device_eval_batch_size": Unmodelled(True, "evaluation forwards at a batch above the training micro "
+                                                   "batch: their logits are not predicted",
+                                             "above the micro batch, with evaluation on (default 8)"),
+    "label_smoothing_factor": Unmodelled(True, "the Trainer's label smoother takes a log-softmax of the logits "
+                                               "outside the model, a logits-sized tensor more", "above 0"),
+    "torch_compile": Unmodelled(True, "torch.compile changes what the forward keeps for backward and adds "
+                                      "buffers of its own", "true"),
+    "auto_find_batch_size": Unmodelled(False, "the Trainer halves the batch after an out-of-memory error; the "
+                                              "prediction is for the batch as written", "true"),
+    "torch_empty_cache_steps": Unmodelled(False, "emptying the cache returns cached blocks: reserved can only "
+                                                 "fall", "set"),
+}
+
+# Fields training scripts add to a TrainingArguments JSON (SCRIPT_KEYS).
+SCRIPT_NOT_MODELLED = {
+    "torch_dtype": Unmodelled(None, "the dtype the weights are loaded in: float32 under bf16 or fp16 training "
+                                    "can raise the peak, a narrower one only lower it",
+                              "a dtype other than the precision predicted"),
+    "dtype": Unmodelled(None, "as torch_dtype (its newer name)", "a dtype other than the precision predicted"),
+    "model_init_kwargs": Unmodelled(True, "arguments to from_pretrained (dtype, quantization, attention) beyond "
+                                          "the keys read", "not empty"),
+}
+
+# DeepSpeed JSON, by the key's dotted path in the file.
+DEEPSPEED_NOT_MODELLED = {
+    "zero_optimization.offload_optimizer.ratio": Unmodelled(
+        True, "a partial offload: the optimizer's fp32 state and step for the rest stay on the card; predicted "
+              "as a full offload", "below 1, with an offload device"),
+    "zero_optimization.zero_hpz_partition_size": Unmodelled(
+        True, "ZeRO++ hpZ keeps a second copy of the 16-bit parameters, partitioned within a node",
+        "above 1, under stage 3"),
+    "zero_optimization.zero_quantized_weights": Unmodelled(
+        True, "ZeRO++ qwZ: int8 copies of the parameters and quantization buffers for every all-gather", "true"),
+    "zero_optimization.zero_quantized_gradients": Unmodelled(
+        True, "ZeRO++ qgZ: quantized gradient all-to-all buffers", "true"),
+    "zero_optimization.zero_quantized_nontrainable_weights": Unmodelled(
+        False, "frozen weights kept in int8", "true"),
+    "zero_optimization.mics_shard_size": Unmodelled(
+        True, "MiCS partitions the model states over groups of ranks, not the whole world: each rank holds "
+              "more of them", "above 0"),
+    "optimizer.type": Unmodelled(
+        None, "DeepSpeed's own optimizer: Adam and AdamW (FusedAdam, CPUAdam, MuAdam, MuAdamW) keep what is "
+              "modelled; Lion, Adagrad and SGD keep less, so they can only lower the peak; other types (Lamb, "
+              "OneBitAdam, ZeroOneAdam, ...) can raise it", "a type other than Adam or AdamW"),
+    "data_types.grad_accum_dtype": Unmodelled(True, "gradients accumulated in a dtype of its own", "set"),
+    "communication_data_type": Unmodelled(True, "reduction buffers in a dtype of their own", "set"),
+}
+
+# Keys that change memory and are modelled, by format: key -> what of the case it sets (the doc's table).
+MODELLED_KEYS = {
+    "LLaMA-Factory YAML": {
+        "model_name_or_path": "`model`: a registry name, a hub id the registry knows, or a folder with config.json",
+        "stage": "sft and pt (reward, PPO, DPO, KTO refused)",
+        "finetuning_type": "`method.kind`: lora or full (freeze and OFT refused)",
+        "lora_rank, lora_alpha, lora_dropout, lora_target": "`method.lora` (targets checked against the model)",
+        "quantization_bit, quantization_method, quantization_type, double_quantization":
+            "`method.quantization`: 4-bit bitsandbytes (other widths refused)",
+        "cutoff_len": "`train.seq_len`",
+        "disable_gradient_checkpointing, gradient_checkpointing": "`train.gradient_checkpointing` (on by default)",
+        "use_reentrant_gc": "`train.checkpointing_reentrant` (true by default)",
+        "flash_attn": "`train.attn_implementation`",
+        "bf16, fp16, pure_bf16": "`precision`",
+        "deepspeed": "the `deepspeed` block, read from the DeepSpeed JSON",
+        "enable_liger_kernel": "not modelled yet: named in the check's notes",
+    },
+    "TrainingArguments (both training formats)": {
+        "per_device_train_batch_size": "`train.micro_batch`",
+        "gradient_accumulation_steps": "`train.grad_accum`",
+        "gradient_checkpointing": "`train.gradient_checkpointing`",
+        "gradient_checkpointing_kwargs.use_reentrant": "`train.checkpointing_reentrant`",
+        "bf16, fp16": "`precision` (neither: the model's dtype)",
+        "dataloader_num_workers, dataloader_prefetch_factor, dataloader_pin_memory": "`train` (host RAM)",
+        "deepspeed": "the `deepspeed` block, read from the DeepSpeed JSON (a path or inline)",
+        "fsdp, fsdp_config": "refused: FSDP is not modelled",
+        "use_liger_kernel": "not modelled yet",
+    },
+    "TrainingArguments JSON: script fields": {
+        "model_name_or_path": "`model`",
+        "max_length, max_seq_length, model_max_length": "`train.seq_len`",
+        "lora_r, lora_rank, lora_alpha, lora_dropout, lora_target_modules, target_modules, use_peft":
+            "`method.lora` (targets checked against the model)",
+        "load_in_4bit, use_4bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype":
+            "`method.quantization`",
+        "load_in_8bit, use_8bit": "refused: 8-bit weights are not modelled",
+        "attn_implementation": "`train.attn_implementation`",
+        "logits_to_keep": "`train.logits_to_keep`",
+    },
+    "DeepSpeed JSON": {
+        "zero_optimization.stage": "`deepspeed.stage`",
+        "zero_optimization.offload_optimizer.device, offload_param.device, cpu_offload":
+            "`deepspeed.offload_optimizer`, `deepspeed.offload_param` (NVMe refused)",
+        "zero_optimization.offload_*.pin_memory": "`deepspeed.pin_memory` (host RAM)",
+        "zero_optimization.overlap_comm, contiguous_gradients": "`deepspeed` block",
+        "zero_optimization.reduce_bucket_size, allgather_bucket_size, sub_group_size, stage3_*":
+            "`deepspeed` block (\"auto\" resolved as transformers resolves it)",
+        "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size":
+            "checked against the training config (a lint)",
+        "fp16.enabled, bf16.enabled, activation_checkpointing": "checked against the training config (lints)",
+    },
 }
 
 # DeepSpeed's optimizer `type`s (lowercase, no '_'; deepspeed/runtime/config.py) by their state next to the

@@ -99,7 +99,7 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
 
 def _not_modelled(r: Reader) -> None:
     """LLaMA-Factory's own keys that change memory and are not modelled (keys.LLAMAFACTORY_NOT_MODELLED)."""
-    for key, (raises, why) in LLAMAFACTORY_NOT_MODELLED.items():
+    for key, unmodelled in LLAMAFACTORY_NOT_MODELLED.items():
         if key == "additional_target":
             on = r.raw(key) not in (None, "", [])
         elif key == "mixture_of_depths":
@@ -108,7 +108,7 @@ def _not_modelled(r: Reader) -> None:
         else:
             on = r.bool(key, False)
         if on:
-            r.not_modelled_key(key, raises, why)
+            r.not_modelled_key(key, unmodelled.entry())
 
 
 def _checkpointing(r: Reader) -> tuple[bool, str]:

@@ -66,10 +66,13 @@ class Reader:
         """A reader of a block inside this config (same file, same stack, same records)."""
         return Reader(self.path, data, prefix, self.booleans, self.read_as, self.not_modelled)
 
-    def not_modelled_key(self, key: str, raises: bool, why: str, value: Any = None) -> None:
-        """Record `key` as read but not modelled (records.NotModelled)."""
+    def not_modelled_key(self, key: str, entry: tuple[bool, str], detail: str = "", value: Any = None) -> None:
+        """Record `key` as read but not modelled (records.NotModelled); `entry` is (raises, why) from the
+        tables of importers.keys, `detail` what this value adds to the why."""
+        raises, why = entry
         self.not_modelled.append(NotModelled(self.path, self.prefix + key,
-                                             self.data.get(key) if value is None else value, raises, why))
+                                             self.data.get(key) if value is None else value, raises,
+                                             f"{why} ({detail})" if detail else why))
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None

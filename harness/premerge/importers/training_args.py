@@ -11,7 +11,7 @@ from harness.premerge.importers.build import finish
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import job_of, launcher_of
-from harness.premerge.importers.keys import HF_TRAINING_KEYS, SCRIPT_KEYS, check_keys
+from harness.premerge.importers.keys import HF_TRAINING_KEYS, SCRIPT_KEYS, SCRIPT_NOT_MODELLED, check_keys
 from harness.premerge.importers.model import model_of
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, ImportedConfig, InitOrder, JobSpec
@@ -110,10 +110,10 @@ def _script_not_modelled(r: Reader, precision: str) -> None:
         if loaded is None:
             raise r.fail(key, f"'{dtype}' is not a dtype", "use bfloat16, float16, float32 or auto")
         if loaded != precision:
-            r.not_modelled_key(key, loaded == "fp32", f"weights loaded in {loaded}; predicted in {precision}")
+            r.not_modelled_key(key, SCRIPT_NOT_MODELLED[key].entry(raises=loaded == "fp32"),
+                               f"loaded in {loaded}, predicted in {precision}")
     if r.raw("model_init_kwargs") not in (None, {}, ""):
-        r.not_modelled_key("model_init_kwargs", True, "arguments to from_pretrained (dtype, quantization, "
-                           "attention) beyond the keys read")
+        r.not_modelled_key("model_init_kwargs", SCRIPT_NOT_MODELLED["model_init_kwargs"].entry())
 
 
 def _seq_len(r: Reader) -> int:

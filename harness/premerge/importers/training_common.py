@@ -9,7 +9,7 @@ from harness.models.registry import Architecture
 from harness.models.source import adapter_targets, lora_target_matches
 from harness.premerge.importers.deepspeed_json import deepspeed_of
 from harness.premerge.importers.errors import ConfigError
-from harness.premerge.importers.keys import HF_OPTIMIZERS
+from harness.premerge.importers.keys import HF_NOT_MODELLED, HF_OPTIMIZERS
 from harness.premerge.importers.model import hidden_size, model_precision
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, DeepSpeedFile, JobSpec, TrainingFile
@@ -129,35 +129,27 @@ def hf_not_modelled(r: Reader, train: dict[str, Any], ds: DeepSpeedFile | None) 
     if ds is not None and "optimizer" in ds.keys:
         optim = None  # DeepSpeed's own optimizer replaces the Trainer's (its block is read with the DeepSpeed file)
     if r.bool("adafactor", False):
-        r.not_modelled_key("adafactor", False, "Adafactor keeps factored second moments, far less than AdamW")
+        r.not_modelled_key("adafactor", HF_NOT_MODELLED["adafactor"].entry())
     if optim is not None:
         effect = HF_OPTIMIZERS.get(optim.lower())
         if effect is None and optim.lower() not in installed_optimizers():
             raise r.fail("optim", f"'{optim}' is not an optimizer TrainingArguments knows",
                          "use one of transformers' OptimizerNames, e.g. adamw_torch_fused or adamw_bnb_8bit")
-        if effect == "smaller":
-            r.not_modelled_key("optim", False, "its state is smaller than the fp32 AdamW modelled (8-bit or "
-                               "4-bit moments, one moment, paged, or projected to a low rank)")
-        elif effect is None:
-            r.not_modelled_key("optim", True, "its state is not the two fp32 moments of the AdamW modelled")
+        if effect != "modelled":
+            r.not_modelled_key("optim", HF_NOT_MODELLED["optim"].entry(raises=effect != "smaller"),
+                               "less state than AdamW" if effect == "smaller" else "state unlike AdamW's")
     eval_on = str(r.str("eval_strategy", None) or r.str("evaluation_strategy", None) or "no").lower() != "no"
     eval_batch = r.int("per_device_eval_batch_size", 8, minimum=1)
     if eval_on and eval_batch > train["micro_batch"]:
-        r.not_modelled_key("per_device_eval_batch_size", True, f"evaluation forwards at batch {eval_batch}, above "
-                           f"the training micro batch {train['micro_batch']}: their logits are not predicted",
-                           value=eval_batch)
-    if r.float("label_smoothing_factor", 0.0):
-        r.not_modelled_key("label_smoothing_factor", True, "the Trainer's label smoother takes a log-softmax of "
-                           "the logits outside the model, a logits-sized tensor more")
-    if r.bool("torch_compile", False):
-        r.not_modelled_key("torch_compile", True, "torch.compile changes what the forward keeps for backward "
-                           "and adds buffers of its own")
-    if r.bool("auto_find_batch_size", False):
-        r.not_modelled_key("auto_find_batch_size", False, "the Trainer halves the batch after an out-of-memory "
-                           "error; the prediction is for the batch as written")
-    if r.int("torch_empty_cache_steps", None, minimum=1) is not None:
-        r.not_modelled_key("torch_empty_cache_steps", False, "emptying the cache returns cached blocks: reserved "
-                           "can only fall")
+        r.not_modelled_key("per_device_eval_batch_size", HF_NOT_MODELLED["per_device_eval_batch_size"].entry(),
+                           f"{eval_batch} against {train['micro_batch']}", value=eval_batch)
+    checks = {"label_smoothing_factor": lambda: r.float("label_smoothing_factor", 0.0),
+              "torch_compile": lambda: r.bool("torch_compile", False),
+              "auto_find_batch_size": lambda: r.bool("auto_find_batch_size", False),
+              "torch_empty_cache_steps": lambda: r.int("torch_empty_cache_steps", None, minimum=1) is not None}
+    for key, counts in checks.items():
+        if counts():
+            r.not_modelled_key(key, HF_NOT_MODELLED[key].entry())
 
 
 def installed_optimizers() -> frozenset[str]:
