@@ -21,6 +21,8 @@ def add_parser(subparsers) -> None:
     rep.add_argument("--html", metavar="DIR",
                      help="write the report as DIR/index.html (plots as inline SVG; opens from disk): the baselines, "
                           "the memory timelines and the runs given, instead of printing the table")
+    rep.add_argument("--force", action="store_true",
+                     help="with --html: replace an index.html already in DIR (without it, it is refused)")
     rep.add_argument("--history", metavar="DIR", default=None,
                      help="a folder of run histories (<runner>.jsonl; default: $HARNESS_HISTORY_DIR): show their "
                           "change points and series")
@@ -38,7 +40,7 @@ def run(args) -> int:
     from harness.report.markdown import report_markdown, verdict_markdown
     from harness.report.verdicts import rows_of
 
-    if args.html:
+    if args.html is not None:  # '' too: refused by write_html, not read as "no --html"
         return write_html(args)
     for path in map(Path, args.runs):
         if not path.exists():
@@ -83,25 +85,32 @@ def history_shifts(args) -> list:
 
 
 def write_html(args) -> int:
-    """`--html DIR`: the page, written whole into DIR (created where missing). A DIR that is a file, or
-    a run file that cannot be read, is bad input (exit 2)."""
+    """`--html DIR`: the page, written whole into DIR (created where missing). A DIR that is a file or
+    cannot be written, an index.html there without --force or that is not a regular file, or a run file
+    that cannot be read, is bad input (exit 2)."""
     import importlib.util
 
     from harness.models.inputs import InputError
     from harness.report.html.build import build_report
+    from harness.report.html.page import INDEX
+    from harness.spec.outputs import Outputs, check_name
 
     if importlib.util.find_spec("matplotlib") is None:
         raise InputError(None, "--html", "the HTML report draws its plots with matplotlib, which is not installed",
                          "pip install 'oom-harness[report]' (or matplotlib) into this environment")
-    folder = Path(args.html)
+    folder = check_name(args.html, "--html")
     if folder.exists() and not folder.is_dir():
         raise InputError(None, "--html", f"{folder} is a file", "name a folder for the report")
     for path in map(Path, args.runs):
         if not path.exists():
             raise InputError(path, None, "no such file or folder", "name a `run --json` file or a run folder")
     timelines = [Path(args.timelines_dir)] if args.timelines_dir else None
-    page = build_report(folder, Path(args.baselines_dir), Path(args.case_dir), [Path(r) for r in args.runs],
-                        timelines, shifts=history_shifts(args))
+    # the page checked and its folder made writable before the inputs are read; a failed build leaves no folder
+    with Outputs(force=args.force, inputs=args.runs) as outputs:
+        folder = outputs.folder(folder, "--html")
+        outputs.file(folder / INDEX, "--html")
+        page = outputs.record(build_report(folder, Path(args.baselines_dir), Path(args.case_dir),
+                                           [Path(r) for r in args.runs], timelines, shifts=history_shifts(args)))
     print(f"wrote {page}")
     return 0
 

@@ -20,6 +20,7 @@ from harness.models.inputs import InputError
 from harness.pytest_plugin.options import add_run_options
 from harness.spec.cases import CASES_DIR
 from harness.spec.files import WriteError, check_writable, os_reason, write_atomic
+from harness.spec.outputs import check_name, check_output
 
 MAX_SHARDS = 1024  # slices, one per GPU: far above any host
 
@@ -29,6 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--fidelity", choices=["tiny", "real"], default="tiny")
     p.add_argument("-k", action="append", help="run only cases whose id contains this (repeatable)")
     p.add_argument("--json", help="also write every run and verdict to this JSON file")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --json, --benchmark-json or --html report (without it, they are refused "
+                        "before any case runs)")
     p.add_argument("--variant", action="append",
                    help="measure under a variant instead of judging: '2r' (ranks), '8L' (layers), '2ga' "
                         "(grad accum cap), combined '2r8L2ga'; repeatable")
@@ -210,16 +214,23 @@ def run(args) -> int:
 
 def _check_outputs(args) -> None:
     """Refuse, before any case runs, output files that could not be written after the runs (a missing
-    folder, a folder named as the file): the runs would be lost."""
+    folder, a folder named as the file, an empty or overlong name), that are not regular files (a device,
+    a link), that are a case file, or that exist without --force: the runs would be lost, or clobber."""
+    from harness.report.html.page import INDEX
+
+    case_dir = Path(args.case_dir or CASES_DIR)
+    if not case_dir.is_dir():
+        raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
+    inputs = sorted(case_dir.glob("*.y*ml"))
     for flag, value in (("--json", args.json), ("--benchmark-json", args.benchmark_json)):
         if value is not None:
-            check_writable(Path(value), flag)  # a WriteError is bad input (exit 2)
-    if args.html is not None and Path(args.html).exists() and not Path(args.html).is_dir():
-        raise InputError(None, "--html", f"{args.html} is a file", "name a folder for the report")
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+            check_writable(check_output(value, flag, force=args.force, inputs=inputs), flag)  # WriteError: exit 2
+    if args.html is not None:
+        if check_name(args.html, "--html").exists() and not Path(args.html).is_dir():
+            raise InputError(None, "--html", f"{args.html} is a file", "name a folder for the report")
+        check_output(Path(args.html) / INDEX, "--html", force=args.force)
+    if args.out is not None and check_name(args.out, "--out").exists() and not Path(args.out).is_dir():
         raise InputError(None, "--out", f"{args.out} is a file", "name a folder for the reports")
-    if not Path(args.case_dir).is_dir():
-        raise InputError(None, "--case-dir", f"{args.case_dir} is not a folder", "name the folder of the case files")
 
 
 def _write_html(args, session) -> bool:
