@@ -170,6 +170,14 @@ def test_premerge_yaml_with_a_key_twice_is_refused(tmp_path):
     assert entry.problem and "gpus: is written twice" in entry.problem
 
 
+def test_a_key_twice_inside_gradient_checkpointing_kwargs_text_is_refused(tmp_path):
+    kwargs = '{"use_reentrant": false, "use_reentrant": true}'
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "ta.json", dict(TA, gradient_checkpointing=True,
+                                                      gradient_checkpointing_kwargs=kwargs)), ONE)
+    assert err.value.key == "gradient_checkpointing_kwargs.use_reentrant"
+
+
 # --- Booleans as the framework reads them ----------------------------------------------------------
 
 
@@ -238,6 +246,30 @@ def test_an_8bit_adam_keeps_fits_and_makes_does_not_fit_undecided(tmp_path, caps
     predicted(40)
     code, out = run(capsys, path, "--gpus", 1, "--gpu-memory", "24GiB")
     assert code == 1 and "verdict: UNDECIDED" in out and "can only lower the peak" in out
+
+
+@pytest.mark.parametrize("extra, key, raises", [
+    ({"torch_dtype": "float32"}, "torch_dtype", True),
+    ({"torch_dtype": "bfloat16"}, None, None),
+    ({"eval_strategy": "steps", "per_device_eval_batch_size": 16}, "per_device_eval_batch_size", True),
+    ({"eval_strategy": "steps", "per_device_eval_batch_size": 1}, None, None),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor", True),
+    ({"torch_compile": True}, "torch_compile", True),
+    ({"optim": "adamw_torch_fused"}, None, None),
+    ({"optim": "ademamix"}, "optim", True),
+    ({"optim": "paged_adamw_8bit"}, "optim", False),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size", False),
+])
+def test_trainingarguments_memory_keys_are_modelled_or_named(tmp_path, extra, key, raises):
+    imported = import_config(write(tmp_path, "ta.json", dict(TA, **extra)), ONE)
+    assert [(n.key, n.raises) for n in imported.not_modelled] == ([] if key is None else [(key, raises)])
+
+
+def test_deepspeed_dtypes_and_a_lion_optimizer_are_named(tmp_path):
+    ds = dict(Z3, data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32", optimizer={"type": "Lion"})
+    imported = import_config(_with_ds(tmp_path, ds), ONE)
+    assert {(n.key, n.raises) for n in imported.not_modelled} == {
+        ("data_types.grad_accum_dtype", True), ("communication_data_type", True), ("optimizer.type", False)}
 
 
 def test_an_optimizer_transformers_does_not_know_is_refused(tmp_path):

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from harness.models.inputs import InputError, parse_json
 from harness.premerge.importers.build import finish
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
@@ -133,8 +133,10 @@ def _use_reentrant(r: Reader) -> bool | None:
     kwargs = r.raw(_GC_KWARGS, {})
     if isinstance(kwargs, str):
         try:
-            kwargs = json.loads(kwargs) if kwargs.strip() else {}
-        except json.JSONDecodeError:
+            kwargs = parse_json(kwargs, r.path) if kwargs.strip() else {}
+        except InputError as exc:
+            if exc.key is not None:  # a key written twice inside the text
+                raise r.fail(f"{_GC_KWARGS}.{exc.key}", exc.problem, exc.fix) from None
             kwargs = None
     if not isinstance(kwargs, dict):
         raise r.fail(_GC_KWARGS, f"must be a mapping like {{\"use_reentrant\": false}}, got {r.raw(_GC_KWARGS)!r}")
