@@ -363,3 +363,15 @@ def test_every_key_listed_as_not_modelled_is_a_key_its_format_knows_and_is_in_th
                         else keys.DEEPSPEED_ZERO_KEYS if blocks[:1] == ["zero_optimization"]
                         else {"type", "grad_accum_dtype"} | keys.DEEPSPEED_KEYS)
         assert f"| `{dotted}` |" in page
+
+
+def test_a_batch_size_written_as_text_is_refused_where_the_trainer_keeps_it_as_text(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        import_config(write(tmp_path, "ta.json", dict(TA, per_device_train_batch_size="4")), ONE)
+    assert err.value.key == "per_device_train_batch_size" and "write 4 without quotes" in str(err.value)
+
+
+def test_deepspeed_zero_numbers_written_as_text_are_read_as_pydantic_reads_them(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "3", "reduce_bucket_size": "1000"}}
+    imported = import_config(_with_ds(tmp_path, ds), ONE)
+    assert imported.deepspeed.stage == 3 and imported.deepspeed.zero["reduce_bucket_size"] == 1000

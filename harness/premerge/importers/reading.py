@@ -5,7 +5,9 @@ Booleans are read as the stack that reads the file reads them. The HF Trainer's 
 keep a value as written and test it for truth: `"false"` is a non-empty string, so true (text that is
 no boolean at all, `"sometimes"`, is refused rather than read as that true). DeepSpeed's
 config models are pydantic's, which read "false", "no", "off", "0" as false and refuse other text.
-A boolean written as text that reads otherwise than it looks is recorded (`ReadAs`) for the lints.
+A boolean written as text that reads otherwise than it looks is recorded (`ReadAs`) for the lints. A
+whole number written as text ("4") is refused where a dataclass would keep it as text (the Trainer's
+arithmetic and its DataLoader then fail on it) and read as the number where pydantic reads it.
 """
 
 from __future__ import annotations
@@ -114,7 +116,10 @@ class Reader:
         if value is None:
             return default
         if isinstance(value, str) and re.fullmatch(r"\s*-?\d+(\.0*)?(e\d+)?\s*", value):
-            value = float(value)
+            if self.booleans != PYDANTIC:  # a dataclass keeps the text; arithmetic and the DataLoader fail on it
+                raise self.fail(key, f"is the text {value!r}, not a number: {self.booleans.split(' (')[0]} keeps it "
+                                "as text and the job fails on it", f"write {value.strip()} without quotes")
+            value = float(value)  # pydantic reads it as the number
         if isinstance(value, float) and not math.isfinite(value):
             raise self.fail(key, f"must be a whole number, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
