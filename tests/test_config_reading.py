@@ -375,3 +375,10 @@ def test_deepspeed_zero_numbers_written_as_text_are_read_as_pydantic_reads_them(
     ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "3", "reduce_bucket_size": "1000"}}
     imported = import_config(_with_ds(tmp_path, ds), ONE)
     assert imported.deepspeed.stage == 3 and imported.deepspeed.zero["reduce_bucket_size"] == 1000
+
+
+def test_a_case_file_naming_lora_targets_the_model_lacks_exits_2(tmp_path, capsys):
+    data = yaml.safe_load((ROOT / "cases" / "001-ladder-rung1-zero2.yaml").read_text())
+    data["method"]["lora"]["targets"] = ["c_attn"]
+    code, out = run(capsys, write(tmp_path, "001-ladder-rung1-zero2.yaml", yaml.safe_dump(data, allow_unicode=True)))
+    assert code == 2 and "method.lora.targets" in out and "c_attn" in out and "q_proj" in out

@@ -12,7 +12,7 @@ from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import case_launcher, job_of, launcher_of
 from harness.premerge.importers.model import model_of
-from harness.premerge.importers.reading import read_mapping
+from harness.premerge.importers.reading import Reader, read_mapping
 from harness.premerge.importers.records import (
     ConfigFormat,
     DeepSpeedFile,
@@ -21,7 +21,7 @@ from harness.premerge.importers.records import (
     JobSpec,
     TrainingFile,
 )
-from harness.premerge.importers.training_common import default_reentrant
+from harness.premerge.importers.training_common import check_lora_targets, default_reentrant
 from harness.spec.cases import CaseError, _describe, load_case
 from harness.spec.schema import Case, Offload, Precision
 
@@ -35,6 +35,9 @@ def import_case(path: Path, spec: JobSpec) -> ImportedConfig:
     job = job_of(spec, path, written)
     notes: list[str] = []
     model = model_of(path, written.model, spec, key="model")
+    if written.method.lora is not None:  # as peft will match them on the model
+        check_lora_targets(Reader(path, {}, "method.lora."), "targets", written.method.lora.targets, model.arch,
+                           notes)
     launcher, launcher_from = launcher_of(spec, written.launch.launcher, "the case file")
     has_ds = written.deepspeed is not None
     init = init_order_of(spec, InitOrder(written.launch.init_order, "the case file's launch.init_order", path))
