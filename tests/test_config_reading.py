@@ -382,3 +382,11 @@ def test_a_case_file_naming_lora_targets_the_model_lacks_exits_2(tmp_path, capsy
     data["method"]["lora"]["targets"] = ["c_attn"]
     code, out = run(capsys, write(tmp_path, "001-ladder-rung1-zero2.yaml", yaml.safe_dump(data, allow_unicode=True)))
     assert code == 2 and "method.lora.targets" in out and "c_attn" in out and "q_proj" in out
+
+
+def test_fit_refuses_a_config_with_a_key_that_can_raise_the_peak_naming_it(tmp_path, capsys, predicted):
+    predicted(4)
+    path = write(tmp_path, "lf.yaml", dict(LF, mixture_of_depths="convert"))
+    code = main(["fit", str(path), "--gpus", "1", "--gpu-memory", "24GiB", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert code == 2 and "mixture_of_depths" in out.err and "fit cannot call any change fitting" in out.err

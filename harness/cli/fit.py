@@ -110,6 +110,11 @@ def _fit(args, predict: PredictFn | None) -> int:
     if base.prediction is None:
         raise ConfigError(imported.training.path, None, f"cannot be predicted: {imported.unpredictable}",
                           "change the settings the lint names, then run fit again")
+    raising = [n for n in imported.not_modelled if n.raises]
+    if raising:  # no candidate could be called fitting: say why rather than "no config fits"
+        raise ConfigError(raising[0].path, raising[0].key, f"is read but not modelled ({raising[0].why}), and it "
+                          "can raise the peak: fit cannot call any change fitting",
+                          "remove it to fit the rest, or measure the job with it on a card")
     if args.depth_points:  # before the search, not after it when --verify writes the case
         from harness.premerge.case_writer import check_depth_points
 
