@@ -228,7 +228,7 @@ def test_report_of_a_nights_runs_shows_them_and_what_failed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Verdicts, failures first:")  # the verdict table leads
     head, _ = out.split(f"Measured in {runs} (these runs, not the committed baselines)")
-    assert "| FAIL | 003-qlora-fix-r32-seq1024-gc | nvidia-h100-80gb-hbm3-x1 | run given |" in head
+    assert "| FAIL | 003-qlora-fix-r32-seq1024-gc [run given] | nvidia-h100-80gb-hbm3-x1 | fits | fits |" in head
     assert "| 003-qlora-fix-r32-seq1024-gc | NVIDIA H100 80GB HBM3 x1, full depth |" in out
     assert out.rstrip().endswith("Verdicts that failed:\n- 003-qlora-fix-r32-seq1024-gc: [REFUTED] baseline_speed: "
                                  "2,341 tokens/s per GPU vs baseline 2,379 (floor 2,360)")

@@ -50,6 +50,37 @@ def page(tmp_path_factory) -> Path:
     return build_report(out, BASELINES_DIR, CASES_DIR)
 
 
+def _night(case_id: str, device_peak_gib: float, step_s: float) -> dict:
+    """A full-size run record as `oom-harness run --json` writes it, on an H100 (a platform with baselines)."""
+    import json
+
+    from harness.measure.records import CaseRun, Memory, RankReport
+
+    gib = 2**30
+    rank = RankReport(case_id=case_id, fidelity="real", rank=0, world_size=1, platform="cuda",
+                      device_name="NVIDIA H100 80GB HBM3",
+                      step=Memory(allocated=int(0.9 * device_peak_gib * gib), device=int(device_peak_gib * gib)),
+                      step_times_s=[9.0, step_s, step_s], tokens_per_step=16384)
+    run = CaseRun(case_id=case_id, fidelity="real", command=[], returncode=0, wall_s=40.0, ranks=[rank])
+    return {"case": case_id, "fidelity": "real", "variant": "", "run": json.loads(run.model_dump_json()),
+            "verdicts": []}
+
+
+@pytest.fixture(scope="module")
+def night_page(tmp_path_factory) -> Path:
+    """The report of a night with a run half as fast as its baseline (guide 003's r32 fix, 2,300 tokens/s
+    blessed) and a run of a config the guide says runs out of memory that fits (guide 003's failing one)."""
+    import json
+
+    from harness.report.html.build import build_report
+
+    out = tmp_path_factory.mktemp("night")
+    runs = out / "night.json"
+    runs.write_text(json.dumps([_night("003-qlora-fix-r32-seq1024-gc", 10.5, 14.0),
+                                _night("003-qlora-failing-bs2-seq2048-r64", 12.0, 9.0)]))
+    return build_report(out / "html", BASELINES_DIR, CASES_DIR, [runs])
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     chromium, driver_path = _browser_paths()
@@ -98,6 +129,7 @@ def test_every_figure_is_drawn_and_nothing_is_fetched(page, browser):
     url = page.resolve().as_uri()
     _requests(browser, url)  # what the browser loaded before the page (its start tab) is not the page's
     browser.get(url)
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")  # folded figures
     figures = browser.find_elements(By.CSS_SELECTOR, "figure.report-figure")
     keys = [f.get_attribute("id").removeprefix("fig-") for f in figures]
     assert len(figures) == page.read_text().count('class="report-figure"')
@@ -141,3 +173,31 @@ def test_screenshots_of_each_kind_of_figure(page, browser, tmp_path):
         small.save(tmp_path / name, optimize=True)
         if keep:
             small.save(Path(keep) / name, optimize=True)
+
+
+def test_the_first_screen_is_the_verdict_table_with_the_failures(night_page, browser):
+    """The first screen of the nightly: the verdict table, failures first, the regressed run and the
+    refuted outcome among them, on a laptop's window and on a phone's 390 px."""
+    from selenium.webdriver.common.by import By
+
+    for width, height in ((SCREENSHOT_WIDTH, 1000), (390, 844)):
+        browser.set_window_size(width, height)
+        browser.get(night_page.resolve().as_uri())
+        table = browser.find_element(By.ID, "verdict-table")
+        rows = table.find_elements(By.CSS_SELECTOR, "tbody tr")
+        statuses = [r.find_element(By.CSS_SELECTOR, "td").text for r in rows]
+        assert statuses == sorted(statuses, key=["FAIL", "NOT CHECKED", "finding", "pass"].index)
+        failed = {r.text for r in table.find_elements(By.CSS_SELECTOR, "tbody tr.fail")}
+        regressed = next(t for t in failed if "003-qlora-fix-r32-seq1024-gc [run given]" in t)
+        assert "tokens/s below the baseline beyond the noise" in regressed and "-48.5% (noise" in regressed
+        refuted = next(t for t in failed if "003-qlora-failing-bs2-seq2048-r64 [run given]" in t)
+        assert "outcome refuted: expected oom, measured fits" in refuted
+        first = browser.execute_script(
+            "const r = document.querySelector('#verdict-table tbody tr.fail').getBoundingClientRect();"
+            "return [r.top, window.innerHeight, document.documentElement.scrollWidth, window.innerWidth];")
+        assert first[0] < first[1], f"{width} px: the first failure is below the first screen ({first})"
+        assert first[2] <= first[3] + 1, f"{width} px: the page scrolls sideways ({first})"
+        text_px = browser.execute_script(
+            "return parseFloat(getComputedStyle(document.querySelector('#verdict-table td')).fontSize)")
+        assert text_px >= 10, f"{width} px: the table's text is {text_px} px"
+    browser.set_window_size(SCREENSHOT_WIDTH, 1000)

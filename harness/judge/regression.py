@@ -192,6 +192,21 @@ def _speed(case: Case, figures: Figures, baseline: Baseline, pool: list[Baseline
     return out
 
 
+def speed_floor(case: Case, baseline: Baseline, pool: list[Baseline] | None) -> float | None:
+    """The least tokens/s per GPU a run may show against all of the baseline's finished repetitions: the
+    statistical test's critical value (`stats.ALPHA`), or the fixed floor where no noise is estimated.
+    For drawing: the check itself compares only like with like (`_speed`)."""
+    from harness.judge.stats import ALPHA, critical_ratio
+
+    rates = [r.tokens_per_s_per_gpu for r in baseline.runs if r.tokens_per_s_per_gpu and r.outcome == "ok"]
+    if not rates:
+        return None
+    noise = speed_noise(baseline, pool) if case.expect.speed_tolerance is None else None
+    if noise is None:
+        return limit(rates, case.expect.speed_tolerance, SPEED_FLOOR, upper=False).value
+    return statistics.geometric_mean(rates) * critical_ratio(len(rates), noise, ALPHA)
+
+
 def _device_change(figures: Figures, baseline: Baseline) -> str:
     """The change of the device's own step time (CUDA events), where both sides recorded it."""
     def median_device(f: Figures) -> float | None:

@@ -106,6 +106,12 @@ def detectable_slowdown(scale: float, df: int, alpha: float = ALPHA, power: floa
     return brentq(caught, 1e-9, 0.999)
 
 
+def critical_ratio(repetitions: int, noise: Noise, alpha: float = ALPHA) -> float:
+    """The run-to-baseline ratio below which `run_vs_baseline` calls a run slower."""
+    scale = noise.sigma * math.sqrt(1 + 1 / repetitions)
+    return math.exp(-_t().t.ppf(1 - alpha, noise.df) * scale)
+
+
 def run_vs_baseline(run: float, baseline: list[float], noise: Noise, alpha: float = ALPHA) -> SpeedTest:
     st = _t()
     logs = [math.log(v) for v in baseline]

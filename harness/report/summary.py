@@ -7,7 +7,23 @@ from harness.judge.session import Judgement
 from harness.report.columns import aligned
 from harness.spec.units import GIB, fmt_gib, fmt_mib
 
-COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/card", "loss", "outcome", "claims")
+COLUMNS = ("case", "fid", "procs", "load", "peak/card", "host/node", "tok/s/card", "loss", "outcome", "claims",
+           "vs baseline")
+BASELINE_CHECKS = {"baseline_memory": "memory", "baseline_speed": "speed", "change_point": "change point"}
+
+
+def _vs_baseline(j: Judgement) -> str:
+    """What the run's regression checks found: the checks that failed, then those that could not run
+    (a speed NOT CHECKED is no pass), else ok; '-' where nothing was held to a baseline (tiny runs)."""
+    found = [v for v in j.against_baseline if v.what in BASELINE_CHECKS]
+    if not j.against_baseline:
+        return "-"
+    failed = sorted({BASELINE_CHECKS[v.what] for v in found if v.status == "refuted"})
+    unchecked = sorted({BASELINE_CHECKS.get(v.what, "baseline") for v in j.against_baseline
+                        if v.status == "not_checkable"})
+    parts = [f"{w} FAILED" for w in failed] + [f"{w} NOT CHECKED" for w in unchecked]
+    return ", ".join(parts) or "ok"
+
 
 
 def _host(j: Judgement) -> str:
@@ -56,7 +72,7 @@ def _row(j: Judgement) -> tuple[str, ...]:
         peak = int(e.peak_with_margin() if with_margin else e.values["per_card_peak"])
         if e.tokens_per_s:
             rate = f"{e.tokens_per_s:,.0f}"
-    return (name, run.fidelity, procs, size(load), size(peak), _host(j), rate, loss, outcome, claims)
+    return (name, run.fidelity, procs, size(load), size(peak), _host(j), rate, loss, outcome, claims, _vs_baseline(j))
 
 
 def table(judgements: list[Judgement]) -> str:

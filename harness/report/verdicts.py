@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from harness.spec.units import GIB
 from harness.spec.variants import parse_variant
 
-HEADER = ("status", "case", "platform", "source", "expected", "measured", "headroom", "tokens/s vs baseline",
-          "change points", "why")
+HEADER = ("status", "case", "platform", "expected", "measured", "headroom", "tokens/s vs baseline", "change points",
+          "why")
 ORDER = {"FAIL": 0, "NOT CHECKED": 1, "finding": 2, "pass": 3}
 
 
@@ -35,8 +35,9 @@ class Row:
     why: list[str] = field(default_factory=list)
 
     def cells(self) -> tuple[str, ...]:
-        return (self.status, self.case, self.platform, self.source, self.expected, self.measured, self.headroom,
-                self.speed, self.changes, "; ".join(self.why) or "-")
+        case = self.case + (" [run given]" if self.source == "run given" else "")
+        return (self.status, case, self.platform, self.expected, self.measured, self.headroom, self.speed,
+                self.changes, "; ".join(self.why) or "-")
 
     def fail(self, why: str) -> None:
         self.status = "FAIL"
@@ -94,8 +95,7 @@ def rows_of(inputs, shifts=()) -> list[Row]:
         ok = e.outcome == "ok"
         measured = "fits" if ok else e.outcome
         peak = e.median("per_card_peak")
-        row = Row(e.name, b.platform.key, "run given" if e.is_run else "baseline", case.expect.outcome,
-                  measured + (" (at the failure)" if not ok and peak else ""),
+        row = Row(e.name, b.platform.key, "run given" if e.is_run else "baseline", case.expect.outcome, measured,
                   _headroom(case, peak) if variant.as_written else f"- (variant {b.variant})", "-", "-")
         if variant.as_written and case.expect.outcome in ("fits", "oom"):
             if case.expect.outcome != ("fits" if ok else "oom" if e.outcome == "oom" else e.outcome):

@@ -34,8 +34,11 @@ def section(inputs: ReportInputs) -> Section:
         top = max(top, gib(measured), gib(predicted))
         mistake = e.case.expect.outcome == "detected"
         marker = "^" if e.outcome != "ok" else ("x" if mistake else ("*" if e.is_run else "o"))
-        ax.plot([gib(measured)], [gib(predicted)], marker=marker, ls="none", alpha=0.8,
-                color=f"C{platforms.index(e.baseline.platform.key)}", label=e.baseline.platform.key)
+        k = platforms.index(e.baseline.platform.key)
+        # hollow, and a size for each platform: one config measured alike on two platforms shows as two
+        # rings, not one marker hiding the other
+        ax.plot([gib(measured)], [gib(predicted)], marker=marker, ls="none", alpha=0.9, mfc="none", mew=1.3,
+                markersize=6 + 3 * k, color=f"C{k}", label=e.baseline.platform.key)
         if e.outcome != "ok":
             verdict = "at or above the failure" if predicted >= measured else "below the failure: misses the OOM"
         else:
@@ -59,9 +62,20 @@ def section(inputs: ReportInputs) -> Section:
     ax.set_xlabel("measured per-card peak, GiB")
     ax.set_ylabel("predicted per-card peak, GiB")
     ax.grid(alpha=0.3)
+    from matplotlib.lines import Line2D
+
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
+    # each platform as its colour and ring size, each kind of point as its shape: a platform's entry
+    # would otherwise show whichever shape its first point had
+    for k, key in enumerate(platforms):
+        unique[key] = Line2D([], [], marker="o", ls="none", mfc="none", mew=1.3, markersize=6 + 3 * k, color=f"C{k}")
+    shapes = {"o": "finished (a blessed run)", "^": "ran out of memory (a lower bound)", "x": "a mistake to detect",
+              "*": "a run given"}
+    for marker, what in shapes.items():
+        unique[what] = Line2D([], [], marker=marker, ls="none", mfc="none", color="dimgray")
+    # outside the axes: inside, it hid the largest outlier and the ticks
+    fig.legend(unique.values(), unique.keys(), fontsize=7, loc="outside right upper")
     errors = sorted(abs(e.predicted_per_card / e.median("per_card_peak") - 1) for e in entries
                     if e.outcome == "ok" and e.case.expect.outcome != "detected")
     summary = (f" Over the {len(errors)} finished runs the median error is {statistics.median(errors):.1%} and the "
@@ -74,7 +88,8 @@ def section(inputs: ReportInputs) -> Section:
     where = measured_where([e.baseline for e in entries])
     caption = (f"Measured: the per-card device peak, median over repetitions, {where}. "
                f"{PREDICTED[0].upper() + PREDICTED[1:]}. Triangles: runs that ran out of memory (measured at the "
-               "failure, a lower bound); crosses: configs that are mistakes to detect; stars: the runs given."
+               "failure, a lower bound); crosses: configs that are mistakes to detect; stars: the runs given. "
+               "Markers are hollow and larger for each further platform, so equal points show as rings."
                + summary)
     s.items = [Figure("accuracy", to_svg(fig, "accuracy"), caption),
                Table(("config", "platform", "source", "outcome", "measured", "predicted", "error"), rows,

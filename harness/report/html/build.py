@@ -23,9 +23,10 @@ CACHE = ".predict-cache"  # the predictor's trace cache, inside the report's fol
 def _cache_inside(folder: Path):
     """The predictor keeps its traces on disk (harness.predict.trace; by default in the home folder's
     cache): while a report is built they go into the report's own folder, so that `report --html`
-    writes nowhere else."""
+    writes nowhere else. A cache the user named (HARNESS_PREDICT_CACHE, "off" included) is theirs to
+    share between reports, and is used as it is."""
     old = os.environ.get("HARNESS_PREDICT_CACHE")
-    if old is not None and old.lower() in ("off", "0", "no", "false"):
+    if old is not None:
         yield
         return
     os.environ["HARNESS_PREDICT_CACHE"] = str(Path(folder).resolve() / CACHE)

@@ -23,10 +23,13 @@ def software(versions: list[dict[str, str]], drivers: list[str | None]) -> str:
 
 
 def days(baselines: list[Baseline]) -> str:
-    dates = sorted({f.recorded or b.recorded for b in baselines for f in b.runs})
+    """'2026-11-25 to 2026-11-26'; runs given, which carry no date, are said to be undated."""
+    every = {f.recorded or b.recorded for b in baselines for f in b.runs}
+    dates = sorted(d for d in every if d)
+    undated = " and undated runs given" if "" in every else ""
     if not dates:
-        return "no date recorded"
-    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+        return "no date recorded" if not undated else "undated (runs given)"
+    return (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") + undated
 
 
 def measured_where(baselines: list[Baseline]) -> str:

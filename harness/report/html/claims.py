@@ -70,11 +70,15 @@ def section(inputs: ReportInputs) -> Section:
                         mec="#2ca02c" if ok else "#d62728",
                         label=("extrapolated" if extrapolated else "measured") + (", inside" if ok else ", outside"))
         ax.set_yticks(range(n - 1, -1, -1), [f"{c.id}: {cl.metric}" for c, cl, *_ in drawn], fontsize=7)
+        # every bar and every dot inside the axis (a fixed range clipped the widest bars)
+        right = max([gib(high) for *_, high, _ in drawn] + [gib(v) for *_, pts in drawn for v, *_ in pts] + [1.0])
+        ax.set_xlim(0, right * 1.08)
+        ax.set_ylim(-0.7, n - 0.3)
         ax.set_xlabel("GiB (a share of the card drawn as its GiB)")
         ax.grid(axis="x", alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles, strict=True))
-        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="lower right")
+        fig.legend(unique.values(), unique.keys(), fontsize=7, loc="outside lower center", ncols=4)
         used = [e.baseline for e in inputs.entries if e.case.id in {c.id for c, *_ in drawn}]
         caption = ("Bars: the ranges the guides state (their own words are in the table). Dots: the per-card device "
                    f"peak or load footprint measured for the case, median over repetitions, {measured_where(used)}; "

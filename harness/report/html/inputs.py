@@ -149,6 +149,9 @@ def read_inputs(baselines_dir: Path, case_dir: Path, run_paths: list[Path], time
         made = baselines_of(sourced, replace=True, case_dirs=[Path(case_dir)])
         where = {(run.case_id, run.variant): src.split(" entry ")[0] for src, run in sourced}
         for b in made.values():
+            # a run record carries no date: `baselines_of` would date it today, the day of the report
+            b = b.model_copy(update={"recorded": "", "runs": [f.model_copy(update={"recorded": None})
+                                                               for f in b.runs]})
             case = case_of(b.case_id)
             if case is not None:
                 entries.append(Entry(b, case, where.get((b.case_id, b.variant), "run")))

@@ -9,7 +9,7 @@ import numpy as np
 from harness.measure.timeline import OOM, MemoryTimeline
 from harness.report.html.captions import software
 from harness.report.html.inputs import ReportInputs
-from harness.report.html.page import Section, Table
+from harness.report.html.page import Fold, Section, Table
 from harness.report.html.svg import COLORS, Figure, gib, new_figure, thinned, to_svg
 from harness.spec.units import fmt_gib
 
@@ -47,8 +47,13 @@ def _draw(ax, tl: MemoryTimeline, t, curve, lo: int, hi: int, peak_i: int, peak:
     if lo <= peak_i < hi:
         ax.plot([t[peak_i]], [gib(peak)], marker="v", color="black", ls="none", label="allocated peak")
         if live:
-            ax.annotate(f"{fmt_gib(live[0].size)}: {live[0].site}", (t[peak_i], gib(peak)), fontsize=7,
-                        xytext=(0, 10), textcoords="offset points", ha="center")
+            # the label runs toward the middle of the axes from the peak, never past their edges
+            span = (t[hi - 1] - t[lo]) or 1.0
+            where = (t[peak_i] - t[lo]) / span
+            ha = "left" if where < 0.35 else "right" if where > 0.65 else "center"
+            site = live[0].site if len(live[0].site) <= 60 else live[0].site[:57] + "..."
+            ax.annotate(f"{fmt_gib(live[0].size)}: {site}", (t[peak_i], gib(peak)), fontsize=7,
+                        xytext=(0, 10), textcoords="offset points", ha=ha, annotation_clip=True, clip_on=True)
     for i in [i for i in range(lo, hi) if tl.action[i] == OOM][:3]:
         ax.axvline(t[i], color="red", lw=1.5, label="out of memory")
     card = gib(tl.emulated_card_bytes)
@@ -98,9 +103,24 @@ def _figure(key: str, tl: MemoryTimeline) -> tuple[Figure, Table]:
 
 
 def section(inputs: ReportInputs) -> Section:
-    items = []
-    for n, (_, tl) in enumerate(sorted(inputs.timelines, key=lambda p: (_name(p[1]), str(p[0])))):
-        items += _figure(f"timeline-{n}", tl)  # each figure followed by the tensors at its peak
+    # one timeline of each family of cases is shown; the others, whose shape differs little from it
+    # (the same guide at another depth, rank count or library version), fold under it
+    groups: dict[str, list] = {}
+    for _path, tl in sorted(inputs.timelines, key=lambda p: (_name(p[1]), str(p[0]))):
+        case = inputs.cases.get(tl.case_id)
+        groups.setdefault(case.family if case is not None and case.family else tl.case_id, []).append(tl)
+    items: list = []
+    n = 0
+    for family, tls in groups.items():
+        shown = []
+        for tl in tls:
+            shown.append(list(_figure(f"timeline-{n}", tl)))  # each figure followed by the tensors at its peak
+            n += 1
+        items += shown[0]
+        if len(shown) > 1:
+            names = ", ".join(_name(tl) for tl in tls[1:])
+            items.append(Fold(f"{len(shown) - 1} more timeline(s) of {family}: {names}",
+                              [i for pair in shown[1:] for i in pair]))
     s = Section("timelines", "Memory over a training step", "Each recorded rank's allocated and reserved memory "
                 "from the model's load through its steps (`oom-harness run --memory-history`), with the phases "
                 "shaded and the largest live tensors at the peak named.", empty="no memory timeline recorded "

@@ -10,11 +10,10 @@ from harness.report.verdicts import HEADER, rows_of, summary_line
 
 def section(inputs: ReportInputs, shifts=()) -> Section:
     rows = rows_of(inputs, shifts)
-    s = Section("verdicts", "Verdicts", "One row per case and platform: the outcome the case expects against the "
-                "one measured, the headroom under the budget, tokens/s against the baseline with the interval "
-                "noise alone would give, the change points of the history, and the verdict. FAIL first, then "
-                "NOT CHECKED (a check that could not run is no pass). " + (summary_line(rows) + "." if rows else ""),
-                empty="no baseline and no run given")
+    s = Section("verdicts", "Verdicts", (summary_line(rows) + ". " if rows else "") + "Failures first; per "
+                "case and platform, the outcome expected and measured, the headroom, tokens/s against the baseline "
+                "with the range noise alone gives, and the history's change points.",
+                empty="no baseline and no run given", lead=True)
     if rows:
         classes = [r.status.lower().replace(" ", "-") for r in rows]
         s.items = [Table(HEADER, [r.cells() for r in rows], key="verdict-table", classes=classes)]
