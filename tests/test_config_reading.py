@@ -390,3 +390,12 @@ def test_fit_refuses_a_config_with_a_key_that_can_raise_the_peak_naming_it(tmp_p
     code = main(["fit", str(path), "--gpus", "1", "--gpu-memory", "24GiB", "--out", str(tmp_path / "out")])
     out = capsys.readouterr()
     assert code == 2 and "mixture_of_depths" in out.err and "fit cannot call any change fitting" in out.err
+
+
+def test_case_from_names_the_keys_the_case_does_not_hold_and_expects_its_own_verdict(tmp_path, capsys, predicted):
+    predicted(4)
+    path = write(tmp_path, "lf.yaml", dict(LF, mixture_of_depths="convert"))
+    assert main(["case-from", str(path), "--gpus", "1", "--gpu-memory", "24GiB", "--out", str(tmp_path / "cases")]) == 0
+    data = yaml.safe_load((tmp_path / "cases" / "lf.yaml").read_text())
+    assert data["expect"]["outcome"] == "fits"  # what the case holds fits; the key is named, not held
+    assert "mixture_of_depths: 'convert' is read but not modelled" in data["notes"]

@@ -60,7 +60,7 @@ def _expected(result: CheckResult) -> dict[str, Any]:
     case = result.config.case
     if case.deepspeed is not None and case.deepspeed.stage == 3 and case.launch.init_order == "model_first":
         return {"outcome": "detected", "detect": "materialised_before_zero_init"}
-    return {"outcome": "fits" if result.fits else "oom"}
+    return {"outcome": "fits" if result.case_fits else "oom"}
 
 
 def _predicted(result: CheckResult, today: str) -> dict[str, Any]:
@@ -91,6 +91,7 @@ def _notes(result: CheckResult) -> str:
                      f"{'below' if left >= 0 else 'above'} the budget: expect.outcome is the prediction's, "
                      "a full-size run decides")
     lines += [f.one_line() for f in result.lints]
+    lines += [f"{n.line()}: this case does not hold it" for n in result.config.not_modelled]
     return "\n".join(lines)
 
 

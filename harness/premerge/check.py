@@ -62,6 +62,17 @@ class CheckResult:
         return verdict
 
     @property
+    def case_fits(self) -> bool | None:
+        """The verdict on the case a config becomes (`case-from`): the prediction's alone, as the case does
+        not hold the keys read but not modelled (its notes name them)."""
+        p, c = self.prediction, self.config
+        if p is None:
+            return None
+        alone = fit_verdict(p.device, p.margin, gpu_memory=c.gpu_memory, headroom=c.headroom,
+                            procs_per_gpu=c.procs_per_gpu, missing=p.missing)
+        return alone.fits and self.host_fits is not False
+
+    @property
     def node_host_ram(self) -> int | None:
         """The predicted host RAM of the node with every card busy."""
         return None if self.prediction is None else self.config.node_host_ram(self.prediction.host_ram)
