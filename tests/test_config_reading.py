@@ -399,3 +399,9 @@ def test_case_from_names_the_keys_the_case_does_not_hold_and_expects_its_own_ver
     data = yaml.safe_load((tmp_path / "cases" / "lf.yaml").read_text())
     assert data["expect"]["outcome"] == "fits"  # what the case holds fits; the key is named, not held
     assert "mixture_of_depths: 'convert' is read but not modelled" in data["notes"]
+
+
+def test_deepspeed_precision_enabled_as_text_is_read_as_its_pydantic_model_reads_it(tmp_path):
+    ds = write(tmp_path, "ds.json", {"zero_optimization": {"stage": 2}, "fp16": {"enabled": "false"}})
+    imported = import_config(write(tmp_path, "lf.yaml", dict(LF, deepspeed=str(ds))), ONE)
+    assert imported.deepspeed.fp16 is False and not imported.read_as

@@ -120,7 +120,9 @@ def read_deepspeed(path: Path, data: dict[str, Any], hidden_size: int, key_prefi
         enabled = sub.get("enabled") if isinstance(sub, dict) else sub
         if enabled is None or _auto(enabled):
             return None
-        return top.sub({"enabled": enabled}, f"{key_prefix}{name}.").bool("enabled", False)
+        # DeepSpeedFP16Config / DeepSpeedBF16Config: pydantic models
+        return Reader(path, {"enabled": enabled}, f"{key_prefix}{name}.", PYDANTIC, reads, unmodelled).bool(
+            "enabled", False)
 
     def batch(key: str) -> int | None:
         return None if _auto(data.get(key)) else top.int(key, None, minimum=1)

@@ -25,7 +25,7 @@ _TRUE_TEXT = ("true", "yes", "1", "on", "t", "y")
 _FALSE_TEXT = ("false", "no", "0", "off", "f", "n")
 # who reads the booleans of a file, by the semantics above
 PYTHON_TRUTH, PYDANTIC = "the HF Trainer (a non-empty text is true)", "DeepSpeed (pydantic)"
-DEEPSPEED_TRUTH = "DeepSpeed (a non-empty text is true)"  # its top-level blocks, read as raw dicts
+DEEPSPEED_TRUTH = "DeepSpeed (a non-empty text is true)"  # its top-level keys, read raw (get_scalar_param)
 
 
 def read_mapping(path: Path) -> dict[str, Any]:
