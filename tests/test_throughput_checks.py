@@ -83,9 +83,10 @@ def test_the_history_appends_lines_and_skips_a_torn_one(tmp_path):
 
 def test_a_full_size_run_appends_to_the_history_and_a_new_shift_fails_it(tmp_path, monkeypatch):
     from harness.judge.session import Session
+    from harness.spec.suite import CASES_DIR
 
     monkeypatch.setenv(history.RUNNER_ENV, "nightly-1")
-    s = Session(case_dir=Path("cases"), run_root=tmp_path / "runs", history_root=tmp_path / "hist")
+    s = Session(case_dir=CASES_DIR, run_root=tmp_path / "runs", history_root=tmp_path / "hist")
     case = s.cases["003-qlora-fix-r16-seq512-gc"][0]
 
     def run(rate):
@@ -103,6 +104,27 @@ def test_a_full_size_run_appends_to_the_history_and_a_new_shift_fails_it(tmp_pat
     assert len(failed) >= 1 and "tokens_per_s_per_gpu worse by" in failed[0].detail
     lines = (tmp_path / "hist" / "nightly-1.jsonl").read_text().splitlines()
     assert len(lines) == 17 and json.loads(lines[0])["case"] == case.id
+
+
+def test_the_summary_says_a_speed_that_was_not_checked():
+    """A check that could not run is no pass: the terminal summary's last column says so."""
+    from harness.judge.session import Judgement
+    from harness.judge.verdicts import Verdict
+    from harness.report.summary import table
+    from harness.spec.cases import load_case
+    from harness.spec.suite import CASES_DIR
+
+    case = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
+    run = CaseRun(case_id=case.id, fidelity="real", command=[], returncode=0, wall_s=1.0)
+    ok = Verdict("outcome", "confirmed", "fits")
+    memory = Verdict("baseline_memory", "confirmed", "")
+
+    def last_cell(against):
+        return table([Judgement(case, run, ok, [], [run], None, against)]).splitlines()[2].rsplit("  ", 1)[-1]
+
+    assert last_cell([memory, Verdict("baseline_speed", "not_checkable", "NOT CHECKED: ...")]) == "speed NOT CHECKED"
+    assert last_cell([memory, Verdict("baseline_speed", "refuted", "")]).strip() == "speed FAILED"
+    assert last_cell([memory, Verdict("baseline_speed", "confirmed", "")]).strip() == "ok"
 
 
 STAND_IN = '''#!{python}

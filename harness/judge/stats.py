@@ -16,6 +16,7 @@ Speeds are compared on the log scale: run-to-run noise is proportional to the sp
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ def _t():
     return stats
 
 
+@functools.lru_cache(maxsize=1024)
 def detectable_slowdown(scale: float, df: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """The slowdown a one-sided t test at `alpha` catches with `power`, where the tested log difference
     has standard error `scale` and its noise was estimated with `df` degrees of freedom."""
