@@ -242,3 +242,24 @@ def test_report_html_keeps_the_predictors_cache_in_its_folder(tmp_path, monkeypa
     text = page.read_text()
     assert text.index('id="verdicts"') < text.index('id="peaks"')
     assert '<tr class="fail"><td>FAIL</td><td>004-gla-failing-bs4-2procs</td>' in text
+
+
+def test_the_delay_hook_lengthens_each_step_by_its_share():
+    import time
+
+    from harness.runtime.train import Delay, DelayError
+
+    assert (Delay("5%").share, Delay("0.02s").seconds, Delay(None).active, Delay("").active) == (0.05, 0.02, False,
+                                                                                               False)
+    for bad in ("5", "fast", "-3%", "nan%"):
+        with pytest.raises(DelayError, match="HARNESS_INJECT_DELAY"):
+            Delay(bad)
+    delay, synced = Delay("50%"), []
+    delay.start()
+    t0 = time.perf_counter()
+    time.sleep(0.04)  # the step's own work
+    delay.spend(0.5, lambda: synced.append(True))  # waits for the device first, then half of the 0.04 s
+    time.sleep(0.04)
+    delay.spend(0.5, lambda: synced.append(True))
+    elapsed = time.perf_counter() - t0
+    assert synced == [True, True] and 0.115 <= elapsed < 0.2  # 0.08 s of work, 0.04 s of delay
