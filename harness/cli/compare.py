@@ -53,6 +53,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=positive_int, default=5, help="pairs of runs (default 5)")
     p.add_argument("--fidelity", choices=["tiny", "real"], default="real")
     p.add_argument("--steps", type=positive_int, help="optimizer steps of each run (the cases' own by default)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="measure under this variant, as `run --variant` does ('u': the whole card; repeatable)")
     p.add_argument("--case-dir", help="the folder of the case files (default: the bundled suite)")
     p.add_argument("--threshold", type=fraction, default=0.02,
                    help="the smallest change that counts, as a fraction (default 0.02: 2%%)")
@@ -85,6 +87,8 @@ class Arm:
             cmd += ["-k", k]
         if args.steps:
             cmd += ["--steps", str(args.steps)]
+        for v in args.variant:
+            cmd += ["--variant", v]
         if args.case_dir:
             cmd += ["--case-dir", str(Path(args.case_dir).resolve())]
         return cmd
