@@ -25,18 +25,23 @@ from harness.cli.arguments import layer_counts
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.fit.knobs import ALLOWABLE, knobs_of
 from harness.fit.search import DEADLINE_S, Candidate, Search, search
-from harness.fit.writer import ALLOC_ENV, OverwriteError, Written, write_fitted
+from harness.fit.writer import ALLOC_ENV, OverwriteError, Written, fit_inputs, plan_outputs, write_fitted
 from harness.premerge.check import CheckResult, PredictFn, as_json, run_check
 from harness.premerge.importers import ConfigError, ConfigFormat
+from harness.spec.files import WriteError
+from harness.spec.outputs import Outputs, check_name
 from harness.spec.units import fmt_gib, gib_rounded
 
 EXIT_OK, EXIT_NONE_FITS, EXIT_BAD_INPUT = 0, 1, 2
+VERIFY_JSON = "verify.json"  # --verify: the run's record, in --out
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("fit", help="find the fastest config predicted to fit the cards, and write it")
     add_job_arguments(p)
     p.add_argument("--out", required=True, help="folder for the fitted config (the input files are never changed)")
+    p.add_argument("--force", action="store_true",
+                   help="replace fitted files of the same names already in --out (without it, they are refused)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--allow", type=_allow, default=frozenset(),
                    help=f"also change what is trained: a comma-separated list of {', '.join(ALLOWABLE)} "
@@ -82,7 +87,7 @@ def run(args, predict: PredictFn | None = None) -> int:
         if args.verify:
             _require_gpu()
         return _fit(args, predict)
-    except (ConfigError, OverwriteError, NoGpuError) as exc:
+    except (ConfigError, OverwriteError, NoGpuError, WriteError) as exc:  # WriteError: an output refused or unwritable
         if args.json:
             print(json.dumps({"error": str(exc)}))
         print(f"oom-harness fit: {exc}", file=sys.stderr)
@@ -99,7 +104,7 @@ def _predictor(predict: PredictFn | None) -> PredictFn:
 
 def _fit(args, predict: PredictFn | None) -> int:
     spec = spec_from_args(args)
-    out = Path(args.out)
+    out = check_name(args.out, "--out")
     if out.exists() and not out.is_dir():
         raise ConfigError(out, "--out", "is a file, not a folder", "name a folder for the fitted config")
     base = run_check(args.config, spec, platform=args.platform, predict=predict)
@@ -119,24 +124,30 @@ def _fit(args, predict: PredictFn | None) -> int:
         from harness.premerge.case_writer import check_depth_points
 
         check_depth_points(args.depth_points, imported.arch.layers)
-    found = search(base, args.allow, _predictor(predict), platform=args.platform, deadline_s=args.search_seconds)
-    if found.best is None:
-        _report_none(found, args.json, args.allow)
-        return EXIT_NONE_FITS
-    written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out,
-                           deepspeed_arg=spec.deepspeed, alloc_env=ALLOC_ENV not in imported.case.launch.env)
-    recheck = run_check(written.config, replace(spec, deepspeed=written.deepspeed if spec.deepspeed else None),
-                        platform=args.platform, predict=predict)
-    if recheck.fits != found.best.fits or recheck.card_peak != found.best.result.card_peak:
-        raise RuntimeError(f"the written config {written.config} checks as {recheck.verdict} with "
-                           f"{fmt_gib(recheck.card_peak)} per card, but the search predicted "
-                           f"{fmt_gib(found.best.result.card_peak)}")
+    # every output named and checked before the search; all of them taken back if fit fails after writing
+    with Outputs(force=args.force, inputs=fit_inputs(imported, spec.script)) as outputs:
+        plan_outputs(imported, out, outputs, spec.script)
+        if args.verify:
+            outputs.file(out / VERIFY_JSON, "--verify's record of the run")
+        found = search(base, args.allow, _predictor(predict), platform=args.platform, deadline_s=args.search_seconds)
+        if found.best is None:
+            _report_none(found, args.json, args.allow)
+            return EXIT_NONE_FITS
+        written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out,
+                               deepspeed_arg=spec.deepspeed, alloc_env=ALLOC_ENV not in imported.case.launch.env,
+                               outputs=outputs)
+        recheck = run_check(written.config, replace(spec, deepspeed=written.deepspeed if spec.deepspeed else None),
+                            platform=args.platform, predict=predict)
+        if recheck.fits != found.best.fits or recheck.card_peak != found.best.result.card_peak:
+            raise RuntimeError(f"the written config {written.config} checks as {recheck.verdict} with "
+                               f"{fmt_gib(recheck.card_peak)} per card, but the search predicted "
+                               f"{fmt_gib(found.best.result.card_peak)}")
     verified = _verify(written, spec, out, args) if args.verify else None
     measured = None
-    if verified is not None and (out / "verify.json").is_file():
+    if verified is not None and (out / VERIFY_JSON).is_file():
         from harness.fit.verified import read_verified
 
-        measured = read_verified(out / "verify.json", recheck, found.best.tokens_per_s, out / "case")
+        measured = read_verified(out / VERIFY_JSON, recheck, found.best.tokens_per_s, out / "case")
     if args.json:
         print(json.dumps(_as_json(found, written, recheck) | ({"verified": measured.as_json()} if measured else {}),
                          indent=1))
@@ -155,8 +166,8 @@ def _verify(written: Written, spec, out: Path, args) -> int:
                force=True, platform=args.platform, depth_points=args.depth_points)
     parser = argparse.ArgumentParser(prog="oom-harness")
     run_command.add_parser(parser.add_subparsers(dest="command"))
-    run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir),
-                                  "--out", str(out / "runs"), "--json", str(out / "verify.json")])
+    run_args = parser.parse_args(["run", "--fidelity", "real", "--case-dir", str(case_dir), "--out", str(out / "runs"),
+                                  "--json", str(out / VERIFY_JSON), *(["--force"] if args.force else [])])
     # --json: stdout holds the one JSON object, so the run's table goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         return run_command.run(run_args)

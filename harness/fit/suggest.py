@@ -26,8 +26,10 @@ def fit_diff(base: CheckResult, out_dir: Path, predict: PredictFn, *, deepspeed_
                 + f" the closest is predicted at {fmt_gib(c.result.card_peak)} per card against "
                 f"{fmt_gib(c.result.budget)} ({fmt_gib(c.result.card_peak - c.result.budget)} over)")
     imported = base.config
+    # out_dir is the pre-merge run's own folder for this config: each run replaces what the last one wrote
     written = write_fitted(imported, knobs_of(imported.case), found.best.knobs, out_dir,
-                           deepspeed_arg=deepspeed_arg, alloc_env=ALLOC_ENV not in imported.case.launch.env)
+                           deepspeed_arg=deepspeed_arg, alloc_env=ALLOC_ENV not in imported.case.launch.env,
+                           force=True)
     best = found.best
     lines = [f"oom-harness fit: this fits at {fmt_gib(best.result.card_peak)} per card predicted (budget "
              f"{fmt_gib(best.result.budget)}), about {best.tokens_per_s:.0f} tokens/s per card; written to "

@@ -2,7 +2,8 @@
 
 A LLaMA-Factory YAML and the DeepSpeed JSON it names, or a TrainingArguments JSON (with its DeepSpeed
 JSON, or one inlined): the user's files are read again, only the keys a knob changes are set, and the
-results are written into the output folder (`write_atomic`, refused outside it, never over an input).
+results are written into the output folder (harness.spec.outputs: refused outside it, never over an
+input, never over an existing file without --force, taken back when fit fails).
 The allocator's setting, which no config file holds, goes into `launch.sh` beside them.
 """
 
@@ -18,7 +19,8 @@ import yaml
 
 from harness.fit.knobs import LEAN_BUCKETS, STAGE3_ONLY, Knobs
 from harness.premerge.importers import ConfigFormat, ImportedConfig, read_mapping
-from harness.spec.files import inside, write_atomic
+from harness.spec.files import control_character, inside, printable
+from harness.spec.outputs import Outputs
 
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_VALUE = "expandable_segments:True"
@@ -45,7 +47,8 @@ class Written:
 
 
 class OverwriteError(ValueError):
-    """A file `fit` would write is one of the user's inputs."""
+    """An input `fit` cannot write a fitted config for: a name holding a control character, or a config
+    naming itself as its DeepSpeed JSON."""
 
 
 def _why(field: str, k0: Knobs, k: Knobs) -> str:
@@ -187,27 +190,74 @@ def _edit_deepspeed(ed: _Editor, k0: Knobs, k: Knobs, fields: list[str]) -> None
                 ed.set(key, value, why)
 
 
-def _target(out_dir: Path, name: str, inputs: set[Path]) -> Path:
-    path = inside(out_dir, name)
-    if path.resolve() in inputs:
-        raise OverwriteError(f"{path}: is one of the input files; fit never overwrites them. Fix: pass another --out")
-    return path
+@dataclass(frozen=True)
+class Plan:
+    """The files `fit` writes for one input, named and checked before the search (harness.spec.outputs)."""
+
+    folder: Path
+    config: Path
+    deepspeed: Path | None  # None where the config has none, or has it inline under `deepspeed`
+    launch: Path
+
+
+def fit_inputs(imported: ImportedConfig, script: Path | None = None) -> list[Path]:
+    """The files fit reads, never written over: the training config, its DeepSpeed JSON, the script."""
+    return [*imported.sources, *([Path(script)] if script else [])]
+
+
+def plan_outputs(imported: ImportedConfig, out_dir: Path, outputs: Outputs, script: Path | None = None) -> Plan:
+    """Name fit's outputs in `out_dir` and check them (`Outputs.folder`, `Outputs.file`): refused before any
+    work where an input's name holds a control character, an output is one of the inputs, is there without
+    --force, or is not a regular file. A DeepSpeed JSON named as the training config (two `train.json`
+    in two folders) is written as `<name>.deepspeed.fitted.json`, so no output takes another's name."""
+    t, ds = imported.training, imported.deepspeed
+    for path in fit_inputs(imported, script):
+        bad = control_character(str(path))
+        if bad:
+            raise OverwriteError(f"{printable(str(path))}: the file name holds the control character {bad}, which "
+                                 "would become a line of the written files. Fix: rename the file without control "
+                                 "characters")
+    if ds is not None and not ds.key_prefix and ds.path.resolve() == t.path.resolve():
+        raise OverwriteError(f"{t.path}: deepspeed: names this config itself; fit writes the DeepSpeed settings as a "
+                             "file of their own. Fix: name a DeepSpeed JSON of its own, or inline it under `deepspeed`")
+    folder = outputs.folder(out_dir, "--out")
+
+    def output(name: str, what: str) -> Path:
+        path = outputs.file(folder / name, what)  # a link is refused as a link, before it is resolved
+        inside(folder, name)  # OutsideFolderError: a name that leaves the folder
+        return path
+
+    config = output(f"{t.path.stem}.fitted{t.path.suffix}", "the fitted config")
+    ds_path = None
+    if ds is not None and not ds.key_prefix:
+        name = f"{ds.path.stem}.fitted.json"
+        if name == config.name:
+            name = f"{ds.path.stem}.deepspeed.fitted.json"
+        ds_path = output(name, "the fitted DeepSpeed JSON")
+    launch = output("launch.sh", "launch.sh")
+    return Plan(folder=folder, config=config, deepspeed=ds_path, launch=launch)
 
 
 def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *,
-                 deepspeed_arg: Path | None, alloc_env: bool) -> Written:
+                 deepspeed_arg: Path | None, alloc_env: bool, outputs: Outputs | None = None,
+                 force: bool = False) -> Written:
     """Write the config with knobs `k` into `out_dir`: the training config, its DeepSpeed JSON where it
-    has one, and launch.sh. Returns the files and the changes."""
+    has one, and launch.sh. Returns the files and the changes. `outputs`: the command's outputs, where
+    `plan_outputs` named them before the search; without it, they are named and checked here (`force`:
+    replace existing files) and taken back if a write fails."""
+    if outputs is None:
+        with Outputs(force=force, inputs=fit_inputs(imported)) as own:
+            return write_fitted(imported, k0, k, out_dir, deepspeed_arg=deepspeed_arg, alloc_env=alloc_env,
+                                outputs=own)
+    plan = plan_outputs(imported, out_dir, outputs)
     t = imported.training
     fmt = t.format
-    inputs = {p.resolve() for p in imported.sources}
     fields = _changed(k0, k)
     data = read_mapping(t.path)
     ed = _Editor(data)
     _edit_training(ed, fmt, k0, k, fields, imported.case.precision.value)
     ds_changes: list[Change] = []
     files: list[Path] = []
-    ds_path = None
     ds = imported.deepspeed
     if ds is not None and ds.key_prefix:  # inline in the training config
         ds_ed = _Editor(data["deepspeed"], "deepspeed.")
@@ -218,33 +268,30 @@ def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *
         ds_ed = _Editor(ds_data, f"{ds.path.name}: ")
         _edit_deepspeed(ds_ed, k0, k, fields)
         ds_changes += ds_ed.changes
-        ds_path = _target(out_dir, f"{ds.path.stem}.fitted.json", inputs)
-        write_atomic(ds_path, json.dumps(ds_data, indent=2) + "\n", root=out_dir)
-        files.append(ds_path)
+        outputs.write(plan.deepspeed, json.dumps(ds_data, indent=2) + "\n", root=plan.folder)
+        files.append(plan.deepspeed)
         if deepspeed_arg is None:  # the config names its DeepSpeed file: name the fitted one, beside it
-            ed.set("deepspeed", ds_path.name, "the fitted DeepSpeed JSON, written beside this config")
+            ed.set("deepspeed", plan.deepspeed.name, "the fitted DeepSpeed JSON, written beside this config")
     model = imported.case.model
     if Path(model).is_absolute() and data.get("model_name_or_path") not in (None, model):
         ed.set("model_name_or_path", model, "the model's folder as an absolute path, found from the output folder")
     changes = list(ed.changes) + ds_changes
-    config_path = _target(out_dir, f"{t.path.stem}.fitted{t.path.suffix}", inputs)
     if fmt == ConfigFormat.llamafactory:
-        header = (f"# {t.path.name} fitted by oom-harness fit to {imported.gpus} x {imported.gpu_memory / 2**30:.2f} "
-                  "GiB cards; every change is listed in fit's report\n")
+        header = (f"# {printable(t.path.name)} fitted by oom-harness fit to {imported.gpus} x "
+                  f"{imported.gpu_memory / 2**30:.2f} GiB cards; every change is listed in fit's report\n")
         text = header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110)
     else:
         text = json.dumps(data, indent=2) + "\n"
-    write_atomic(config_path, text, root=out_dir)
-    files.append(config_path)
+    outputs.write(plan.config, text, root=plan.folder)
+    files.append(plan.config)
     if alloc_env:
         changes.append(Change(f"launch.sh: {ALLOC_ENV}", None, ALLOC_VALUE,
                               "measured 3-9% less reserved at equal speed on 7-14B LoRA/QLoRA; not credited in the "
                               "prediction, so it adds to the margin"))
-    launch = _target(out_dir, "launch.sh", inputs)
-    write_atomic(launch, _launch_script(imported, config_path, ds_path if deepspeed_arg is not None else None,
-                                        alloc_env), root=out_dir)
-    files.append(launch)
-    return Written(files=tuple(files), config=config_path, deepspeed=ds_path, changes=tuple(changes))
+    ds_arg = plan.deepspeed if deepspeed_arg is not None else None
+    outputs.write(plan.launch, _launch_script(imported, plan.config, ds_arg, alloc_env), root=plan.folder)
+    files.append(plan.launch)
+    return Written(files=tuple(files), config=plan.config, deepspeed=plan.deepspeed, changes=tuple(changes))
 
 
 def _launch_script(imported: ImportedConfig, config: Path, deepspeed: Path | None, alloc_env: bool) -> str:
@@ -254,7 +301,7 @@ def _launch_script(imported: ImportedConfig, config: Path, deepspeed: Path | Non
         command = f"llamafactory-cli train {here}/{name}"
     else:
         ds = f" --deepspeed {here}/{shlex.quote(deepspeed.name)}" if deepspeed else ""
-        command = f"# your training script, with the arguments of {name}{ds}"
+        command = printable(f"# your training script, with the arguments of {name}{ds}")
     lines = ["#!/bin/sh", "# written by oom-harness fit: the environment the fitted config was chosen for"]
     if alloc_env:
         lines.append(f"export {ALLOC_ENV}={ALLOC_VALUE}")
