@@ -13,8 +13,10 @@ config.json is refused, naming what is supported, where the model is none the pr
 shapes that do not divide (the hidden size by the heads, the heads by the key/value heads), a
 `model_type` the installed transformers does not know, an encoder-only or encoder-decoder model
 (BERT, T5), a vision-language model whose language model transformers does not build on its own
-(`qwen2_vl`; Gemma 3's nested `text_config` is sized as its language model). `adapter_targets` gives
-the module names a LoRA `target_modules` list can name.
+(`qwen2_vl`; Gemma 3's nested `text_config` is sized as its language model). The shapes are checked
+as the config.json is read; the rest (`check_folder_buildable`, which imports transformers) once the
+job is settled, before anything is traced. `adapter_targets` gives the module names a LoRA
+`target_modules` list can name.
 
 A case's `model` is narrower: a registry name exactly, or a folder holding a config.json (relative
 to the case file, or absolute). `case_model` normalises it as a case file is read, `load_model`
@@ -226,6 +228,13 @@ def check_buildable(arch: Architecture, raw_model_type: str | None = None) -> No
                                "write the config.json as published with the model") from None
 
 
+def check_folder_buildable(arch: Architecture, folder: Path) -> None:
+    """`check_buildable` for a model folder's config.json (its own model_type named where its text_config was
+    taken)."""
+    raw_type = load_json(Path(folder) / "config.json").get("model_type")
+    check_buildable(arch, raw_type if raw_type != arch.model_type else None)
+
+
 @functools.lru_cache(maxsize=8)
 def _adapter_targets(config_json: str) -> tuple[frozenset[str], frozenset[str]]:
     import torch
@@ -342,8 +351,6 @@ def resolve_model(reference: str, base_dirs: tuple[Path, ...] = (Path.cwd(),)) -
     local = _local_dir(reference, base_dirs)
     if local is not None:
         arch = architecture_from_config_json(local)
-        raw_type = load_json(local / "config.json").get("model_type")
-        check_buildable(arch, raw_type if raw_type != arch.model_type else None)
         matches = [n for n in known_architectures() if same_shapes(arch.config, load_architecture(n).config)]
         registry = matches[0] if matches else None
         return ResolvedModel(arch=arch, registry_name=registry,

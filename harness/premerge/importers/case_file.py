@@ -11,7 +11,7 @@ from harness.premerge.importers.build import assemble, case_triton_cache
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import case_launcher, job_of, launcher_of
-from harness.premerge.importers.model import model_of
+from harness.premerge.importers.model import check_model, model_of
 from harness.premerge.importers.reading import Reader, read_mapping
 from harness.premerge.importers.records import (
     ConfigFormat,
@@ -35,6 +35,7 @@ def import_case(path: Path, spec: JobSpec) -> ImportedConfig:
     job = job_of(spec, path, written)
     notes: list[str] = []
     model = model_of(path, written.model, spec, key="model")
+    check_model(path, model, spec, key="model")
     if written.method.lora is not None:  # as peft will match them on the model
         check_lora_targets(Reader(path, {}, "method.lora."), "targets", written.method.lora.targets, model.arch,
                            notes)

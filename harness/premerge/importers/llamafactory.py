@@ -17,7 +17,7 @@ from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import job_of, launcher_of
 from harness.premerge.importers.keys import HF_TRAINING_KEYS, LLAMAFACTORY_KEYS, LLAMAFACTORY_NOT_MODELLED, check_keys
-from harness.premerge.importers.model import model_of
+from harness.premerge.importers.model import check_model, model_of
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, ImportedConfig, InitOrder, JobSpec
 from harness.premerge.importers.training_common import (
@@ -72,8 +72,6 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
 
     lora = lora_block(r, r.int("lora_rank", 8, minimum=1), "lora_target", r.raw("lora_target", "all"))
     method: dict[str, Any] = {"kind": "full"} if finetuning == "full" else {"kind": "lora", "lora": lora}
-    if finetuning == "lora":
-        check_lora_targets(r, "lora_target", lora["targets"], model.arch, notes)
     if bits == 4:
         method = qlora_method(lora, r.choice("quantization_type", ("nf4", "fp4"), "nf4"),
                               r.bool("double_quantization", True), precision if precision != "fp32" else "bf16")
@@ -91,6 +89,9 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
                              reentrant_key="use_reentrant_gc" if r.has("use_reentrant_gc") else "")
     launcher, launcher_from = launcher_of(spec, "llamafactory-cli", "llamafactory-cli")
     job = job_of(spec, path)
+    check_model(path, model, spec)
+    if finetuning == "lora":
+        check_lora_targets(r, "lora_target", lora["targets"], model.arch, notes)
     init = init_order_of(spec, InitOrder("deepspeed_first",
                                          "LLaMA-Factory configures DeepSpeed before it loads the model"))
     return finish(path, ConfigFormat.llamafactory, training, model, ds, job, launcher, launcher_from,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.models.registry import Architecture
-from harness.models.source import ModelSourceError, resolve_model
+from harness.models.source import ModelSourceError, check_folder_buildable, resolve_model
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.records import JobSpec
 
@@ -37,6 +37,18 @@ def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model
         return ModelRef(arch=resolved.arch, case_model=resolved.registry_name, note=None)
     note = f"{LOCAL_MODEL_NOTE}{resolved.arch.source}: not in the registry; sized from that config.json"
     return ModelRef(arch=resolved.arch, case_model=str(resolved.local_dir.resolve()), note=note)
+
+
+def check_model(path: Path, model: ModelRef, spec: JobSpec, key: str = "model_name_or_path") -> None:
+    """Refuse a model folder the predictor cannot build (harness.models.source.check_buildable). Imports
+    transformers: called once the job's flags are known good, so a bad flag is refused before it."""
+    if model.note is None:  # a registry entry
+        return
+    where = (None, "--model") if spec.model is not None else (path, key)
+    try:
+        check_folder_buildable(model.arch, Path(model.case_model))
+    except ModelSourceError as exc:
+        raise ConfigError(*where, exc.problem, exc.fix) from None
 
 
 def hidden_size(arch: Architecture) -> int:

@@ -12,7 +12,7 @@ from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.init_order import init_order_of
 from harness.premerge.importers.job import job_of, launcher_of
 from harness.premerge.importers.keys import HF_TRAINING_KEYS, SCRIPT_KEYS, SCRIPT_NOT_MODELLED, check_keys
-from harness.premerge.importers.model import model_of
+from harness.premerge.importers.model import check_model, model_of
 from harness.premerge.importers.reading import Reader
 from harness.premerge.importers.records import ConfigFormat, ImportedConfig, InitOrder, JobSpec
 from harness.premerge.importers.training_common import (
@@ -62,7 +62,6 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
             raise ConfigError(path, "lora_target_modules", "LoRA is on but no target modules are named",
                               "set lora_target_modules, e.g. \"q_proj,k_proj,v_proj,o_proj\" or \"all\"")
         lora = lora_block(r, rank, target_key, data[target_key])
-        check_lora_targets(r, target_key, lora["targets"], model.arch, notes)
         method = {"kind": "lora", "lora": lora}
         if four_bit:
             compute = r.str("bnb_4bit_compute_dtype", None)
@@ -89,6 +88,9 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
                              method=method["kind"], quantization_bits=4 if four_bit else None, stack=stack,
                              reentrant_key=f"{_GC_KWARGS}.use_reentrant")
     job = job_of(spec, path)
+    check_model(path, model, spec)
+    if use_lora:
+        check_lora_targets(r, target_key, method["lora"]["targets"], model.arch, notes)
     default_launcher = "torchrun" if job.gpus > 1 and job.procs_per_gpu == 1 else "python"
     launcher, launcher_from = launcher_of(spec, default_launcher, "assumed")
     if launcher_from == "assumed" and job.gpus > 1:
