@@ -125,6 +125,15 @@ def test_an_existing_file_an_input_and_two_outputs_of_one_name_are_refused(tmp_p
     assert existing.read_text() == "mine"
 
 
+def test_a_loop_of_links_is_refused_as_an_output_not_an_internal_error(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(RefusedOutput, match=r"--json .*a/x\.json: cannot be written \(Too many levels of symbolic"):
+        Outputs().file(tmp_path / "a" / "x.json", "--json")
+    with pytest.raises(RefusedOutput, match=r"a: is a symbolic link"):
+        Outputs(force=True).file(tmp_path / "a", "--json")
+
+
 def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(RefusedOutput, match=r"--out .*file/sub: cannot write in this folder \(Not a directory\)"):

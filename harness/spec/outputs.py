@@ -65,23 +65,42 @@ def check_name(path: Path | str, what: str) -> Path:
     return path
 
 
+def _key(path: Path) -> Path:
+    """One spelling of an output's path: its folder resolved, its own name kept (the file may be a link,
+    refused as one, or not be there yet)."""
+    try:
+        return path.parent.resolve() / path.name
+    except (OSError, RuntimeError):  # a loop of links in the folder's path
+        return Path(os.path.abspath(path))
+
+
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
-    except OSError:
+    except (OSError, RuntimeError):
         return False
 
 
 def check_output(path: Path | str, what: str, *, force: bool = False, inputs: tuple | list = ()) -> Path:
     """Refuse, before any work, a file a command would write (RefusedOutput naming `what`): a name that
     cannot be one (`check_name`), a path that is there but is not a regular file, one of `inputs`, an
-    existing file without `force`, a folder that is missing, not a folder or not writable."""
+    existing file without `force`, a folder that is a file. (A missing folder is `Outputs.folder`'s to
+    create, or `harness.spec.files.check_writable`'s to refuse.)"""
     path = check_name(path, what)
-    shown = printable(str(path))
     try:
-        kind = not_regular(path)
+        return _check_output(path, what, force, inputs)
+    except RefusedOutput:
+        raise
     except OSError as exc:  # a part of the path is a file, a name too long for the path, no permission
-        raise RefusedOutput(f"{what} {shown}: cannot be written ({os_reason(exc)}); name another file") from None
+        raise RefusedOutput(f"{what} {printable(str(path))}: cannot be written ({os_reason(exc)}); name another "
+                            "file") from None
+
+
+def _check_output(path: Path, what: str, force: bool, inputs) -> Path:
+    shown = printable(str(path))
+    kind = not_regular(path)
+    if kind == "a folder":
+        raise RefusedOutput(f"{what} {shown}: is a folder; name a file")
     if kind:
         raise RefusedOutput(f"{what} {shown}: is {kind}, and only a regular file is written; remove it or name "
                             "another file")
@@ -104,7 +123,7 @@ class Outputs:
     def __init__(self, *, force: bool = False, inputs: tuple | list = ()):
         self.force = force
         self.inputs = [Path(p) for p in inputs if p is not None]
-        self._claimed: dict[Path, str] = {}  # resolved path -> what named it
+        self._claimed: dict[Path, str] = {}  # the path (`_key`) -> what named it
         self._created: list[Path] = []  # folders this command created, outermost first
         self._written: list[tuple[Path, Path | None]] = []  # each file written, and the copy of what it replaced
 
@@ -123,16 +142,18 @@ class Outputs:
         created in it. RefusedOutput where it is a file, or where it cannot be created or written."""
         path = check_name(path, what)
         shown = printable(str(path))
-        if path.exists() and not path.is_dir():
-            raise RefusedOutput(f"{what} {shown}: is a file, not a folder; name a folder")
-        missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
         try:
+            if path.exists() and not path.is_dir():
+                raise RefusedOutput(f"{what} {shown}: is a file, not a folder; name a folder")
+            missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
             for folder in missing:
                 folder.mkdir()
                 self._created.append(folder)
             fd, probe = tempfile.mkstemp(dir=path, prefix=".oom-harness-probe.")
             os.close(fd)
             os.unlink(probe)
+        except RefusedOutput:
+            raise
         except OSError as exc:
             self._remove_created()
             raise RefusedOutput(f"{what} {shown}: cannot write in this folder ({os_reason(exc)}); name a folder you "
@@ -143,7 +164,7 @@ class Outputs:
         """`path`, checked as an output (`check_output`) and as the only output of this command by that name
         (naming it again for the same `what` gives the same output)."""
         path = check_name(path, what)
-        key = path.resolve()
+        key = _key(path)
         if self._claimed.get(key) == what:
             return path
         path = check_output(path, what, force=self.force, inputs=self.inputs)
@@ -157,7 +178,7 @@ class Outputs:
         """Write a file named with `file`, whole (harness.spec.files.write_atomic); what it replaces is
         kept aside until the command ends, to be put back if the command fails."""
         path = Path(path)
-        if path.resolve() not in self._claimed:
+        if _key(path) not in self._claimed:
             raise ValueError(f"{path}: not named with Outputs.file before it was written")
         backup = None
         if path.exists():
@@ -181,7 +202,7 @@ class Outputs:
     def record(self, path: Path) -> Path:
         """A file named with `file` that other code wrote (whole, with write_atomic): this command's output,
         removed if the command fails after it."""
-        if Path(path).resolve() not in self._claimed:
+        if _key(Path(path)) not in self._claimed:
             raise ValueError(f"{path}: not named with Outputs.file before it was written")
         self._written.append((Path(path), None))
         return Path(path)
