@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build a wheelhouse for an air-gapped host, on a connected machine: every runtime requirement of
-# pyproject.toml (with the extras setup.sh installs: gpu, test, cpu), recursively, as wheels for one Python version and
+# pyproject.toml (with the extras setup.sh installs: gpu, test, gla, cpu), recursively, as wheels for one Python version and
 # platform, so that `./setup.sh --wheelhouse OUT_DIR` installs with no index.
 #
 #   ci/build-wheelhouse.sh OUT_DIR [PYTHON_VERSION] [PLATFORM] [--with-torch[=SPEC]] [--torch-version V]
@@ -67,7 +67,7 @@ work, with_torch, torch_version = sys.argv[1:]
 data = tomllib.load(open("pyproject.toml", "rb"))
 project = data["project"]
 extras = project["optional-dependencies"]
-reqs = project["dependencies"] + extras["gpu"] + extras["test"] + extras["cpu"]
+reqs = project["dependencies"] + extras["gpu"] + extras["test"] + extras["gla"] + extras["cpu"]
 reqs += data["build-system"]["requires"] + ["wheel"]
 reqs += ["transformers==5.17.0"]  # what setup.sh installs where a host has no transformers
 deepspeed = next(r for r in reqs if re.match(r"deepspeed\b", r))

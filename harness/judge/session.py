@@ -29,9 +29,12 @@ from harness.judge.verdicts import (
     on_a_short_card,
 )
 from harness.measure.records import CaseRun, ErrorInfo, Failure
+from harness.models.registry import missing_package
+from harness.models.source import load_model
 from harness.runtime import card_lock, zygote
 from harness.runtime import platform as plat
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S, run_case
+from harness.runtime.stacks import unavailable
 from harness.spec.cases import CaseError, load_cases
 from harness.spec.files import inside, os_reason, write_atomic
 from harness.spec.identity import case_digest, model_name
@@ -62,6 +65,12 @@ class Judgement:
 
 def skip_reason(case: Case, fidelity: str, platform: plat.Platform, accelerators: int) -> str | None:
     """Why a case cannot run at this fidelity here (None: it can)."""
+    stack = unavailable(case)
+    if stack is not None:
+        return stack
+    missing = missing_package(load_model(case.model).config)
+    if missing is not None:
+        return missing
     if fidelity == "tiny":
         return None
     if platform == plat.Platform.cpu:

@@ -58,6 +58,27 @@ def load_architecture(name: str) -> Architecture:
 
 
 
+GLA_PACKAGE, GLA_MIN = "flash-linear-attention", (0, 6)
+
+
+def missing_package(config: dict) -> str | None:
+    """What the installed packages lack to build this architecture (None: nothing). GLA needs
+    flash-linear-attention 0.6 or newer (the `gla` extra), whose kernels the CPU path and the trace patch."""
+    if config.get("model_type") != "gla":
+        return None
+    import importlib.metadata as md
+
+    try:
+        version = md.version(GLA_PACKAGE)
+    except md.PackageNotFoundError:
+        version = None
+    if version is not None and tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) >= GLA_MIN:
+        return None
+    have = f"{GLA_PACKAGE} {version} is installed" if version else f"{GLA_PACKAGE} is not installed"
+    return (f"GLA models need {GLA_PACKAGE} >= {'.'.join(map(str, GLA_MIN))} and {have}: pip install "
+            "'oom-harness[gla]' (it needs transformers >= 5.6.2)")
+
+
 def hf_config(config: dict):
     """A transformers config object from a config dict (the registry's, a config.json's, a tiny or
     truncated one): what every model the harness builds, traces or sizes is made from."""

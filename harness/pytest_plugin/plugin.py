@@ -19,12 +19,15 @@ folder lies outside what it would collect (its `testpaths`), the folder is colle
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from harness.pytest_plugin.options import BASELINES_DIR, CASE_DIR, PREMERGE_DIRS, SUITE, add_run_options
 from harness.pytest_plugin.settings import settings
+
+LLAMAFACTORY_PYTHON = "harness_llamafactory_python"  # ini key (harness.runtime.stacks.PYTHON_VARIABLE)
 
 MARKERS = (
     "tiny: a case at tiny size on a CPU (the default tier)",
@@ -56,12 +59,16 @@ def pytest_addoption(parser):
     parser.addini(BASELINES_DIR[1], default="", help="oom-harness: folder of baselines, relative to this file")
     parser.addini(PREMERGE_DIRS[1], type="paths", default=[],
                   help="oom-harness: folders of training configs to check before merging")
+    parser.addini(LLAMAFACTORY_PYTHON, default="",
+                  help="oom-harness: the Python of an environment with LLaMA-Factory, relative to this file, for "
+                       "llamafactory cases where this one lacks it (HARNESS_LLAMAFACTORY_PYTHON wins)")
 
 
 def pytest_configure(config):
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     chosen = settings(config)
+    _stack_interpreters(config)
     if config.getoption("--memory-history", default=False):
         from harness.runtime import memory_history
 
@@ -70,6 +77,18 @@ def pytest_configure(config):
         covered = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
         config.args.extend(str(f) for f in chosen.folders()
                            if not any(f == c or c in f.parents for c in covered))
+
+
+def _stack_interpreters(config) -> None:
+    """The ini's LLaMA-Factory interpreter, for the workers of llamafactory cases (harness.runtime.stacks),
+    where the environment names none and the file is there."""
+    value = config.getini(LLAMAFACTORY_PYTHON)
+    variable = "HARNESS_LLAMAFACTORY_PYTHON"
+    if value and not os.environ.get(variable):
+        base = config.inipath.parent if config.inipath else config.rootpath
+        path = Path(value) if Path(value).is_absolute() else base / value
+        if path.is_file():
+            os.environ[variable] = str(path)
 
 
 def _args_are_defaults(config) -> bool:

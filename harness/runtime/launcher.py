@@ -41,6 +41,7 @@ from harness.spec.variants import Variant
 COLD_TRITON_CACHE = "triton-cache"  # under a run's folder, for a case with launch.triton_cache: cold
 
 DEFAULT_TIMEOUT_S = 900
+from harness.runtime.stacks import interpreter
 
 WORKER = "harness.runtime.worker"  # the module each training process runs
 
@@ -93,7 +94,8 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
               steps: int | None = None, emulate_card_bytes: int | None = None, variant: str = "") -> list[Job]:
     """`case` is the case as measured (a variant applied); `case_path` and `variant` tell the
     worker how to rebuild it."""
-    py = sys.executable
+    py = interpreter(case) or sys.executable  # a framework's own environment (harness.runtime.stacks)
+    own = py == sys.executable  # the zygote has imported this interpreter's stack, not another's
     base_env = {
         "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
                             or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
@@ -118,7 +120,7 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         port = str(free_port())
         if launcher == "python":
             jobs.append(Job([py, "-m", WORKER, *wargs], dict(base_env, **rank_env(0, ranks, port)),
-                            preloaded=platform == Platform.cpu and zygote.enabled(), ranks=ranks))
+                            preloaded=platform == Platform.cpu and own and zygote.enabled(), ranks=ranks))
         elif launcher == "torchrun":
             jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                              "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
