@@ -54,7 +54,8 @@ def test_the_shared_options_cover_every_option_both_surfaces_spell():
     """An option added to one surface and not the other is one of the table's, or one surface's own."""
     shared_cli = {o.cli for o in RUN_OPTIONS}
     cli_only = set(_run_actions()) - shared_cli - {"-h", "--help"}
-    assert cli_only == {"--fidelity", "-k", "--json", "--variant", "--select", "--shard", "--repeat"}
+    # what only `oom-harness run` does: pick cases and fidelities, repeat, shard, write its own JSON
+    assert cli_only == {"--fidelity", "-k", "--json", "--variant", "--select", "--shard", "--repeat", "--force"}
     pytest_only = set(_pytest_options()) - {o.pytest for o in RUN_OPTIONS}
     assert pytest_only == {"--harness", "--premerge-dir", "--premerge-files", "--premerge-fit"}
 
