@@ -48,7 +48,8 @@ SLOWDOWNS = ("3%", "5%", "10%")
 # --- on the GPU ----------------------------------------------------------------------------------
 
 
-def _one_run(delay: str | None, out: Path, steps: int, label: str, fidelity: str = "real") -> list[dict]:
+def _one_run(delay: str | None, out: Path, steps: int, label: str, fidelity: str = "real",
+             repeat: int = 1) -> list[dict]:
     """One `oom-harness run` of the three cases, each on the whole card (variant u: the speed, not the
     emulated card, is measured), slowed by `delay`; each finished case's tokens/s and step times."""
     from harness.measure.records import CaseRun
@@ -56,6 +57,8 @@ def _one_run(delay: str | None, out: Path, steps: int, label: str, fidelity: str
     json_path = out / f"{label}.json"
     cmd = [sys.executable, "-m", "harness.cli", "run", "--fidelity", fidelity, "--selected-only",
            "--steps", str(steps), "--out", str(out / label), "--json", str(json_path)]
+    if fidelity == "real" and repeat > 1:  # repetitions share the process's start (imports, the zygote)
+        cmd += ["--repeat", str(repeat)]
     for case, _ in CASES:
         cmd += ["-k", case]
     if fidelity == "real":
@@ -80,7 +83,7 @@ def _one_run(delay: str | None, out: Path, steps: int, label: str, fidelity: str
     return found
 
 
-def measure(out: Path, budget_s: float, steps: int, fidelity: str = "real") -> list[dict]:
+def measure(out: Path, budget_s: float, steps: int, fidelity: str = "real", repeat: int = 1) -> list[dict]:
     """Rounds of a clean run and a slowed one (the order alternating), the slowdown cycling 10%, 5%, 3%,
     until the budget ends: a run is started only where the time left holds one as long as the longest."""
     runs, deadline, round_no, longest = [], time.monotonic() + budget_s, 0, 0.0
@@ -90,7 +93,7 @@ def measure(out: Path, budget_s: float, steps: int, fidelity: str = "real") -> l
             if time.monotonic() + longest >= deadline:
                 return runs
             started = time.monotonic()
-            got = _one_run(d, out, steps, f"r{round_no}-{d or 'clean'}".replace("%", "pc"), fidelity)
+            got = _one_run(d, out, steps, f"r{round_no}-{d or 'clean'}".replace("%", "pc"), fidelity, repeat)
             longest = max(longest, time.monotonic() - started)
             for r in got:
                 r["round"] = round_no
@@ -124,11 +127,10 @@ def analyse(runs: list[dict], pairs: int) -> dict:
         for d in SLOWDOWNS:
             rounds = sorted({r["round"] for r in mine if r["delay"] == d})
             both = []
-            for k in rounds:
+            for k in rounds:  # a round's clean and slowed repetitions, paired in order
                 a = [r["tokens_per_s"] for r in mine if r["round"] == k and not r["delay"]]
                 b = [r["tokens_per_s"] for r in mine if r["round"] == k and r["delay"] == d]
-                if a and b:
-                    both.append((a[0], b[0]))
+                both += list(zip(a, b, strict=False))
             windows = [both[i:i + pairs] for i in range(0, len(both) - pairs + 1, pairs)]
             flagged = [paired([x for x, _ in w], [y for _, y in w]).verdict(0.02) == "lower" for w in windows]
             res["compare"][d] = {"flagged": sum(flagged), "of": len(flagged)}
@@ -196,6 +198,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=420, help="seconds of runs on the GPU (default 420)")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
     p.add_argument("--pairs", type=int, default=3, help="pairs per compare (default 3)")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="repetitions of each case in one `run` (default 2: the process's start is shared)")
     p.add_argument("--simulate", action="store_true", help="the change point detector on simulated histories (CPU)")
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--fidelity", choices=["real", "tiny"], default="real",
@@ -212,7 +216,7 @@ def main() -> int:
         (out / "changepoint-power.json").write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
         return 0
-    runs = measure(out, args.budget_s, args.steps, args.fidelity)
+    runs = measure(out, args.budget_s, args.steps, args.fidelity, args.repeat)
     result = {"when": stamp, "cases": CASES, "runs": runs, "analysis": analyse(runs, args.pairs)}
     (out / "throughput-power.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["analysis"], indent=1))
