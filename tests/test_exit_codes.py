@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 
 import pytest
 from hostile import CASES, EXAMPLES, invoke
@@ -16,7 +17,7 @@ from harness.models.inputs import InputError
 
 CONFIG = EXAMPLES / "000-ds32b-optimized.yaml"
 COMMANDS = {"run": "run", "check": "check", "case-from": "case_from", "validate": "validate", "bless": "bless",
-            "report": "report"}
+            "report": "report", "compare": "compare"}
 
 
 def test_check_exits_0_when_it_fits_and_1_when_it_does_not(tmp_path, capsys):
@@ -58,7 +59,8 @@ def test_usage_errors_and_help_are_codes_not_exceptions(tmp_path, capsys):
 def test_every_command_maps_bad_input_to_2_and_a_crash_to_3(command, tmp_path, capsys, monkeypatch):
     module = importlib.import_module(f"harness.cli.{COMMANDS[command]}")
     argv = {"run": ["run"], "check": ["check", str(CONFIG)], "case-from": ["case-from", str(CONFIG), "--out", "x"],
-            "validate": ["validate"], "bless": ["bless", "x.json"], "report": ["report"]}[command]
+            "validate": ["validate"], "bless": ["bless", "x.json"], "report": ["report"],
+            "compare": ["compare", "-k", "003", "--base-python", sys.executable]}[command]
     monkeypatch.setenv("OOM_HARNESS_LOG_DIR", str(tmp_path / "logs"))
 
     def bad_input(args):
