@@ -60,7 +60,8 @@ def _figure(platform: str, entries: list[Entry]) -> Figure:
     ax.grid(axis="x", alpha=0.3)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="lower right")
+    # below the axes: inside, it covered the card ticks of the bottom rows
+    fig.legend(unique.values(), unique.keys(), fontsize=7, loc="outside lower center", ncols=3)
     ax.set_title(platform, fontsize=10)
     caption = (f"{platform}: per config, the median over its repetitions of the worst process's allocated and "
                f"reserved peaks and of the card's device peak (NVML), {measured_where([e.baseline for e in entries])}. "
