@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -23,20 +24,11 @@ from pathlib import Path
 
 from harness.cli import bless, case_from, check, compare, fit, report, run, validate
 from harness.models.inputs import InputError
+from harness.runtime import stopping
 from harness.spec.files import WriteError
 
 COMMANDS = (run, check, fit, case_from, validate, bless, report, compare)
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-def _stop_on_sigterm() -> None:
-    """`timeout`, CI runners and job schedulers stop with SIGTERM: unwind, so running cases are killed."""
-    import signal
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
 
 
 def log_dir() -> Path:
@@ -65,7 +57,6 @@ def _write_traceback(command: str, argv: list[str]) -> Path:
 
 
 def main(argv=None) -> int:
-    _stop_on_sigterm()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +68,10 @@ def main(argv=None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
         return args.func(args)
+    except KeyboardInterrupt as exc:  # harness.runtime.stopping.Stopped, or a Ctrl-C before its handler
+        stopped = exc if isinstance(exc, stopping.Stopped) else stopping.Stopped(signal.SIGINT)
+        print(f"oom-harness {args.command}: {stopped}; every job it started was stopped", file=sys.stderr, flush=True)
+        return stopped.exit_code
     except (InputError, WriteError) as exc:  # WriteError: a result file that could not be written (disk, rights)
         print(f"oom-harness {args.command}: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -107,6 +102,9 @@ def console() -> None:
     import atexit
     import threading
 
+    # `timeout`, CI runners and job schedulers stop with SIGTERM, a person with Ctrl-C: either one
+    # kills every job, releases what the command holds and ends it with one line (128 + the signal)
+    stopping.install()
     code = main()
     if threading.active_count() > 1:
         sys.exit(code)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -121,6 +120,16 @@ def _measure_line(run) -> str:
 
 
 def run(args) -> int:
+    from harness.runtime.run_folder import run_folder
+
+    _check_outputs(args)
+    # the reports' folder: without --out a temporary one, removed where the run wrote nothing in it
+    # or was stopped (SIGTERM, Ctrl-C: harness.runtime.stopping)
+    with run_folder(args.out) as run_root:
+        return _run(args, run_root)
+
+
+def _run(args, run_root: Path) -> int:
     from harness.baselines.store import RESULTS_DIR, load_baselines
 
     args.case_dir = args.case_dir or str(CASES_DIR)  # the option's default: none, for pytest's sake
@@ -132,8 +141,6 @@ def run(args) -> int:
     from harness.report.progress import Progress, expected_time
     from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
 
-    _check_outputs(args)
-    run_root = Path(args.out or tempfile.mkdtemp(prefix="oom-harness-"))
     session = Session(case_dir=Path(args.case_dir), run_root=run_root, timeout_s=args.timeout, steps=args.steps,
                       full_depth=args.full_depth, grad_accum_cap=args.grad_accum_cap,
                       baseline_root=Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR,

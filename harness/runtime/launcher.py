@@ -10,7 +10,11 @@
   its slot number, started together so they compete for the card as they do in production.
 
 A timeout kills every process the jobs started; the workers have dumped their Python stacks just
-before, and the error names the line they hung on (`harness.runtime.process_tree`). Whatever the children did
+before, and the error names the line they hung on (`harness.runtime.process_tree`). A SIGTERM or
+Ctrl-C to the harness kills every job of every run under way and starts no other
+(`harness.runtime.stopping`); the DeepSpeed JIT-build locks a killed job held are removed with it,
+and one whose holder dies while a run waits on it is removed within seconds
+(`harness.runtime.jit_locks`). Whatever the children did
 (exit, raise, run out of memory, get killed, hang), the result is a `CaseRun` with a classified
 error and the numbers the workers managed to write; the harness itself never crashes on a bad case.
 """
@@ -29,19 +33,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from harness.measure.records import CaseRun, ErrorInfo, Failure, RankReport, short_of
-from harness.runtime import compile_cache, jit_locks, process_tree, zygote
+from harness.runtime import compile_cache, jit_locks, process_tree, stopping, zygote
 from harness.runtime.platform import Platform, parse_oom
 from harness.runtime.rank_deaths import RankDeath, deaths, unreported_death
 from harness.runtime.ranks import RankGroup, rank_env
 from harness.runtime.reports import EXIT_NO_REPORT, REPORT_NOT_WRITTEN
+from harness.runtime.stacks import interpreter
 from harness.spec.schema import Case
 from harness.spec.variants import Variant
 
 COLD_TRITON_CACHE = "triton-cache"  # under a run's folder, for a case with launch.triton_cache: cold
 
 DEFAULT_TIMEOUT_S = 900
-from harness.runtime.stacks import interpreter
 
 WORKER = "harness.runtime.worker"  # the module each training process runs
 
@@ -149,9 +155,10 @@ def _kill_group(proc) -> None:
 
 
 @contextlib.contextmanager
-def _reaped(procs: list[subprocess.Popen]):
+def _reaped(procs: list[subprocess.Popen], ext_dirs: list[Path] = ()):
     """Each job runs in its own session (so a timeout can kill its whole tree), which also means
-    nothing kills it when the harness itself is stopped: do it here, on any way out."""
+    nothing kills it when the harness itself is stopped: do it here, on any way out, and remove the
+    JIT-build locks (`ext_dirs`) the killed jobs held, or the next run of that op waits on them."""
     try:
         yield
     except BaseException:
@@ -160,7 +167,69 @@ def _reaped(procs: list[subprocess.Popen]):
             proc.wait()
         with _running_lock:
             _running.difference_update(pid for p in procs for pid in _pids(p))
+        if procs:
+            _remove_stale_locks(ext_dirs)
         raise
+
+
+def _remove_stale_locks(ext_dirs, log=None) -> None:
+    for ext_dir in ext_dirs:
+        for lock in jit_locks.remove_stale(Path(ext_dir)):
+            if log is not None:
+                _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
+                           "which would hang this run")
+
+
+def _ext_dirs(jobs: list[Job]) -> list[Path]:
+    """The folders the jobs JIT-build DeepSpeed's ops in (their locks are there)."""
+    return [Path(d) for d in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or str(compile_cache.extensions_dir())
+                                     for job in jobs})]
+
+
+_in_flight = 0  # run_case and run_jobs calls under way in this process, every thread's
+_in_flight_cond = threading.Condition()
+
+
+@contextlib.contextmanager
+def _counted():
+    global _in_flight
+    with _in_flight_cond:
+        _in_flight += 1
+    try:
+        yield
+    finally:
+        with _in_flight_cond:
+            _in_flight -= 1
+            _in_flight_cond.notify_all()
+
+
+def settle(timeout_s: float = 10.0) -> bool:
+    """Wait until no run of this process is under way (after a stop: each ends within seconds, and
+    writes nothing more in its folder); False if one still is after `timeout_s`."""
+    with _in_flight_cond:
+        return _in_flight_cond.wait_for(lambda: _in_flight == 0, timeout_s)
+
+
+def _kill_running() -> None:
+    """At a stop: kill every job this process runs, each with its whole tree (the threads waiting on
+    them then see them gone). The set is copied without its lock: a thread starting a job can hold
+    that lock for as long as the zygote takes to start, and this runs in a signal handler."""
+    for _ in range(3):
+        try:
+            pids = list(_running)
+            break
+        except RuntimeError:  # changed while copied
+            continue
+    else:
+        return
+    for pid in pids:
+        with contextlib.suppress(psutil.Error, OSError):
+            process_tree.kill(process_tree.tree(pid), wait_s=2.0)
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+stopping.on_stop(_kill_running)
 
 
 def _start_ballast(leave_bytes: int, out_dir: Path, log, timeout_s: float = 120) -> tuple[subprocess.Popen, int | None]:
@@ -220,6 +289,7 @@ def starting_nothing():
 def _start(job: Job, env: dict[str, str], log):
     """Start a job, its output on the case's log: one process in a session of its own, or for a job
     of several ranks one such process per rank, waited on and killed as one (`RankGroup`)."""
+    stopping.check()
     if job.ranks == 1:
         return _start_one(job, env, log)
     port = env.get("MASTER_PORT") or str(free_port())
@@ -240,7 +310,9 @@ def _start_one(job: Job, env: dict[str, str], log):
                 _running.add(proc.pid)
                 return proc
             except zygote.ZygoteError as exc:
+                stopping.check()  # the zygote was let go at a stop: start nothing in its place
                 _note(log, f"{exc}; starting the worker in a fresh interpreter")
+        stopping.check()
         proc = subprocess.Popen(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         _running.add(proc.pid)
@@ -273,8 +345,22 @@ def _read_reports(out_dir: Path) -> tuple[list[RankReport], list[str]]:
     return reports, unreadable
 
 
+# While a run waits on its jobs, this often it removes the JIT-build locks whose holder has died: a
+# job waiting on one (torch's FileBaton polls for it to go, without a deadline) goes on at once.
+JIT_LOCK_CHECK_S = 5.0
+
+
 def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
              expected_reports: int, ballast_leave_bytes: int | None = None) -> CaseRun:
+    """Run the jobs in `out_dir` and classify what they left. Raises `stopping.Stopped` where the
+    harness was told to stop (before anything starts, or with every job killed)."""
+    with _counted():
+        stopping.check()
+        return _run_jobs(jobs, out_dir, timeout_s, case_id, fidelity, expected_reports, ballast_leave_bytes)
+
+
+def _run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fidelity: str,
+              expected_reports: int, ballast_leave_bytes: int | None) -> CaseRun:
     log_path = out_dir / "log.txt"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +373,8 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
     timed_out = False
     ballast = None
     card_free = None
-    with log, _reaped(procs):
+    ext_dirs = _ext_dirs(jobs)
+    with log, _reaped(procs, ext_dirs):
         if earlier:
             _note(log, f"removed {len(earlier)} files an earlier run left in {out_dir}: {', '.join(earlier)}")
         if ballast_leave_bytes:
@@ -300,11 +387,7 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             except RuntimeError as exc:
                 return CaseRun(case_id=case_id, fidelity=fidelity, command=[], returncode=None, wall_s=0.0,
                                error=ErrorInfo(kind=Failure.crash, message=str(exc)), run_dir=str(out_dir))
-        for ext_dir in sorted({job.env.get("TORCH_EXTENSIONS_DIR") or str(compile_cache.extensions_dir())
-                               for job in jobs}):
-            for lock in jit_locks.remove_stale(Path(ext_dir)):
-                _note(log, f"removed {lock}: a JIT build was interrupted and no process holds its lock, "
-                           "which would hang this run")
+        _remove_stale_locks(ext_dirs, log)
         for job in jobs:
             env = dict(os.environ)
             env.update(job.env)
@@ -312,20 +395,14 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
             env[process_tree.STACK_DUMP_ENV] = str(process_tree.stack_dump_after(timeout_s))
             env[process_tree.OWNER_ENV] = process_tree.owner()
             procs.append(_start(job, env, log))
-        deadline = started + timeout_s
-        for proc in procs:
-            if proc is ballast:
-                continue
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
+        timed_out = _wait(procs, ballast, started + timeout_s, ext_dirs, log)
+        stopping.check()  # jobs killed by a stop are no result: `_reaped` ends the rest of the run
         if timed_out:
             for proc in procs:
                 if proc is not ballast:
                     _kill_group(proc)
                     proc.wait()
+            _remove_stale_locks(ext_dirs, log)
         if ballast is not None:
             procs.remove(ballast)
             _kill_group(ballast)
@@ -348,6 +425,24 @@ def run_jobs(jobs: list[Job], out_dir: Path, timeout_s: float, case_id: str, fid
     run.error = classify(timed_out, timeout_s, codes, ranks, log_text, expected_reports,
                          [(who, where) for who, where, _ in stuck], unreadable, seen)
     return run
+
+
+def _wait(procs, ballast, deadline: float, ext_dirs: list[Path], log) -> bool:
+    """Wait for every job but the ballast until `deadline`; True when one was still running then.
+    Every `JIT_LOCK_CHECK_S` the JIT-build locks whose holder died are removed, and a stop ends the wait."""
+    for proc in procs:
+        if proc is ballast:
+            continue
+        while True:
+            try:
+                proc.wait(timeout=max(0.0, min(deadline - time.monotonic(), JIT_LOCK_CHECK_S)))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    return True
+                stopping.check()
+                _remove_stale_locks(ext_dirs, log)
+    return False
 
 
 def classify(timed_out: bool, timeout_s: float, codes: list[int], ranks: list[RankReport], log: str,
@@ -441,16 +536,18 @@ def run_case(case: Case, case_path: Path, fidelity: str, out_dir: Path, platform
     jobs sharing the card (GPU only)."""
     from harness.spec.shape import run_shape
 
-    case = variant.apply(case)
-    shape = run_shape(case, fidelity, steps)
-    shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
-    jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
-                     None if shared else emulate_card_bytes, variant.text)
-    try:
-        run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
-                       ballast_leave_bytes=emulate_card_bytes if shared else None)
-    finally:
-        if case.launch.triton_cache == "cold":  # the compiled kernels are not a result: keep the run folder small
-            shutil.rmtree(out_dir / COLD_TRITON_CACHE, ignore_errors=True)
-    run.variant = variant.text
-    return run
+    with _counted():
+        stopping.check()
+        case = variant.apply(case)
+        shape = run_shape(case, fidelity, steps)
+        shared = case.launch.procs_per_card > 1 and platform != Platform.cpu and emulate_card_bytes
+        jobs = plan_jobs(case, case_path, fidelity, shape.ranks, out_dir, platform, steps,
+                         None if shared else emulate_card_bytes, variant.text)
+        try:
+            run = run_jobs(jobs, out_dir, timeout_s, case.id, fidelity, shape.ranks * case.launch.procs_per_card,
+                           ballast_leave_bytes=emulate_card_bytes if shared else None)
+        finally:
+            if case.launch.triton_cache == "cold":  # the compiled kernels are not a result: keep the run folder small
+                shutil.rmtree(out_dir / COLD_TRITON_CACHE, ignore_errors=True)
+        run.variant = variant.text
+        return run

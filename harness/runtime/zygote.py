@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from harness.runtime import stopping
+
 # What a worker imports, heaviest first: each is imported once here instead of in every worker.
 # A name that cannot be imported on this host (no bitsandbytes, no Triton for fla) is skipped.
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "deepspeed", "fla", "accelerate",
@@ -270,7 +272,23 @@ def _close_shared() -> None:
         _shared.close()
 
 
+def _let_go() -> None:
+    """At a stop (harness.runtime.stopping): no job is started any more. The zygote of this process
+    is told to exit (it removes its socket's folder on the way), or killed while it is still
+    importing (nothing of it is on disk yet: its folder is made after the imports); the interpreter's
+    exit then waits for it (`close`). A thread waiting to start a job sees it gone at once."""
+    zygote = _shared
+    if zygote is None:
+        return
+    with contextlib.suppress(OSError):
+        zygote._sock.shutdown(socket.SHUT_RDWR)
+    if zygote._proc is not None and not zygote._ready.is_set():
+        with contextlib.suppress(OSError):
+            zygote._proc.kill()
+
+
 atexit.register(_close_shared)
+stopping.on_stop(_let_go)
 
 
 # --- the server: the zygote process ----------------------------------------------------------------------------
@@ -401,15 +419,22 @@ def main(argv: list[str]) -> None:
     listener.listen()
     ready = {"ready": os.getpid(), "loaded": loaded, "failed": failed, "threads": threading.active_count(),
              "at": time.time(), "socket": listener.getsockname()}
-    sock.send(json.dumps(ready).encode())
     try:
+        sock.send(json.dumps(ready).encode())  # fails where the harness is gone already
         job = _serve(sock, listener, ready)
+    except OSError:
+        job = None
     finally:
         if os.getpid() == ready["ready"]:  # the zygote, not a child leaving to run its job
             listener.close()
             shutil.rmtree(folder, ignore_errors=True)
     if job is None:
-        return
+        # Nothing of the imports needs tearing down: exit as a child does, without the interpreter's
+        # finalization (over a second with torch imported, which a stopped harness waits for).
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
     request, log_fd = job
     _become(request, log_fd)
     os._exit(_run(request["module"]))
