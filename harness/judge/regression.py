@@ -218,7 +218,7 @@ def _device_change(figures: Figures, baseline: Baseline) -> str:
     if not mine or not theirs:
         return ""
     base = statistics.median(theirs)
-    return f"; device time per step {mine:.3f} s vs {base:.3f} s ({mine / base - 1:+.1%})"
+    return f"; step time on the device {mine:.3f} s vs {base:.3f} s ({mine / base - 1:+.1%})"
 
 
 def _host_side(figures: Figures, baseline: Baseline) -> str:

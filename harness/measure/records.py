@@ -201,7 +201,7 @@ class RankReport(BaseModel):
 
     @property
     def device_step_s(self) -> float | None:
-        """The median device time of the timed steps (CUDA events), None where none was recorded."""
+        """The median of the timed steps on the device's clock (CUDA events), None where none was recorded."""
         timed = self.step_device_s[self.warmup_steps :]
         return statistics.median(timed) if timed else None
 
