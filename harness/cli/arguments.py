@@ -1,14 +1,17 @@
 """Argument types that refuse impossible numbers where they are typed: a count below one, a negative
-or infinite timeout, a fraction outside (0, 1]. argparse turns the refusal into a usage error
-(exit 2) naming the option. The types the pytest plugin's options share live in harness.spec.numbers."""
+or infinite timeout, a fraction outside (0, 1], a memory size without a unit or below 64 MiB. argparse
+turns the refusal into a usage error (exit 2) naming the option. The types the pytest plugin's options
+share live in harness.spec.numbers."""
 
 from __future__ import annotations
 
 import argparse
 
 from harness.spec.numbers import MAX_COUNT, MAX_SECONDS, finite, positive_int, seconds, wait_seconds
+from harness.spec.units import parse_size
 
-__all__ = ["MAX_COUNT", "MAX_SECONDS", "fraction", "layer_counts", "positive_int", "seconds", "wait_seconds"]
+__all__ = ["MAX_COUNT", "MAX_SECONDS", "MIN_MEMORY", "fraction", "layer_counts", "memory_size", "positive_int",
+           "seconds", "wait_seconds"]
 
 
 def layer_counts(text: str) -> list[int]:
@@ -26,3 +29,21 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text} is out of range; write a fraction above 0 and at most 1, e.g. 0.9")
     return value
+
+
+# The least memory a card or a host may be given: below it a size is a slip of the unit (`24MB` for
+# `24GB`, `1B`), and a budget of a few bytes divides by zero further on.
+MIN_MEMORY = 64 * 2**20
+
+
+def memory_size(text: str) -> str:
+    """A card's or a host's memory with a unit (`64GiB`, `80GB`), at least 64 MiB; returned as written,
+    for the importers to read (harness.premerge.importers.parse_size_arg)."""
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than 64 MiB, too little for a card or a host; "
+                                         "check the number and its unit, e.g. 24GiB")
+    return text

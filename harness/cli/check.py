@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.cli.arguments import fraction, positive_int
+from harness.cli.arguments import fraction, memory_size, positive_int
 from harness.models.inputs import InputError
 from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
 from harness.premerge.importers import LAUNCHERS, TRITON_CACHES, ConfigError, JobSpec, parse_size_arg
@@ -32,12 +32,14 @@ def add_job_arguments(parser) -> None:
     """A training config and the job it runs as: what `check` and `case-from` both read (`spec_from_args`)."""
     parser.add_argument("config", help="LLaMA-Factory YAML, TrainingArguments JSON or harness case YAML")
     parser.add_argument("--deepspeed", help="DeepSpeed JSON (replaces the config's own `deepspeed`)")
-    parser.add_argument("--gpu-memory", help="memory per GPU with a unit, e.g. 64GiB, 80GB (case files: optional)")
+    parser.add_argument("--gpu-memory", type=memory_size,
+                        help="memory per GPU with a unit, e.g. 64GiB, 80GB (case files: optional)")
     parser.add_argument("--gpus", type=positive_int, help="GPUs of the job (case files: optional)")
     parser.add_argument("--procs-per-gpu", type=positive_int,
                         help="independent training processes sharing each GPU (default 1)")
     parser.add_argument("--headroom", type=fraction, help="fraction of a card a job may use (default 0.9)")
-    parser.add_argument("--host-ram", help="host memory per node with a unit, for the pinned-offload lint")
+    parser.add_argument("--host-ram", type=memory_size,
+                        help="host memory per node with a unit, for the pinned-offload lint")
     parser.add_argument("--vendor", choices=["nvidia", "hygon", "amd"], help="card vendor (default nvidia)")
     parser.add_argument("--launcher", choices=list(LAUNCHERS),
                         help="how the job is started (default: llamafactory-cli for LLaMA-Factory YAML, else torchrun "

@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from harness.cli.arguments import layer_counts
+from harness.cli.arguments import layer_counts, seconds
 from harness.cli.check import add_job_arguments, spec_from_args
 from harness.fit.knobs import ALLOWABLE, knobs_of
 from harness.fit.search import DEADLINE_S, Candidate, Search, search
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
                    help="with --verify: measure at these layer counts and extrapolate to the full depth (a model "
                         "this host cannot hold, or not in reasonable time; on fewer GPUs than the config's, the "
                         "ranks are capped too), e.g. 4,8")
-    p.add_argument("--search-seconds", type=float, default=DEADLINE_S, metavar="S",
+    p.add_argument("--search-seconds", type=seconds, default=DEADLINE_S, metavar="S",
                    help=f"stop the walk over candidates after S seconds with what fits so far (default "
                         f"{DEADLINE_S:g}; a slow or busy host on a cold cache may need more)")
     p.set_defaults(func=run)
