@@ -405,3 +405,17 @@ def test_deepspeed_precision_enabled_as_text_is_read_as_its_pydantic_model_reads
     ds = write(tmp_path, "ds.json", {"zero_optimization": {"stage": 2}, "fp16": {"enabled": "false"}})
     imported = import_config(write(tmp_path, "lf.yaml", dict(LF, deepspeed=str(ds))), ONE)
     assert imported.deepspeed.fp16 is False and not imported.read_as
+
+
+def test_check_refuses_gigabits_on_the_command_line(tmp_path, capsys):
+    code, out = run(capsys, write(tmp_path, "lf.yaml", LF), "--gpus", 1, "--gpu-memory", "16Gb")
+    assert code == 2 and "--gpu-memory" in out and "gigabits" in out and "16GB or 16GiB" in out
+
+
+def test_a_model_config_json_with_a_key_twice_is_refused(tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 256, "hidden_size": 4096}')
+    code, out = run(capsys, write(tmp_path, "lf.yaml", dict(LF, model_name_or_path=str(folder))), "--gpus", 1,
+                    "--gpu-memory", "24GiB")
+    assert code == 2 and "hidden_size: is written twice" in out
