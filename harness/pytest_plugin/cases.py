@@ -14,7 +14,6 @@ error of the harness.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,9 @@ import pytest
 from harness.judge.session import Session, skip_reason
 from harness.pytest_plugin.settings import settings
 from harness.report.summary import FINDINGS_TITLE, consulted_line, findings, table, whole_card_line
+from harness.runtime import stopping
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S
+from harness.runtime.run_folder import RunFolder
 from harness.spec.cases import CaseError
 
 _SESSION = pytest.StashKey[Session]()
@@ -35,12 +36,16 @@ FIDELITIES = ("tiny", "real")
 class CaseParam:
     case_id: str | None
     fidelity: str
-    error: CaseError | None = None
+    error: CaseError | InvalidFiles | None = None
 
 
 def _session(config) -> Session:
     if _SESSION not in config.stash:
-        run_dir = config.getoption("--harness-run-dir") or tempfile.mkdtemp(prefix="oom-harness-")
+        # without --harness-run-dir a temporary folder, removed at the end where nothing ran (a
+        # --collect-only, every case deselected) or the session was stopped (harness.runtime.run_folder)
+        folder = RunFolder(config.getoption("--harness-run-dir"))
+        config.add_cleanup(lambda: folder.close(stopped=stopping.stopping()))
+        run_dir = str(folder.path)
         if config.getoption("--harness-run-dir") and not _one_worker_runs_the_cases(config):
             # pytest-xdist workers that may each run a case: never two runs in one folder at once
             run_dir = str(Path(run_dir) / config.workerinput["workerid"])
@@ -88,6 +93,62 @@ def _one_worker_runs_the_cases(config) -> bool:
     return not _xdist_worker(config) or bool(getattr(config.option, "loadgroup", False))
 
 
+_ERRORS = pytest.StashKey[dict]()
+
+# Invalid case files beyond this many are one failing item, which lists them all: pytest's failure
+# summary looks up each failed item's teardown report among every report of the session, so 5,000
+# failing items cost it minutes (1,000: 5 CPU-s), where one item listing 5,000 files costs nothing.
+MAX_INVALID_ITEMS = 100
+
+
+def _errors_by_file(config) -> dict[Path, list[CaseError]]:
+    """The session's invalid case files by resolved path, made once: each file's collection looks its
+    own up (matching every file against every error made collection quadratic in the invalid files:
+    5,000 empty case files took over 400 s). Past `MAX_INVALID_ITEMS` files, the next file holds the
+    errors of it and of all the files after it."""
+    if _ERRORS not in config.stash:
+        by_file: dict[Path, list[CaseError]] = {}
+        for err in _session(config).errors:
+            by_file.setdefault(err.path.resolve(), []).append(err)
+        paths = sorted(by_file)
+        if len(paths) > MAX_INVALID_ITEMS:
+            rest = paths[MAX_INVALID_ITEMS:]
+            by_file[rest[0]] = [e for p in rest for e in by_file.pop(p)]
+        config.stash[_ERRORS] = by_file
+    return config.stash[_ERRORS]
+
+
+def _invalid_items(collector: CaseFile, case_id: str):
+    """The failing items of an invalid case file: one per error, or one for every file past
+    `MAX_INVALID_ITEMS` (named after the first of them)."""
+    errors = _errors_by_file(collector.config).get(collector.path.resolve(), [])
+    files = {e.path for e in errors}
+    if len(files) > 1:
+        error = InvalidFiles(tuple(errors))
+        item = CaseItem.from_parent(collector, name=f"invalid-{case_id}-and-{len(files) - 1}-more",
+                                    param=CaseParam(None, "tiny", error))
+        item.add_marker(pytest.mark.tiny)
+        yield item
+        return
+    for err in errors:
+        item = CaseItem.from_parent(collector, name=f"invalid-{case_id}", param=CaseParam(None, "tiny", err))
+        item.add_marker(pytest.mark.tiny)
+        yield item
+
+
+@dataclass(frozen=True)
+class InvalidFiles:
+    """The invalid case files past `MAX_INVALID_ITEMS`, reported by one item."""
+
+    errors: tuple[CaseError, ...]
+
+    def __str__(self) -> str:
+        files = len({e.path for e in self.errors})
+        head = (f"{files} more invalid case files (the first {MAX_INVALID_ITEMS} are tests of their own; "
+                "these are listed here, each with what is wrong):")
+        return "\n".join([head, *(str(e) for e in self.errors)])
+
+
 class CaseFile(pytest.File):
     """One case file: an item per fidelity, or one failing item naming what is wrong with it."""
 
@@ -103,11 +164,7 @@ class CaseFile(pytest.File):
                 if _xdist_worker(self.config):
                     item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
                 yield item
-        for err in session.errors:
-            if err.path.resolve() == self.path.resolve():
-                item = CaseItem.from_parent(self, name=f"invalid-{case_id}", param=CaseParam(None, "tiny", err))
-                item.add_marker(pytest.mark.tiny)
-                yield item
+        yield from _invalid_items(self, case_id)
 
 
 class CaseItem(pytest.Item):
@@ -140,6 +197,9 @@ def shared_session(config) -> Session:
 def _started(config) -> Session:
     """The session, its selected runs started on first use (never at collection: --collect-only runs nothing)."""
     if _STARTED not in config.stash:
+        # one SIGTERM or Ctrl-C from here on kills every job, starts no other and ends the session as
+        # interrupted (harness.runtime.stopping); pytest's own handling comes back at the end
+        config.add_cleanup(stopping.install())
         session = _session(config)
         if config.getoption("--harness-selected-only"):
             session.selected_only = set(config.stash.get(_PLANNED, []))
