@@ -101,6 +101,22 @@ def test_a_failed_command_leaves_nothing_and_puts_back_what_it_replaced(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]  # no folder, no copy, no temporary
 
 
+def test_a_full_disk_while_keeping_the_replaced_file_aside_leaves_it_unchanged(tmp_path, monkeypatch):
+    from harness.spec.files import WriteError
+
+    kept = tmp_path / "kept.txt"
+    kept.write_text("old")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs_module.shutil, "copy2", full)
+    with pytest.raises(WriteError, match=r"kept\.txt: could not be written \(No space left on device\)"):
+        with Outputs(force=True) as out:
+            out.write(out.file(kept, "--out"), "new")
+    assert kept.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
 def test_a_command_that_writes_nothing_leaves_no_empty_folder_and_one_that_writes_keeps_it(tmp_path):
     with Outputs() as out:
         out.folder(tmp_path / "none", "--out")

@@ -32,7 +32,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness.spec.files import RefusedOutput, control_character, not_regular, os_reason, printable, write_atomic
+from harness.spec.files import (
+    RefusedOutput,
+    WriteError,
+    control_character,
+    not_regular,
+    os_reason,
+    printable,
+    write_atomic,
+)
 
 __all__ = ["Outputs", "RefusedOutput", "check_name", "check_output"]
 
@@ -182,14 +190,16 @@ class Outputs:
             raise ValueError(f"{path}: not named with Outputs.file before it was written")
         backup = None
         if path.exists():
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")
-            os.close(fd)
-            backup = Path(tmp)
             try:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")
+                os.close(fd)
+                backup = Path(tmp)
                 shutil.copy2(path, backup)
-            except OSError:
-                backup.unlink(missing_ok=True)
-                raise
+            except OSError as exc:
+                if backup is not None:
+                    backup.unlink(missing_ok=True)
+                raise WriteError(f"{path}: could not be written ({os_reason(exc)}): no room to keep the file it "
+                                 "replaces until the command ends; it is unchanged") from exc
         try:
             write_atomic(path, text, root=root)
         except BaseException:
