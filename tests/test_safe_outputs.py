@@ -515,6 +515,12 @@ def test_bless_refuses_a_note_or_driver_of_more_than_one_line(tmp_path, capsys, 
     assert not (tmp_path / "b").exists()
 
 
+def test_bless_into_an_empty_baselines_dir_is_refused(tmp_path, capsys):
+    outcome = invoke(["bless", _runs(tmp_path), "--baselines-dir", ""], capsys, tmp_path)
+    _one_line_refusal(outcome, "--baselines-dir: an empty name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.json"]
+
+
 def test_bless_of_runs_holding_no_full_size_run_is_refused(tmp_path, capsys):
     runs = _runs(tmp_path, fidelity="tiny", platform="cpu")
     outcome = invoke(["bless", runs, "--baselines-dir", tmp_path / "b"], capsys, tmp_path)

@@ -28,7 +28,10 @@ def run(args) -> int:
     if args.append and args.replace:
         print("bless: --append adds to a baseline, --replace writes it anew; pass one of them", file=sys.stderr)
         return 2
-    root = Path(args.baselines_dir) if args.baselines_dir else RESULTS_DIR
+    from harness.spec.outputs import check_name
+
+    # '' is refused, not read as the default: it would write into the bundled results/baselines
+    root = check_name(args.baselines_dir, "--baselines-dir") if args.baselines_dir is not None else RESULTS_DIR
     # a BlessError or a WriteError is bad input: main answers it with one line and exit 2
     paths = bless([Path(r) for r in args.runs], driver=args.driver, note=args.note or "", append=args.append,
                   root=root, case_dirs=[Path(d) for d in args.case_dir], replace=args.replace)
