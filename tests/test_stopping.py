@@ -145,7 +145,8 @@ def test_one_signal_stops_a_run_mid_build_leaving_no_process_lock_or_folder(tmp_
         said = [line for line in harness.err.read_text().splitlines() if line.strip()]
         assert took < STOP_WITHIN_S, said
         assert harness.proc.returncode == 128 + signum
-        assert said == [f"oom-harness run: stopped by {signal.Signals(signum).name}; every job it started was stopped"]
+        name = signal.Signals(signum).name
+        assert said == [f"oom-harness run: stopped by {name}; nothing it started is left running"]
         assert still_running(pids, 2) == []  # the worker, its compiler (a session of its own), the zygote
         assert not harness.lock.exists()  # the next run's job would wait on it, or build the op again
         assert harness.left_in_tmp() == []  # the run's folder and the zygote's
@@ -211,3 +212,24 @@ def test_a_run_refused_at_once_leaves_no_temporary_folder(tmp_path, monkeypatch,
     assert main(["run", "-k", "no-such-case"]) == 2
     assert "no case matches no-such-case" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("oom-harness-")] == []
+
+
+def test_a_process_forked_from_the_harness_ends_quietly_at_a_signal(tmp_path):
+    """The predictor forks traces; `timeout` signals the whole process group. The fork inherited the
+    harness's handlers and printed a Stopped traceback of its own beside the harness's one line."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from harness.runtime import stopping
+        stopping.install()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), stopping.stopping())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == [str(-signal.SIGTERM), "False"]  # ended by the signal; the parent goes on
+    assert done.stderr == ""

@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         return args.func(args)
     except KeyboardInterrupt as exc:  # harness.runtime.stopping.Stopped, or a Ctrl-C before its handler
         stopped = exc if isinstance(exc, stopping.Stopped) else stopping.Stopped(signal.SIGINT)
-        print(f"oom-harness {args.command}: {stopped}; every job it started was stopped", file=sys.stderr, flush=True)
+        print(f"oom-harness {args.command}: {stopped}; nothing it started is left running", file=sys.stderr,
+              flush=True)
         return stopped.exit_code
     except (InputError, WriteError) as exc:  # WriteError: a result file that could not be written (disk, rights)
         print(f"oom-harness {args.command}: {_one_line(str(exc))}", file=sys.stderr)

@@ -18,9 +18,10 @@ its cases run). The first one:
 3. raises `Stopped` in the main thread, which unwinds through the blocks that release what the
    run holds (its card locks, the JIT locks of the jobs it killed, its temporary folder).
 
-A second signal while that unwinds is ignored: the first one's cleanup takes seconds, and an
-exception raised in the middle of it would leave half of it undone. A process that started with
-SIGINT ignored (a shell's background job) keeps ignoring it.
+A process forked from the harness (the predictor's forked traces) inherits the handlers; there a
+signal ends the process as it would without them. A second signal while that unwinds is ignored:
+the first one's cleanup takes seconds, and an exception raised in the middle of it would leave half
+of it undone. A process that started with SIGINT ignored (a shell's background job) keeps ignoring it.
 
 `Stopped` is a KeyboardInterrupt, so no `except Exception` on the way mistakes it for a failure of
 the case being run, and pytest reports it as an interrupted session.
@@ -29,6 +30,7 @@ the case being run, and pytest reports it as an interrupted session.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -59,6 +61,7 @@ class Stopped(KeyboardInterrupt):
 _stopping = threading.Event()
 _signum: int = signal.SIGTERM
 _hooks: list[Callable[[], None]] = []
+_installed_by = 0  # the process whose handlers these are (a forked child inherits them)
 
 
 def on_stop(hook: Callable[[], None]) -> None:
@@ -90,6 +93,12 @@ def stop(signum: int = signal.SIGTERM) -> None:
 
 
 def _handle(signum, frame) -> None:
+    if os.getpid() != _installed_by:
+        # a process forked from this one (the predictor's forked traces): it holds nothing to release,
+        # and an exception here would print its traceback; it ends as the signal ends a process
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     if _stopping.is_set():
         return  # the first signal's cleanup is under way
     stop(signum)
@@ -98,8 +107,10 @@ def _handle(signum, frame) -> None:
 
 def _install() -> dict[int, object]:
     """Catch the signals in this process's main thread; the handlers they replace (none elsewhere)."""
+    global _installed_by
     if threading.current_thread() is not threading.main_thread():
         return {}
+    _installed_by = os.getpid()
     saved = {}
     for signum in SIGNALS:
         previous = signal.getsignal(signum)
