@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.models.inputs import InputError, load_json
-from harness.models.registry import Architecture, hf_config, known_architectures, load_architecture, truncated_config
+from harness.models.registry import (
+    Architecture,
+    hf_config,
+    known_architectures,
+    load_architecture,
+    size_problem,
+    truncated_config,
+)
 
 # Keys whose values decide parameter and activation memory; two configs equal on these are one model.
 SHAPE_KEYS = (
@@ -179,6 +186,9 @@ def _check_shapes(path: Path, config: dict) -> None:
             f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}: grouped-query "
             "attention shares each key/value head among a whole number of query heads",
             "write num_key_value_heads as a divisor of num_attention_heads, as the published config.json has it")
+    too_big = size_problem(config)
+    if too_big:
+        raise ModelSourceError(f"{path}: {too_big}", "write the sizes as the model's published config.json has them")
 
 
 # What the predictor builds: a causal language model transformers builds with AutoModelForCausalLM
