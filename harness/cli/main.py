@@ -22,7 +22,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.cli import bless, case_from, check, compare, fit, report, run, validate
+from harness.cli import bless, case_from, check, compare, fit, report, run, terminal, validate
 from harness.models.inputs import InputError
 from harness.runtime import stopping
 from harness.spec.files import WriteError
@@ -106,6 +106,8 @@ def console() -> None:
     # `timeout`, CI runners and job schedulers stop with SIGTERM, a person with Ctrl-C: either one
     # kills every job, releases what the command holds and ends it with one line (128 + the signal)
     stopping.install()
+    # control characters of the inputs (an ANSI escape, a NUL in a config value) print as escapes
+    terminal.sanitize_standard_streams()
     code = main()
     if threading.active_count() > 1:
         sys.exit(code)
