@@ -55,7 +55,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=positive_int, help="optimizer steps of each run (the cases' own by default)")
     p.add_argument("--variant", action="append", default=[],
                    help="measure under this variant, as `run --variant` does ('u': the whole card; repeatable)")
-    p.add_argument("--case-dir", help="the folder of the case files (default: the bundled suite)")
+    p.add_argument("--case-dir", help="the folder of the case files, for both arms (default: each arm's bundled "
+                                      "suite)")
     p.add_argument("--threshold", type=fraction, default=0.02,
                    help="the smallest change that counts, as a fraction (default 0.02: 2%%)")
     p.add_argument("--out", help="keep each run's folder and JSON here (default: a temporary folder, removed)")
@@ -102,7 +103,10 @@ def arms(args) -> tuple[Arm, Arm]:
     if not Path(python).is_file():
         raise InputError(Path(python), "--base-python", "no such interpreter",
                          "name a virtual environment's bin/python")
-    env_a = dict(os.environ)
+    from harness.runtime.zygote import SOCKET_ENV
+
+    # each arm forks its workers from a zygote of its own code, never from one this process shares
+    env_a = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
     cwd = None
     if args.base_checkout:
         checkout = Path(args.base_checkout).resolve()
@@ -112,7 +116,8 @@ def arms(args) -> tuple[Arm, Arm]:
         env_a["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env_a.get("PYTHONPATH")])])
         cwd = str(checkout)
     env_a.update(_pairs(args.base_env, "--base-env"))
-    env_b = {**os.environ, **_pairs(args.env, "--env")}
+    env_b = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+    env_b.update(_pairs(args.env, "--env"))
     python_b = args.python or sys.executable
     if not Path(python_b).is_file():
         raise InputError(Path(python_b), "--python", "no such interpreter", "name a virtual environment's bin/python")
@@ -205,7 +210,7 @@ def run(args) -> int:
 
     arm_a, arm_b = arms(args)
     if args.out:
-        folder = Path(args.out)
+        folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
         folder.mkdir(parents=True, exist_ok=True)
         pairs = measure(args, arm_a, arm_b, folder)
     else:
