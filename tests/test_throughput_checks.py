@@ -263,3 +263,16 @@ def test_the_delay_hook_lengthens_each_step_by_its_share():
     delay.spend(0.5, lambda: synced.append(True))
     elapsed = time.perf_counter() - t0
     assert synced == [True, True] and 0.115 <= elapsed < 0.2  # 0.08 s of work, 0.04 s of delay
+
+
+def test_a_run_without_a_baseline_is_not_checked_in_the_verdict_table(tmp_path, capsys):
+    from harness.cli.main import main
+
+    runs = tmp_path / "runs.json"
+    entry = _run_entry("NVIDIA A100-SXM4-80GB", "x")
+    entry["verdicts"] = []
+    runs.write_text(json.dumps([entry]))
+    assert main(["report", str(runs)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "[run given]" in line)
+    assert row.startswith("| NOT CHECKED | 003-qlora-fix-r32-seq1024-gc [run given] | nvidia-a100-sxm4-80gb-x1 |")
+    assert "no baseline of this config on this platform" in row

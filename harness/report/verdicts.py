@@ -105,10 +105,16 @@ def rows_of(inputs, shifts=()) -> list[Row]:
                                    "as the case records")
                 else:
                     row.fail(f"outcome refuted: expected {case.expect.outcome}, measured {measured}")
+        elif variant.uncapped:
+            row.expected = "-"
+            row.why.append("on the whole card, for the claims that compare configs: no verdict on its target")
         elif not variant.as_written:
             row.why.append(f"measured {b.measured}: the outcome is judged on the case's extrapolation")
         if e.is_run:
             row.speed, verdict = _speed(e, baselines)
+            if row.speed == "no baseline":
+                row.unchecked("no baseline of this config on this platform: its memory and speed are not checked "
+                              "(oom-harness bless)")
             if verdict is not None and verdict.status == "refuted":
                 row.fail("tokens/s below the baseline beyond the noise")
             elif verdict is not None and verdict.status == "not_checkable":
