@@ -88,6 +88,7 @@ class Harness:
                    TORCH_EXTENSIONS_DIR=str(self.ext), FAKE_MODE=mode, FAKE_PIDS=str(self.pids_file),
                    HARNESS_LOCK_DIR=str(tmp_path / "locks"), HARNESS_ZYGOTE="1")
         env.pop("HARNESS_ZYGOTE_SOCKET", None)  # a zygote of its own, whose end is part of the stop
+        self.proc_env = env
         self.err = tmp_path / "stderr"
         with open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), "--case-dir", str(CASES_DIR),
@@ -233,3 +234,43 @@ def test_a_process_forked_from_the_harness_ends_quietly_at_a_signal(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == [str(-signal.SIGTERM), "False"]  # ended by the signal; the parent goes on
     assert done.stderr == ""
+
+
+PYTEST_DRIVER = textwrap.dedent("""
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's foreground command
+    import harness.runtime.launcher as launcher
+    from harness.runtime import platform
+    launcher.WORKER = "fake_worker"
+    platform.detect = lambda: platform.Platform.cpu
+    platform.accelerator_count = lambda: 0
+    import pytest
+    sys.exit(pytest.main(["-p", "no:cacheprovider", "-p", "no:xdist", "-q", *sys.argv[1:]]))
+""")
+
+
+def test_one_sigterm_stops_pytest_running_the_cases(tmp_path, still_running):
+    """The plugin runs the cases through the same launcher: pytest, told once, ends as interrupted
+    (pytest's own Ctrl-C is a KeyboardInterrupt, which the same handler raises)."""
+    signum = signal.SIGTERM
+    harness = Harness(tmp_path, "build")
+    harness.proc.kill()  # the command line's: this test starts pytest instead
+    harness.proc.wait()
+    (tmp_path / "driver.py").write_text(PYTEST_DRIVER)
+    env = dict(harness.proc_env)
+    with open(harness.err, "w") as err:
+        harness.proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), "--case-dir", str(CASES_DIR),
+                                         "-k", f"{CASE}-tiny", str(CASES_DIR)], env=env, stdout=err,
+                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    try:
+        pids = harness.started()
+        took = harness.stop(signum)
+        said = harness.err.read_text()
+        assert took < STOP_WITHIN_S, said
+        assert harness.proc.returncode == 2, said  # pytest's "interrupted"
+        assert f"Stopped: stopped by {signal.Signals(signum).name}" in said  # interrupted, with one line
+        assert still_running(pids, 2) == []
+        assert not harness.lock.exists()
+        assert harness.left_in_tmp() == []
+    finally:
+        harness.kill_leftovers()
