@@ -237,8 +237,9 @@ def test_report_html_keeps_the_predictors_cache_in_its_folder(tmp_path, monkeypa
     for name in ("003-qlora-fix-r16-seq512-gc.json", "004-gla-failing-bs4-2procs.json"):
         (base / source.name / name).write_text((source / name).read_text())
     page = build_report(tmp_path / "out", base, Path("cases"), timeline_dirs=[])
-    assert seen and all(d == (tmp_path / "out").resolve() / ".predict-cache" for d in seen)
+    assert seen and all(d.parent == (tmp_path / "out").resolve() for d in seen)
     assert "HARNESS_PREDICT_CACHE" not in os.environ
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]  # the cache went with the build
     text = page.read_text()
     assert text.index('id="verdicts"') < text.index('id="peaks"')
     assert '<tr class="fail"><td>FAIL</td><td>004-gla-failing-bs4-2procs</td>' in text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 from harness.report.html import accuracy, claims, depth, peaks, timelines, trend, verdicts
@@ -22,21 +23,20 @@ CACHE = ".predict-cache"  # the predictor's trace cache, inside the report's fol
 @contextlib.contextmanager
 def _cache_inside(folder: Path):
     """The predictor keeps its traces on disk (harness.predict.trace; by default in the home folder's
-    cache): while a report is built they go into the report's own folder, so that `report --html`
-    writes nowhere else. A cache the user named (HARNESS_PREDICT_CACHE, "off" included) is theirs to
-    share between reports, and is used as it is."""
+    cache): while a report is built they go into a folder inside the report's, removed once the page is
+    drawn, so that `report --html` leaves nothing but its page. A cache the user named
+    (HARNESS_PREDICT_CACHE, "off" included) is theirs to share between reports, and is used as it is."""
     old = os.environ.get("HARNESS_PREDICT_CACHE")
     if old is not None:
         yield
         return
-    os.environ["HARNESS_PREDICT_CACHE"] = str(Path(folder).resolve() / CACHE)
+    cache = Path(folder).resolve() / f"{CACHE}-{os.getpid()}"
+    os.environ["HARNESS_PREDICT_CACHE"] = str(cache)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("HARNESS_PREDICT_CACHE", None)
-        else:
-            os.environ["HARNESS_PREDICT_CACHE"] = old
+        os.environ.pop("HARNESS_PREDICT_CACHE", None)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def timelines_dir_of(baselines_dir: Path) -> Path:
