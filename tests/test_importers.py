@@ -268,7 +268,8 @@ def test_training_args_qlora():
     assert case.method.kind == "qlora"
     assert (case.method.lora.r, case.method.lora.alpha, case.method.lora.dropout) == (32, 64, 0.05)
     assert case.method.quantization.compute_dtype.value == "bf16"
-    assert case.stack.value == "peft"  # training scripts prepare 4-bit models through peft
+    # a TrainingArguments config trains with the HF Trainer, whose QLoRA recipe prepares 4-bit models through peft
+    assert case.stack.value == "hf_trainer" and case.stack.kbit_prepared
     assert (case.train.micro_batch, case.train.grad_accum, case.train.seq_len) == (1, 16, 1024)
     assert case.train.gradient_checkpointing is True  # TrainingArguments: off unless set; set here
     assert case.train.dataloader_workers == 2

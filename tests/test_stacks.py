@@ -45,8 +45,8 @@ def test_llamafactory_arguments_keep_the_users_keys_and_replace_what_a_run_must(
     shape = run_shape(case, "tiny")
     args = llamafactory.run_arguments(case, shape, Path("/ckpt"), tmp_path, None, on_cpu=False)
     v = args.values
-    # the user's own keys that change the job stay
-    assert v["enable_liger_kernel"] is True and v["use_reentrant_gc"] is False and v["upcast_layernorm"] is True
+    # the user's own keys that change the job stay; those the case holds (train.liger_kernel) are the case's
+    assert v["use_reentrant_gc"] is False and v["upcast_layernorm"] is True and v["enable_liger_kernel"] is False
     assert v["template"] == "qwen" and v["dataset"] == "alpaca_en_demo"
     # the case decides the method (its rank, its targets)
     assert v["lora_rank"] == 8 and v["lora_target"] == "q_proj,v_proj" and v["finetuning_type"] == "lora"
@@ -61,7 +61,8 @@ def test_llamafactory_arguments_keep_the_users_keys_and_replace_what_a_run_must(
 
 
 def test_llamafactory_arguments_say_what_a_cpu_host_changes(tmp_path):
-    case = _case(tmp_path, {"enable_liger_kernel": True, "pure_bf16": True}, precision="fp16")
+    case = _case(tmp_path, {"enable_liger_kernel": True, "pure_bf16": True}, precision="fp16",
+                 train={**CASE["train"], "liger_kernel": True, "pure_bf16": True})
     args = llamafactory.run_arguments(case, run_shape(case, "tiny"), Path("/ckpt"), tmp_path,
                                       tmp_path / "ds.json", on_cpu=True)
     assert args.values["enable_liger_kernel"] is False and args.values["pure_bf16"] is False
@@ -86,7 +87,8 @@ def test_hf_trainer_arguments_take_only_training_arguments_fields(tmp_path):
     values, notes = hf_trainer.run_arguments(case, run_shape(case, "tiny"), tmp_path, None, on_cpu=False)
     values["use_cpu"] = True  # parsed on this host, which has no GPU
     assert "model_name_or_path" not in values and "lora_r" not in values and "eval_strategy" not in values
-    assert values["optim"] == "adamw_torch_fused" and values["use_liger_kernel"] is True
+    # the user's optimizer stays; Liger is the case's to say (train.liger_kernel), which the importer reads
+    assert values["optim"] == "adamw_torch_fused" and values["use_liger_kernel"] is False
     assert values["lr_scheduler_type"] == "cosine" and values["bf16"] is True  # the case's precision wins
     assert values["gradient_checkpointing"] is True and notes == []
     args = hf_trainer.parse(values)

@@ -76,6 +76,8 @@ class Figures(BaseModel):
     # the attention kernel every rank recorded (harness.measure.records.RankReport.attn_implementation);
     # None where the ranks did not record one, or disagree
     attn_implementation: str | None = None
+    # the framework that trained (harness.runtime.stacks: 'llamafactory 0.9.5'); None: the harness's own loop
+    stack: str | None = None
 
     @field_validator("step_times_s")
     @classmethod
@@ -101,6 +103,11 @@ class Baseline(BaseModel):
         """One figure over the repetitions that have it."""
         return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
 
+    @property
+    def runtime(self) -> str:
+        """What trained the baseline's runs: 'framework' (a framework's own trainer) or 'harness' (its loop)."""
+        return "framework" if any(r.stack for r in self.runs) else "harness"
+
     def case_as_measured(self, case):
         """`case` (harness.spec.schema.Case) as this baseline ran it: its variant applied, the model
         built as the harness's runs build it (`launch.model_source`), the Triton
@@ -110,6 +117,9 @@ class Baseline(BaseModel):
         from harness.spec.variants import parse_variant
 
         measured = parse_variant(self.variant).apply(case) if self.variant else case
+        if measured.launch.runtime != self.runtime and measured.stack.value in ("llamafactory", "hf_trainer"):
+            measured = measured.model_copy(update={"launch": measured.launch.model_copy(
+                update={"runtime": self.runtime})})
         from harness.spec.shape import harness_model_source
 
         if measured.launch.model_source != harness_model_source(measured):
@@ -169,7 +179,14 @@ def figures_of(run: CaseRun, procs_per_card: int) -> Figures:
         clocks=min((r.clocks for r in ranks if r.clocks), key=lambda c: c.sm_mhz_median, default=None),
         host_cpu=next((r.host_cpu for r in ranks if r.host_cpu), None),
         attn_implementation=_one_attention(ranks),
+        stack=_stack_of(ranks),
     )
+
+
+def _stack_of(ranks) -> str | None:
+    """The framework the ranks trained through, as 'name version', or None (the harness's own loop)."""
+    stack = next((r.stack for r in ranks if r.stack is not None), None)
+    return None if stack is None else " ".join(filter(None, (stack.name, stack.version)))
 
 
 def _one_attention(ranks) -> str | None:
@@ -242,9 +259,9 @@ def _not_of_case(run: CaseRun, case, case_path: Path, variant) -> str | None:
     """Why `run` is not a measurement of `case` as `case_path` holds it (None: it is): another config
     (digest, model), ranks of another case or of mixed cards, another shape or card than the case's. A
     case's card may be emulated on a bigger one of another vendor, so the vendor is not compared."""
-    from harness.spec.identity import case_digest, model_name
+    from harness.spec.identity import case_digest, digest_matches, model_name
 
-    if run.case_digest is not None and run.case_digest != case_digest(case):
+    if run.case_digest is not None and not digest_matches(run.case_digest, case):
         return (f"it measured another config than {case_path} (digest {run.case_digest}, the case file's "
                 f"{case_digest(case)}): a run relabelled as another case, or a case changed since it ran. "
                 "Run the case again, or bless the run under the case it measured")

@@ -13,6 +13,7 @@ from harness.cli.arguments import fraction, memory_size, positive_int
 from harness.models.inputs import InputError
 from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
 from harness.premerge.importers import LAUNCHERS, TRITON_CACHES, ConfigError, JobSpec, parse_size_arg
+from harness.spec.schema import Stack
 
 
 def add_parser(subparsers) -> None:
@@ -46,7 +47,7 @@ def add_job_arguments(parser) -> None:
                              "on several GPUs, python on one)")
     parser.add_argument("--model", help="registry name, hub id or local directory with a config.json "
                                         "(replaces model_name_or_path)")
-    parser.add_argument("--stack", choices=["peft", "llamafactory", "plain"], help="the training stack (see README)")
+    parser.add_argument("--stack", choices=[s.value for s in Stack], help="the training stack (see README)")
     parser.add_argument("--script", help="the training script, scanned for building the model before DeepSpeed")
     parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines")
     parser.add_argument("--triton-cache", choices=list(TRITON_CACHES),

@@ -50,9 +50,12 @@ def tolerance(explicit: float | None, spread: tuple[float, float] | None, repeti
 
 
 def find_baseline(case_id: str, variant: str, platform_key: str,
-                  baselines: list[Baseline] | None = None) -> Baseline | None:
+                  baselines: list[Baseline] | None = None, runtime: str | None = None) -> Baseline | None:
+    """The case's baseline for this variant and platform; with `runtime`, only one whose runs trained the same
+    way (a framework's runs are not held to the harness loop's, `Baseline.runtime`)."""
     for b in baselines if baselines is not None else load_baselines():
-        if b.case_id == case_id and b.variant == variant and b.platform.key == platform_key:
+        if b.case_id == case_id and b.variant == variant and b.platform.key == platform_key and (
+                runtime is None or b.runtime == runtime):
             return b
     return None
 

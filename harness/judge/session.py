@@ -346,9 +346,13 @@ class Session:
                 if not measured.ranks:
                     continue
                 key = PlatformInfo.of_run(measured).key
-                found = find_baseline(case_id, variant.text, key, self._baselines)
-                verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found,
-                                            "" if found else no_baseline(case_id, variant.text, key, self._baselines),
+                runtime = "framework" if any(r.stack for r in measured.ranks) else "harness"
+                found = find_baseline(case_id, variant.text, key, self._baselines, runtime)
+                why = "" if found else no_baseline(case_id, variant.text, key, self._baselines)
+                if not found and find_baseline(case_id, variant.text, key, self._baselines):
+                    why = (f"no baseline of this case measured through {case.stack.value} itself on {key}: its "
+                           "baseline was measured through the harness's own loop; `oom-harness bless` this run")
+                verdicts = against_baseline(case, figures_of(measured, case.launch.procs_per_card), found, why,
                                             self._baselines)
                 regression += [replace(v, detail=f"{variant.label(case)}: {v.detail}") if len(variants) > 1 else v
                                for v in verdicts]

@@ -572,6 +572,8 @@ def _cuda_sdpa():
                     attn_mask.logical_not(), float("-inf"))
             return torch.ops.aten._scaled_dot_product_cudnn_attention(
                 query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale)[0]
+        if query.dim() == 4 and query.dtype in (torch.float16, torch.bfloat16) and dropout_p > 0.0:
+            return _fused_dropout_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, grad)
         if query.dtype != torch.float32 or query.dim() != 4:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
@@ -589,6 +591,23 @@ def _cuda_sdpa():
         yield
     finally:
         functional.scaled_dot_product_attention = original
+
+
+def _fused_dropout_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, grad):
+    """SDPA with attention dropout in the half dtypes, as CUDA runs it where cuDNN does not take it: the
+    flash kernel without a mask (it draws the dropout from a Philox seed and keeps the log-sum-exp per row,
+    never the probabilities or a mask), the memory-efficient one with a mask (the same, as an additive
+    bias). On the trace's fake CPU tensors SDPA with dropout would take the math path, which keeps the
+    attention probabilities and the dropout mask of every layer: GiBs the device never holds."""
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if attn_mask is None and d_qk == d_v and d_qk <= 256 and d_qk % 8 == 0:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA converts a boolean mask
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager
@@ -685,9 +704,13 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
     if spec.kind in ("lora", "qlora"):
         for p in model.parameters():
             p.requires_grad_(False)
-    if spec.kind == "qlora" and spec.stack == Stack.peft.value:
+    if spec.kind == "qlora" and Stack(spec.stack).kbit_prepared:
         for p in model.parameters():  # prepare_model_for_kbit_training: non-4-bit params to fp32
             if id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.to(torch.float32)
+    if spec.fp32_trainable:  # LLaMA-Factory's init_adapter: the trainable parameters upcast to fp32
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(torch.float32)
     if spec.checkpointing:
         _set_checkpointing(model, spec.reentrant)
@@ -724,8 +747,63 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
         for name, m in model.named_modules() if ".layers." in name
     ]
     info.largest_layer_module = max(layer_leaves, default=0)
+    if spec.liger:
+        _liger_loss(model)
     model.train()
     return model, info
+
+
+class _FakeLigerFLCE(torch.autograd.Function):
+    """Liger's `LigerFusedLinearCrossEntropyFunction` (liger_kernel/ops/fused_linear_cross_entropy.py),
+    memory-wise: the forward takes the final hidden states (rows x hidden) and the output head's weight and
+    never builds the logits. It allocates the input's gradient (rows x hidden, the input's dtype), the
+    per-row fp32 losses, the weight's gradient where the head trains, and per chunk of rows the chunk's
+    logits (chunk x vocab) and their product with the weight; the chunk is the power of two at or above
+    rows / ceil(vocab / hidden). It keeps the two gradients for backward, which hands them on."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        rows, width = hidden.shape
+        vocab = weight.shape[0]
+        per = -(-vocab // width)
+        chunk = 1 << max(0, (-(-rows // per) - 1).bit_length())
+        grad_input = torch.empty_like(hidden)
+        grad_weight = torch.empty_like(weight) if weight.requires_grad else None
+        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            logits = torch.empty((n, vocab), dtype=hidden.dtype, device=hidden.device)
+            part = torch.empty((n, width), dtype=hidden.dtype, device=hidden.device)  # grad_logits @ weight
+            del logits, part
+        loss = torch.empty((), dtype=torch.float32, device=hidden.device)
+        del losses
+        ctx.grads = (grad_input, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_input, grad_weight = ctx.grads
+        del ctx.grads
+        return grad_input, grad_weight
+
+
+def _liger_loss(model) -> None:
+    """The causal LM's forward as Liger's `lce_forward` makes it in training: the decoder, then the fused
+    linear cross-entropy over the last hidden states (`_FakeLigerFLCE`); no logits are returned. The labels
+    shift by padding, not by copying the hidden states (LigerForCausalLMLoss)."""
+    import types
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        kwargs.pop("logits_to_keep", None)
+        hidden = self.get_decoder()(input_ids=input_ids, **kwargs)[0]
+        loss = _FakeLigerFLCE.apply(hidden.reshape(-1, hidden.shape[-1]), self.get_output_embeddings().weight)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    base.forward = types.MethodType(forward, base)
 
 
 def trace(spec: TraceSpec, layers: int) -> TraceResult:
@@ -802,7 +880,8 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
                 tracker.start_log()
                 ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
                 base = tracker.current()
-                out = model(input_ids=ids, labels=ids)
+                with _trainer_autocast(spec):
+                    out = model(input_ids=ids, labels=ids)
                 held = tracker.current() - base
                 logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
                 tracker.backward = True
@@ -824,6 +903,43 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
                        seconds=time.perf_counter() - t0, events=events, layout=_layout(model, layers),
                        grads=tracker.grads, matmuls=list(tracker.matmuls), hooks=hooks,
                        attention=attention_of(model), attention_note="; ".join(notes))
+
+
+def _trainer_autocast(spec: TraceSpec):
+    """The HF Trainer's mixed-precision autocast around the forward and the loss (`TraceSpec.autocast`):
+    matmuls in the half dtype, the half copy of an fp32 weight (LLaMA-Factory's upcast) or of an fp32 input
+    (peft's adapters) cast for the forward and kept by autograd for backward. CPU autocast on the fake CPU
+    tensors: its list of ops cast down is CUDA's for matmuls and linear layers, which hold the bulk of a
+    step's memory."""
+    if not spec.autocast:
+        return contextlib.nullcontext()
+    return _cuda_autocast(DTYPES[Precision(spec.dtype)])
+
+
+@contextlib.contextmanager
+def _cuda_autocast(half: torch.dtype):
+    """CPU autocast with CUDA's policy where the two differ in what a step keeps: CUDA's autocast runs
+    `layer_norm` in fp32 (its fp32 list, aten/src/ATen/autocast_mode.cpp), so the norm keeps an fp32 copy of
+    its input and hands fp32 to the next layers, each of which casts it down again; CPU autocast runs it in
+    the input's dtype. RMSNorm implementations upcast by hand and are the same either way."""
+    functional = torch.nn.functional
+    original = functional.layer_norm
+
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if torch.is_autocast_enabled("cpu") and input.dtype in (torch.float16, torch.bfloat16):
+            def up(t):
+                return t.float() if t is not None and t.is_floating_point() else t
+
+            with torch.autocast("cpu", enabled=False):
+                return original(up(input), normalized_shape, up(weight), up(bias), eps)
+        return original(input, normalized_shape, weight, bias, eps)
+
+    functional.layer_norm = layer_norm
+    try:
+        with torch.autocast("cpu", dtype=half):
+            yield
+    finally:
+        functional.layer_norm = original
 
 
 def _tie_again(model) -> None:

@@ -80,7 +80,7 @@ class ConfigKind:
         gc = "off"
         if case.train.gradient_checkpointing:
             gc = "reentrant" if reentrant_checkpointing(case) else "non-reentrant"
-        path = case.stack.value if case.method.kind == "qlora" else ""
+        path = case.stack.qlora_path if case.method.kind == "qlora" else ""
         return cls(method=case.method.kind, zero=0 if ds is None else ds.stage, offload=offload, checkpointing=gc,
                    path=path, triton="cold" if case.launch.triton_cache == "cold" else "")
 

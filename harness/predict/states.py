@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.predict.step import reentrant_checkpointing, zero_init
+from harness.predict.step import fp32_trainable_parameters, fused_adamw, reentrant_checkpointing, zero_init
 from harness.predict.zero3 import Gathered
 from harness.spec.dsconfig import auto_sizes
-from harness.spec.schema import Case, Offload, Precision, Stack
+from harness.spec.schema import Case, Offload, Precision
 
 GiB = 2**30
 CUBLAS_WORKSPACE = 2 * (32 * 2**20 + 128 * 2**10)  # two handles (forward, autograd thread)
@@ -112,17 +112,21 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
     host: dict[str, int] = {}
     notes: list[str] = []
     T = inv.trainable
+    upcast = ds is None and kind == "full" and fp32_trainable_parameters(case)
 
     # --- base weights ---
     if kind == "qlora":
         q = case.method.quantization
         dev["weights_4bit"] = quant_bytes(inv.quantizable, q.double_quant)
-        other_bytes = 4 if case.stack == Stack.peft else half
-        if case.stack == Stack.peft:
+        other_bytes = 4 if case.stack.kbit_prepared else half
+        if case.stack.kbit_prepared:
             notes.append("peft prepare_model_for_kbit_training: embeddings, head, norms, biases in fp32")
         dev["weights_other"] = inv.other * other_bytes
     else:  # full or LoRA: the base weights in the half dtype, partitioned alike under ZeRO-3
         base = inv.total * half
+        if upcast:  # LLaMA-Factory's full fine-tune: every trainable parameter (all of them) in fp32
+            base = (inv.total - T) * half + T * 4
+            notes.append("LLaMA-Factory's init_adapter: trainable parameters upcast to fp32, trained under autocast")
         if ds is not None and ds.stage == 3:
             thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
             persistent = sum(n for n in inv.sizes if n <= thr) * half
@@ -139,12 +143,13 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
     step_extra = 0
     step_only: dict[str, int] = {}
     if ds is None:
-        pbytes = 4 if kind in ("lora", "qlora") else half  # peft adapters fp32
+        pbytes = 4 if kind in ("lora", "qlora") or upcast else half  # peft adapters fp32
         if kind in ("lora", "qlora"):
             dev["lora_params"] = T * pbytes
         dev["grads"] = T * pbytes
         dev["adam_states"] = 2 * T * pbytes
-        step_extra = T * pbytes  # foreach AdamW: one temporary list the size of the parameters
+        # foreach AdamW: one temporary list the size of the parameters; the Trainer's fused AdamW: none
+        step_extra = 0 if fused_adamw(case) else T * pbytes
         if case.train.grad_accum == 1:
             notes.append("GA 1: gradients exist only from backward to the optimizer step")
     else:

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from harness.models.registry import Architecture
-from harness.spec.schema import Case, Offload, Stack
+from harness.spec.schema import Case, Offload, Precision, Stack
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,13 @@ class TraceSpec:
     # ZeRO-3 without overlap_comm, the parameters on the host: the 2-layer trace records where DeepSpeed's
     # hooks fire (`TraceResult.hooks`), which that config's one-pool reserve places the gathers by
     zero3_hook_positions: bool = False
+    # LLaMA-Factory's full fine-tune without DeepSpeed: trainable parameters in fp32 (init_adapter's upcast),
+    # the step under the HF Trainer's bf16/fp16 autocast (`fp32_trainable_parameters`)
+    fp32_trainable: bool = False
+    # Liger's fused linear cross-entropy in place of the output head and the loss (`liger_applies`)
+    liger: bool = False
+    # the forward under the HF Trainer's mixed-precision autocast (`trainer_autocast`)
+    autocast: bool = False
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> TraceSpec:
@@ -66,7 +73,59 @@ class TraceSpec:
             zero3_linear=ds is not None and ds.stage == 3,
             zero3_hook_positions=(ds is not None and ds.stage == 3 and not ds.overlap_comm
                                   and ds.offload_param != Offload.none),
+            fp32_trainable=ds is None and case.method.kind == "full" and fp32_trainable_parameters(case),
+            liger=liger_applies(case, arch.model_type),
+            autocast=trainer_autocast(case),
         )
+
+
+def trainer_autocast(case: Case) -> bool:
+    """Whether the forward runs under autocast in the half dtype: the HF Trainer's mixed precision (bf16 or
+    fp16 in its arguments, through accelerate) wherever no DeepSpeed engine handles precision itself. Under
+    it an fp32 LoRA adapter's input, which peft casts to fp32, is cast back to the half dtype for the
+    adapter's matmul and kept so. LLaMA-Factory's pure_bf16 trains without it."""
+    return (framework_trains(case) and case.deepspeed is None and case.precision != Precision.fp32
+            and not case.train.pure_bf16)
+
+
+# The model types LLaMA-Factory applies Liger's kernels to (model/model_utils/liger_kernel.py,
+# apply_liger_kernel, 0.9.5), text models only; for any other it warns and trains without them. The HF
+# Trainer's use_liger_kernel applies Liger's own table, which holds these too.
+LIGER_MODEL_TYPES = frozenset({
+    "gemma", "gemma2", "gemma3", "gemma3_text", "glm", "glm4", "granite", "llama", "mistral", "mixtral", "olmo2",
+    "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen3_next",
+})
+
+
+def liger_applies(case: Case, model_type: str) -> bool:
+    """Whether the case's stack applies Liger's kernels to this model (`train.liger_kernel`)."""
+    return case.train.liger_kernel and framework_trains(case) and model_type in LIGER_MODEL_TYPES
+
+
+def framework_trains(case: Case) -> bool:
+    """Whether a framework trains the case (LLaMA-Factory, the HF Trainer: `harness.runtime.stacks`), not the
+    harness's own loop (`launch.runtime`, which baselines measured before the frameworks ran keep)."""
+    return case.stack in (Stack.llamafactory, Stack.hf_trainer) and case.launch.runtime == "framework"
+
+
+def fused_adamw(case: Case) -> bool:
+    """Whether the optimizer steps with torch's fused AdamW (one kernel over every parameter, no temporary
+    list): the HF Trainer's default `optim` with torch >= 2.8 (transformers' training_args.py), which
+    LLaMA-Factory keeps. The harness's own loop runs torch's AdamW (foreach); a DeepSpeed engine its own."""
+    return (framework_trains(case) and case.deepspeed is None
+            and (case.train.optim or "adamw_torch_fused") == "adamw_torch_fused")
+
+
+def fp32_trainable_parameters(case: Case) -> bool:
+    """Whether the case's stack holds its trainable parameters in fp32 while the model loads in the half
+    dtype. LLaMA-Factory's `init_adapter` (model/adapter.py, 0.9.5) casts every trainable parameter to
+    fp32 unless `pure_bf16` (or BAdam), or under ZeRO-3 without quantization; the HF Trainer then trains
+    under autocast. A DeepSpeed engine of stage 1 or 2 casts the module back to the half dtype."""
+    if (case.stack != Stack.llamafactory or not framework_trains(case) or case.train.pure_bf16
+            or case.precision == Precision.fp32):
+        return False
+    ds = case.deepspeed
+    return not (case.method.kind != "qlora" and ds is not None and ds.stage == 3)
 
 
 def reentrant_checkpointing(case: Case) -> bool:

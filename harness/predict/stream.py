@@ -42,7 +42,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec
+from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec, fused_adamw
 from harness.spec.schema import Case
 
 FORWARD, BACKWARD = 0, 1
@@ -104,6 +104,7 @@ class RunShape:
     alloc_conf: str = ""
     model_source: str = "checkpoint"  # launch.model_source: from_pretrained's load, or from_config's
     held_before_load: int = 0  # bytes the process holds on the device when the load begins (`start_states`)
+    fused_adamw: bool = False  # the optimizer is torch's fused AdamW (`harness.predict.step.fused_adamw`)
 
     @classmethod
     def of(cls, case: Case, spec: TraceSpec, layers: int) -> RunShape:
@@ -111,7 +112,7 @@ class RunShape:
         return cls(layers=layers, grad_accum=case.train.grad_accum, half_bytes=HALF_BYTES[case.precision.value],
                    double_quant=bool(q is not None and q.double_quant), accumulated_grads=spec.accumulated_grads,
                    alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                   model_source=case.launch.model_source)
+                   model_source=case.launch.model_source, fused_adamw=fused_adamw(case))
 
 
 def start_states(shape):
@@ -448,15 +449,16 @@ def layout_at(l1: list[list[int]], l2: list[list[int]], layers: int) -> list[lis
     return out
 
 
-def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stream: Stream) -> None:
-    """torch AdamW (foreach) and the trainer's zero_grad(set_to_none=True)."""
+def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stream: Stream,
+                    fused: bool = False) -> None:
+    """torch AdamW (foreach; `fused`: one kernel, no temporaries) and the trainer's zero_grad(set_to_none=True)."""
     stream.mark("optimizer")
     trainable = [n * size for n, size, _, t, *_ in layout if t]
     if first:
         for b in trainable:  # exp_avg, exp_avg_sq, created at the first step
             stream.alloc(b)
             stream.alloc(b)
-    temps = [stream.alloc(b) for b in trainable]  # the foreach temporary list
+    temps = [] if fused else [stream.alloc(b) for b in trainable]  # the foreach temporary list
     for ident in temps:
         stream.free(ident)
     for ident in grads:
@@ -510,7 +512,7 @@ class _Run:
             left += expand(self.r1, self.r2, shape.layers, stream, on_backward if micro == 0 else None,
                            keep_grads=micro == 0 and shape.accumulated_grads,
                            on_matmul=on_matmul if first and micro == 0 else None)
-        _optimizer_step(self.layout, grads + left, first, stream)
+        _optimizer_step(self.layout, grads + left, first, stream, shape.fused_adamw)
         self.steps += 1
 
 

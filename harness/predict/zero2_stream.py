@@ -88,7 +88,7 @@ from harness.predict.stream import (
     load_stream,
     module_order,
 )
-from harness.spec.schema import Case, Offload, Stack
+from harness.spec.schema import Case, Offload
 
 DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
 NORM_BYTES = 8  # get_norm_dtype(): torch.double where the device has fp64
@@ -128,7 +128,7 @@ class Zero2Shape:
                    bucket=0 if offload else ds.reduce_bucket_size or auto_sizes(hidden)["reduce_bucket_size"],
                    model_source="config" if offload else case.launch.model_source,
                    double_quant=bool(q is not None and q.double_quant),
-                   kbit_fp32=case.method.kind == "qlora" and case.stack == Stack.peft)
+                   kbit_fp32=case.method.kind == "qlora" and case.stack.kbit_prepared)
 
 
 @dataclass(frozen=True)

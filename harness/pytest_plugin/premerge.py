@@ -53,7 +53,7 @@ class PremergeSettings(BaseModel):
     launcher: Literal["python", "torchrun", "deepspeed", "accelerate", "llamafactory-cli"] | None = None
     model: str | None = None
     deepspeed: str | None = None
-    stack: Literal["peft", "llamafactory", "plain"] | None = None
+    stack: Literal["peft", "llamafactory", "hf_trainer", "plain"] | None = None
     script: str | None = None
     platform: str | None = None
     triton_cache: Literal["cold", "warm"] | None = None

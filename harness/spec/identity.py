@@ -9,6 +9,7 @@ Claims, expectations and notes are left out: rewording them does not change what
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -23,11 +24,27 @@ def model_name(case: Case) -> str:
     return Path(case.model).name if "/" in case.model or "\\" in case.model else case.model
 
 
-def case_digest(case: Case) -> str:
-    """A digest of the parts of `case` that decide what a run of it measures (16 hex digits)."""
+# Fields added to the schema after runs were recorded, with their defaults: a case that leaves one at its
+# default has the digest it had before the field existed, so its recorded runs still match it.
+ADDED_LATER = {("train", "attn_implementation"): None, ("train", "pure_bf16"): False,
+               ("train", "liger_kernel"): False, ("train", "optim"): None, ("launch", "runtime"): "framework"}
+
+
+def case_digest(case: Case, kept: frozenset = frozenset()) -> str:
+    """A digest of the parts of `case` that decide what a run of it measures (16 hex digits). A field added
+    later (`ADDED_LATER`) at its default is left out, unless `kept` names it."""
     data = case.model_dump(mode="json", include=set(MEASURED))
-    if data["train"].get("attn_implementation") is None:  # unset: the digest of a case written before the field
-        data["train"].pop("attn_implementation", None)
+    for (block, key), default in ADDED_LATER.items():
+        if (block, key) not in kept and block in data and data[block].get(key, default) == default:
+            data[block].pop(key, None)
     data["card"] = case.target.card.model_dump(mode="json")
     data["model"] = model_name(case)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def digest_matches(digest: str, case: Case) -> bool:
+    """Whether a run recorded with `digest` measured `case`: the case's digest as any schema since the run
+    had it, the later fields it leaves at their defaults present or not."""
+    later = list(ADDED_LATER)
+    return any(digest == case_digest(case, frozenset(combo))
+               for n in range(len(later) + 1) for combo in itertools.combinations(later, n))

@@ -57,6 +57,17 @@ class Stack(str, Enum):
     hf_trainer = "hf_trainer"
     plain = "plain"
 
+    @property
+    def kbit_prepared(self) -> bool:
+        """Whether a 4-bit model goes through peft's `prepare_model_for_kbit_training` (peft's and the HF
+        Trainer's QLoRA recipes; LLaMA-Factory's path does not), which upcasts what is not 4-bit to fp32."""
+        return self in (Stack.peft, Stack.hf_trainer)
+
+    @property
+    def qlora_path(self) -> str:
+        """The k-bit path a QLoRA case of this stack takes, as the predictor's error table names it."""
+        return "peft" if self.kbit_prepared else self.value
+
 
 class Quantization(Strict):
     """bitsandbytes 4-bit storage of the frozen base weights (QLoRA)."""
@@ -137,6 +148,19 @@ class Train(Strict):
         description="the attention kernel the model is built with (transformers' attn_implementation: eager keeps "
         "every layer's score matrices for backward, sdpa and flash_attention_2 do not); omitted: the installed "
         "transformers' default for the model, which differs between versions and architectures")
+    pure_bf16: bool = Field(
+        default=False,
+        description="LLaMA-Factory's pure_bf16: trainable parameters stay in bf16; without it LLaMA-Factory upcasts "
+        "them to fp32 (except under ZeRO-3) and trains under bf16 autocast (stack: llamafactory only)")
+    liger_kernel: bool = Field(
+        default=False,
+        description="Liger's kernels, as LLaMA-Factory's enable_liger_kernel or the HF Trainer's use_liger_kernel "
+        "apply them (stacks llamafactory and hf_trainer): the fused linear cross-entropy never builds the logits")
+    optim: Literal["adamw_torch", "adamw_torch_fused"] | None = Field(
+        default=None,
+        description="the Trainer's AdamW (stacks llamafactory and hf_trainer, without DeepSpeed): adamw_torch "
+        "(foreach: a temporary as large as the trainable parameters at each step) or adamw_torch_fused; "
+        "omitted: transformers' default, adamw_torch_fused with torch >= 2.8")
 
 
 class Offload(str, Enum):
@@ -216,6 +240,13 @@ class Launch(Strict):
         "and what the caching allocator keeps of them, differ. The harness's own runs build a QLoRA model "
         "from a random-weight checkpoint and every other from its config (harness.runtime.build); a "
         "baseline is predicted the way its runs built the model",
+    )
+    runtime: Literal["framework", "harness"] = Field(
+        default="framework",
+        description="what trains a llamafactory or hf_trainer case: 'framework', the framework itself "
+        "(harness.runtime.stacks); 'harness', the harness's own loop, which trained every case before the "
+        "frameworks ran: its baselines are predicted that way (no autocast, no LLaMA-Factory upcast, torch's "
+        "foreach AdamW, no Liger) and are not held against a framework's runs",
     )
     env: dict[str, str] = Field(default_factory=dict, description="environment of the training "
                                 "processes (PYTORCH_CUDA_ALLOC_CONF, OMP_NUM_THREADS, ...)")

@@ -31,7 +31,8 @@ def harness_model_source(case: Case) -> str:
     checkpoint through from_pretrained where the case trains through a framework (LLaMA-Factory, the
     HF Trainer: `harness.runtime.stacks`) or is QLoRA (bitsandbytes quantizes it as it loads); every
     other from its config on the device (harness.runtime.build)."""
-    if case.method.kind == "qlora" or case.stack in (Stack.llamafactory, Stack.hf_trainer):
+    if case.method.kind == "qlora" or (case.stack in (Stack.llamafactory, Stack.hf_trainer)
+                                       and case.launch.runtime == "framework"):
         return "checkpoint"
     return "config"
 

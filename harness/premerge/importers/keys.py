@@ -261,7 +261,9 @@ MODELLED_KEYS = {
         "flash_attn": "`train.attn_implementation`",
         "bf16, fp16, pure_bf16": "`precision`",
         "deepspeed": "the `deepspeed` block, read from the DeepSpeed JSON",
-        "enable_liger_kernel": "not modelled yet: named in the check's notes",
+        "enable_liger_kernel": "`train.liger_kernel`: the fused linear cross-entropy keeps no logits (the trace runs "
+                               "a stand-in of Liger's kernel); its RMSNorm, SwiGLU and RoPE kernels are traced as "
+                               "transformers' own ops",
     },
     "TrainingArguments (both training formats)": {
         "per_device_train_batch_size": "`train.micro_batch`",
@@ -272,7 +274,9 @@ MODELLED_KEYS = {
         "dataloader_num_workers, dataloader_prefetch_factor, dataloader_pin_memory": "`train` (host RAM)",
         "deepspeed": "the `deepspeed` block, read from the DeepSpeed JSON (a path or inline)",
         "fsdp, fsdp_config": "refused: FSDP is not modelled",
-        "use_liger_kernel": "not modelled yet",
+        "use_liger_kernel": "`train.liger_kernel`, as enable_liger_kernel",
+        "optim": "`train.optim` for adamw_torch (foreach) and adamw_torch_fused (the default); others named as "
+                 "not modelled",
     },
     "TrainingArguments JSON: script fields": {
         "model_name_or_path": "`model`",

@@ -58,8 +58,6 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
             raise r.fail("quantization_bit", "quantized weights cannot be fully fine-tuned (finetuning_type: full)",
                          "use finetuning_type: lora with quantization_bit, or remove quantization_bit")
     reject_fsdp(r, "use a DeepSpeed config (deepspeed: ds_z3_config.json)")
-    if r.bool("enable_liger_kernel", False):
-        notes.append(f"enable_liger_kernel: true is not modelled; the prediction is for plain {finetuning}")
     _not_modelled(r)
 
     gc, gc_key = _checkpointing(r)
@@ -82,6 +80,10 @@ def import_llamafactory(path: Path, data: dict[str, Any], spec: JobSpec) -> Impo
                                   why=" (the attention kernels modelled: auto, disabled, sdpa, fa2)")]
     if attn is not None:
         train["attn_implementation"] = attn
+    if r.bool("pure_bf16", False):  # no fp32 upcast of the trainable parameters (init_adapter)
+        train["pure_bf16"] = True
+    if r.bool("enable_liger_kernel", False):  # load_model's apply_liger_kernel
+        train["liger_kernel"] = True
     hf_not_modelled(r, train, ds)
     stack = spec.stack or "llamafactory"
     training = training_file(r, ConfigFormat.llamafactory, train, fp16=fp16, bf16=bf16, gc_key=gc_key,

@@ -82,7 +82,7 @@ def import_training_args(path: Path, data: dict[str, Any], spec: JobSpec) -> Imp
         train["attn_implementation"] = attn
     hf_not_modelled(r, train, ds)
     _script_not_modelled(r, precision)
-    stack = spec.stack or ("peft" if four_bit else "plain")
+    stack = spec.stack or "hf_trainer"  # the Trainer the TrainingArguments are for
     training = training_file(r, ConfigFormat.training_args, train, fp16=fp16, bf16=bf16,
                              gc_key="gradient_checkpointing" if r.has("gradient_checkpointing") else "",
                              method=method["kind"], quantization_bits=4 if four_bit else None, stack=stack,

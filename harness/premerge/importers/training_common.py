@@ -128,6 +128,10 @@ def hf_not_modelled(r: Reader, train: dict[str, Any], ds: DeepSpeedFile | None) 
     optim = r.str("optim", None)
     if ds is not None and "optimizer" in ds.keys:
         optim = None  # DeepSpeed's own optimizer replaces the Trainer's (its block is read with the DeepSpeed file)
+    if optim is not None and optim.lower() in ("adamw_torch", "adamw_torch_fused"):
+        train["optim"] = optim.lower()  # foreach or fused: a step's temporaries differ (predict.step.fused_adamw)
+    if r.bool("use_liger_kernel", False):  # the Trainer applies Liger's kernels to the model
+        train["liger_kernel"] = True
     if r.bool("adafactor", False):
         r.not_modelled_key("adafactor", HF_NOT_MODELLED["adafactor"].entry())
     if optim is not None:

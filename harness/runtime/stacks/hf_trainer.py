@@ -52,6 +52,9 @@ def run_arguments(case: Case, shape, out_dir: Path, ds_config: Path | None, on_c
     values.update(bf16=precision == Precision.bf16, fp16=precision == Precision.fp16,
                   gradient_checkpointing=t.gradient_checkpointing, learning_rate=t.learning_rate,
                   dataloader_num_workers=t.dataloader_workers, dataloader_pin_memory=t.pin_memory)
+    values["use_liger_kernel"] = t.liger_kernel
+    if t.optim is not None:
+        values["optim"] = t.optim
     if t.gradient_checkpointing and t.checkpointing_reentrant is not None:
         values["gradient_checkpointing_kwargs"] = {"use_reentrant": t.checkpointing_reentrant}
     if t.prefetch_factor:

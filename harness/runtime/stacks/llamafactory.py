@@ -89,12 +89,17 @@ def case_arguments(case: Case, on_cpu: bool) -> Arguments:
     if on_cpu and precision == Precision.fp16:
         precision = Precision.bf16
         notes.append("fp16 trained as bf16 on a CPU (same bytes per element; CPU fp16 training is not supported)")
-    values["bf16"] = precision == Precision.bf16
+    # pure_bf16 trains bf16 parameters without autocast, in place of bf16
+    values["bf16"] = precision == Precision.bf16 and not t.pure_bf16
     values["fp16"] = precision == Precision.fp16
     values["disable_gradient_checkpointing"] = not t.gradient_checkpointing
     if t.checkpointing_reentrant is not None:
         values["use_reentrant_gc"] = t.checkpointing_reentrant
     values["flash_attn"] = _FLASH_ATTN.get(t.attn_implementation, "auto")
+    values["pure_bf16"] = t.pure_bf16
+    values["enable_liger_kernel"] = t.liger_kernel
+    if t.optim is not None:
+        values["optim"] = t.optim
     values["learning_rate"] = t.learning_rate
     values["dataloader_num_workers"] = t.dataloader_workers
     values["dataloader_pin_memory"] = t.pin_memory
@@ -131,8 +136,9 @@ def run_arguments(case: Case, shape, checkpoint: Path, out_dir: Path, ds_config:
         notes.append("enable_liger_kernel dropped on a CPU: Liger's Triton kernels run on GPUs only")
     if on_cpu and values.get("pure_bf16"):
         values["pure_bf16"] = False  # LLaMA-Factory refuses pure_bf16 where no GPU supports bf16
-        notes.append("pure_bf16 dropped on a CPU (LLaMA-Factory refuses it without a bf16 GPU): trainable "
-                     "parameters are upcast to fp32 as without it")
+        values["bf16"] = True
+        notes.append("pure_bf16 dropped on a CPU (LLaMA-Factory refuses it without a bf16 GPU): bf16 mixed "
+                     "precision, the trainable parameters upcast to fp32 as without it")
     return Arguments(values, notes)
 
 
