@@ -1,7 +1,8 @@
 """The knobs `fit` turns, their values, and a case with a set of them applied.
 
 Knobs that keep the training the same: the micro-batch (with gradient accumulation keeping the global
-batch), gradient checkpointing and whether it is reentrant, the ZeRO stage (of a job that already runs
+batch), gradient checkpointing and whether it is reentrant, Liger's kernels (where the stack applies them
+to the model: `harness.predict.step.liger_applies`), the ZeRO stage (of a job that already runs
 DeepSpeed), optimizer and parameter offload, pinned offload buffers, DeepSpeed's buckets and live-set
 limits (`LEAN_BUCKETS`, the guide 000 fix's values), and the dataloader workers. Knobs that change
 what is trained, only when allowed (`--allow`): 4-bit base weights (`quantization`), a shorter cutoff
@@ -46,11 +47,12 @@ class Knobs:
     seq_len: int
     lora_r: int | None
     four_bit: bool
+    liger: bool = False
 
     def trace_key(self) -> tuple:
         """What of these knobs changes the traced step (harness.predict.step.TraceSpec), but the micro-batch."""
         return (self.checkpointing, self.checkpointing and self.reentrant, self.stage is None, self.stage == 3,
-                self.seq_len, self.lora_r, self.four_bit, self.stage is None and self.grad_accum > 1)
+                self.seq_len, self.lora_r, self.four_bit, self.liger, self.stage is None and self.grad_accum > 1)
 
     def family(self) -> tuple:
         """Candidates that differ only in the micro-batch: a bigger one never needs less memory."""
@@ -71,6 +73,7 @@ def knobs_of(case: Case) -> Knobs:
         pin_memory=ds.pin_memory if ds is not None else True, lean_buckets=lean,
         workers=case.train.dataloader_workers, seq_len=case.train.seq_len,
         lora_r=case.method.lora.r if case.method.lora else None, four_bit=case.method.kind == "qlora",
+        liger=case.train.liger_kernel,
     )
 
 
@@ -79,7 +82,7 @@ def apply(case: Case, k: Knobs) -> Case:
     train = case.train.model_copy(update={
         "micro_batch": k.micro_batch, "grad_accum": k.grad_accum, "gradient_checkpointing": k.checkpointing,
         "checkpointing_reentrant": k.reentrant if k.checkpointing else None,
-        "dataloader_workers": k.workers, "seq_len": k.seq_len})
+        "dataloader_workers": k.workers, "seq_len": k.seq_len, "liger_kernel": k.liger})
     method, stack = case.method, case.stack
     if method.lora is not None and k.lora_r is not None and k.lora_r != method.lora.r:
         alpha = method.lora.alpha * k.lora_r / method.lora.r  # the same scaling alpha / r
@@ -130,20 +133,22 @@ def _deepspeed_options(base: Knobs) -> list[tuple[int | None, bool, bool, bool, 
     return out
 
 
-def space(base: Knobs, allow: frozenset[str], kind: str) -> Iterator[Knobs]:
+def space(base: Knobs, allow: frozenset[str], kind: str, liger: bool = False) -> Iterator[Knobs]:
     """Every combination of knob values to consider, the global batch kept. `kind`: the method
-    (lora, qlora, full); 4-bit weights only for LoRA, and not under ZeRO-3 (not modelled)."""
+    (lora, qlora, full); 4-bit weights only for LoRA, and not under ZeRO-3 (not modelled). `liger`: the
+    stack can apply Liger's kernels to this model (they change no training result, only kernels)."""
     per_rank = base.micro_batch * base.grad_accum
     checkpointing = [(False, base.reentrant), (True, True), (True, False)]
     workers = sorted({base.workers, min(base.workers, FEW_WORKERS)}, reverse=True)
     seqs = _halvings(base.seq_len, MIN_CUTOFF) if "cutoff" in allow else [base.seq_len]
     ranks = _halvings(base.lora_r, MIN_RANK) if "rank" in allow and base.lora_r else [base.lora_r]
     bits = [base.four_bit] + ([True] if "quantization" in allow and kind == "lora" else [])
-    for mb, (gc, reentrant), ds, w, seq, r, four in itertools.product(
-            _divisors(per_rank), checkpointing, _deepspeed_options(base), workers, seqs, ranks, bits):
+    ligers = sorted({base.liger, liger or base.liger}, reverse=True)
+    for mb, (gc, reentrant), ds, w, seq, r, four, lig in itertools.product(
+            _divisors(per_rank), checkpointing, _deepspeed_options(base), workers, seqs, ranks, bits, ligers):
         stage, opt, par, pin, lean = ds
         if four and stage == 3:
             continue
         yield replace(base, micro_batch=mb, grad_accum=per_rank // mb, checkpointing=gc, reentrant=reentrant,
                       stage=stage, offload_optimizer=opt, offload_param=par, pin_memory=pin, lean_buckets=lean,
-                      workers=w, seq_len=seq, lora_r=r, four_bit=four)
+                      workers=w, seq_len=seq, lora_r=r, four_bit=four, liger=lig)

@@ -37,6 +37,7 @@ from typing import Any
 
 from harness.fit.knobs import Knobs, apply, knobs_of, space
 from harness.fit.throughput import ThroughputModel, calibrate
+from harness.predict.step import liger_applies
 from harness.premerge.check import CheckResult
 from harness.spec.schema import Case
 
@@ -100,7 +101,8 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
     model = calibrate(platform=platform)
     k0 = knobs_of(case0)
     candidates = []
-    for k in space(k0, allow, case0.method.kind):
+    for k in space(k0, allow, case0.method.kind, liger_applies(case0.model_copy(
+            update={"train": case0.train.model_copy(update={"liger_kernel": True})}), imported.arch.model_type)):
         case = apply(case0, k)
         changed = sum(getattr(k, f.name) != getattr(k0, f.name) for f in dataclasses.fields(k))
         training = sum(getattr(k, name) != getattr(k0, name) for name in ("four_bit", "seq_len", "lora_r"))

@@ -47,7 +47,7 @@ from harness.baselines.store import RESULTS_DIR, load_baselines
 from harness.fit.platforms import THREADS_WHEN_UNRECORDED, Host, host, nearest
 from harness.fit.shape import ModelShape
 from harness.measure.flops import flops_per_token, peak_flops
-from harness.predict.step import reentrant_checkpointing
+from harness.predict.step import liger_applies, reentrant_checkpointing
 from harness.spec.cases import CASES_DIR
 from harness.spec.schema import Case, Offload
 
@@ -72,6 +72,7 @@ GROUPS = (COMPUTE, ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass",
 PRIOR_WEIGHT = 0.3  # weight of a prior pseudo-observation against one baseline's relative error (pooled fit)
 PLATFORM_PRIOR_WEIGHT = 0.3  # the same for a platform's fit, whose priors are the pooled values
 CPU_ADAM_BYTES = float(CONSTANTS["cpu_adam_bytes_per_param"]["prior"])
+LIGER_COMPUTE_FACTOR = float(CONSTANTS["liger_compute_factor"]["prior"])
 HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -83,6 +84,7 @@ class StepWork:
     tokens: int  # tokens of one process's optimizer step
     procs_per_card: int
     threads: int = 1  # the process's CPU threads (CPU Adam)
+    compute_factor: float = 1.0  # the compute term's share under Liger's kernels (LIGER_COMPUTE_FACTOR)
 
 
 def step_work(case: Case, config: dict, shape: ModelShape | None = None, threads: int = 1) -> StepWork:
@@ -130,8 +132,10 @@ def step_work(case: Case, config: dict, shape: ModelShape | None = None, threads
             host_device += params * half * 2  # gradients down, updated parameters up
     pinned = ds is None or ds.pin_memory
     pcie, pageable = (host_device, 0.0) if pinned else (0.0, host_device)
+    liger = liger_applies(case, str(config.get("model_type")))
     return StepWork(counts=(flops, linear_passes, four_bit, fla, hooks, engine, pcie, pageable, host_memory, net, adam,
-                            offload_steps), tokens=tokens, procs_per_card=procs, threads=threads)
+                            offload_steps), tokens=tokens, procs_per_card=procs, threads=threads,
+                    compute_factor=LIGER_COMPUTE_FACTOR if liger else 1.0)
 
 
 def _gathers(case: Case) -> int:
@@ -177,7 +181,10 @@ class ThroughputModel:
         return terms
 
     def seconds_unhidden(self, work: StepWork) -> dict[str, float]:
-        return {k: c * x for k, c, x in zip(TERMS, self.coefficients(), work.counts, strict=True)}
+        terms = {k: c * x for k, c, x in zip(TERMS, self.coefficients(), work.counts, strict=True)}
+        for k in COMPUTE:
+            terms[k] *= work.compute_factor
+        return terms
 
     def tokens_per_s(self, work: StepWork) -> float:
         """Tokens per second per card (every process sharing it)."""

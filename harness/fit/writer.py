@@ -72,12 +72,14 @@ def _why(field: str, k0: Knobs, k: Knobs) -> str:
         "seq_len": f"shorter cutoff: {k.seq_len} tokens (allowed by --allow cutoff; longer samples are cut)",
         "lora_r": f"LoRA rank {k.lora_r}, alpha scaled alike (allowed by --allow rank)",
         "four_bit": "4-bit nf4 base weights (allowed by --allow quantization)",
+        "liger": "Liger's kernels: the fused linear cross-entropy never builds the logits, and the step is faster"
+        if k.liger else "without Liger's kernels",
     }[field]
 
 
 def _changed(k0: Knobs, k: Knobs) -> list[str]:
     fields = ["micro_batch", "checkpointing", "reentrant", "stage", "offload_optimizer", "offload_param", "pin_memory",
-              "lean_buckets", "workers", "seq_len", "lora_r", "four_bit"]
+              "lean_buckets", "workers", "seq_len", "lora_r", "four_bit", "liger"]
     out = [f for f in fields if getattr(k0, f) != getattr(k, f)]
     if "reentrant" in out and not k.checkpointing:
         out.remove("reentrant")
@@ -138,6 +140,8 @@ def _edit_training(ed: _Editor, fmt: ConfigFormat, k0: Knobs, k: Knobs, fields: 
             ed.set("gradient_checkpointing_kwargs.use_reentrant", k.reentrant, _why("reentrant", k0, k))
     if "workers" in fields:
         ed.set("dataloader_num_workers", k.workers, _why("workers", k0, k), 0)
+    if "liger" in fields:
+        ed.set("enable_liger_kernel" if lf else "use_liger_kernel", k.liger, _why("liger", k0, k), False)
     if "seq_len" in fields:
         key = "cutoff_len" if lf else next((s for s in _SEQ_KEYS if s in data), "max_length")
         ed.set(key, k.seq_len, _why("seq_len", k0, k), 2048 if lf else None)
