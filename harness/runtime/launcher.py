@@ -222,9 +222,10 @@ def _kill_running() -> None:
             continue
     else:
         return
+    trees = [proc for pid in pids for proc in process_tree.tree(pid)]
+    with contextlib.suppress(psutil.Error, OSError):
+        process_tree.kill(trees, wait_s=3.0)  # all killed first, then one wait for all of them
     for pid in pids:
-        with contextlib.suppress(psutil.Error, OSError):
-            process_tree.kill(process_tree.tree(pid), wait_s=2.0)
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
 
