@@ -52,6 +52,9 @@ class SyntheticExamples(SyntheticTokens):
 
 
 def examples(shape, vocab: int) -> SyntheticExamples:
-    """A trainer's training set for `shape.steps` optimizer steps of `shape.grad_accum` micro-batches."""
-    return SyntheticExamples(vocab, shape.seq_len, distinct=shape.micro_batch * 2,
-                             length=shape.micro_batch * shape.grad_accum * shape.steps)
+    """A trainer's training set for `shape.steps` optimizer steps of `shape.grad_accum` micro-batches: one
+    sequence repeated. A trainer shuffles its dataset (and shards it over ranks), so with several distinct
+    sequences each step's loss would be of another sample; with one, every step sees the same batch and a
+    run of a few steps shows its loss falling whatever the order."""
+    return SyntheticExamples(vocab, shape.seq_len, distinct=1,
+                             length=shape.micro_batch * shape.grad_accum * shape.steps * max(1, shape.ranks))

@@ -66,6 +66,9 @@ def run_arguments(case: Case, shape, out_dir: Path, ds_config: Path | None, on_c
         values["deepspeed"] = str(ds_config)
     else:
         values.pop("deepspeed", None)
+    from harness.runtime.stacks.llamafactory import tiny_schedule
+
+    notes += tiny_schedule(values, shape)
     if on_cpu:
         values["use_cpu"] = True  # the Trainer refuses bf16 on a host without a GPU unless told it is one
     if on_cpu and values.get("use_liger_kernel"):
