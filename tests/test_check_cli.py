@@ -378,6 +378,10 @@ def test_an_alloc_conf_the_allocator_model_cannot_read_is_bad_input_naming_file_
 def test_guide_004s_failing_job_does_not_fit_its_first_launch_but_fits_a_warm_host(capsys):
     """The guide's two jobs per 23.52 GiB card ran out of memory while compiling fla's kernels; once
     compiled they fit (docs/findings.md). Unstated, a config is judged on its first launch."""
+    from harness.models.registry import missing_package
+
+    if missing_package({"model_type": "gla"}):  # an environment without the gla extra (LLaMA-Factory's pins)
+        pytest.skip(missing_package({"model_type": "gla"}))
     args = [str(ROOT / "tests" / "data" / "fit" / "004-gla-failing.json"), "--gpu-memory", "23.52GiB", "--gpus", "7",
             "--procs-per-gpu", "2", "--json"]
     assert main(["check", *args]) == 1

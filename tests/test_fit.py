@@ -110,7 +110,7 @@ def test_the_search_judges_with_checks_verdict(tmp_path, capsys, monkeypatch):
 
 def test_the_walk_stops_at_the_time_it_is_given(tmp_path, capsys):
     argv = ["fit", str(EXAMPLES / "000-ds32b-failing.yaml"), "--gpu-memory", "64GiB", "--gpus", "8",
-            "--out", str(tmp_path / "out"), "--search-seconds", "0"]
+            "--out", str(tmp_path / "out"), "--search-seconds", "1e-9"]
     code = main([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["fits"]

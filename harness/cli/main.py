@@ -56,9 +56,17 @@ def _write_traceback(command: str, argv: list[str]) -> Path:
     raise OSError("no writable folder for the traceback")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a bad flag said in one line, `oom-harness COMMAND: argument --x: what is wrong` (exit 2), as
+    every other bad input is; `--help` still prints the usage. Subcommand parsers are made of this class."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {_one_line(message)}\n")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="oom-harness", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="oom-harness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)

@@ -117,6 +117,11 @@ def hf_config(config: dict):
     from transformers import AutoConfig
 
     if config["model_type"] == "gla":
+        missing = missing_package(config)
+        if missing is not None:  # a user's environment without the gla extra: say so, as bad input
+            from harness.models.inputs import InputError
+
+            raise InputError(None, "model_type", missing)
         import fla  # noqa: F401  registers GLA with the transformers Auto classes
     cfg = dict(config)
     cfg.pop("architectures", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.models.registry import Architecture
+from harness.models.registry import Architecture, missing_package
 from harness.models.source import ModelSourceError, check_folder_buildable, resolve_model
 from harness.premerge.importers.errors import ConfigError
 from harness.premerge.importers.records import JobSpec
@@ -41,10 +41,14 @@ def model_of(path: Path, reference: str | None, spec: JobSpec, key: str = "model
 
 def check_model(path: Path, model: ModelRef, spec: JobSpec, key: str = "model_name_or_path") -> None:
     """Refuse a model folder the predictor cannot build (harness.models.source.check_buildable). Imports
-    transformers: called once the job's flags are known good, so a bad flag is refused before it."""
+    transformers: called once the job's flags are known good, so a bad flag is refused before it. A model
+    whose package is not installed here (GLA without the gla extra) is refused, naming the package."""
+    where = (None, "--model") if spec.model is not None else (path, key)
+    missing = missing_package(model.arch.config)
+    if missing is not None:
+        raise ConfigError(*where, missing, "install the extra, or check this config where it is installed")
     if model.note is None:  # a registry entry
         return
-    where = (None, "--model") if spec.model is not None else (path, key)
     try:
         check_folder_buildable(model.arch, Path(model.case_model))
     except ModelSourceError as exc:
