@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
-from harness.spec import case_format_doc
+from harness.premerge import case_format_doc
 from harness.spec.schema import Case
 from harness.spec.units import parse_size
 

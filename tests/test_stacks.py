@@ -57,7 +57,9 @@ def test_llamafactory_arguments_keep_the_users_keys_and_replace_what_a_run_must(
     # what reaches outside the job or evaluates is gone; no DeepSpeed config where the run has none
     for key in ("hf_hub_token", "eval_strategy", "val_size", "push_to_hub", "deepspeed", "num_train_epochs"):
         assert key not in v
-    assert args.notes == []
+    # at tiny size the learning rate is held constant (a few steps show the loss falling); nothing else moves
+    assert args.notes == ["tiny size: the learning rate held constant, so a few steps show the loss falling"]
+    assert v["lr_scheduler_type"] == "constant"
 
 
 def test_llamafactory_arguments_say_what_a_cpu_host_changes(tmp_path):
@@ -68,7 +70,7 @@ def test_llamafactory_arguments_say_what_a_cpu_host_changes(tmp_path):
     assert args.values["enable_liger_kernel"] is False and args.values["pure_bf16"] is False
     assert args.values["bf16"] is True and args.values["fp16"] is False and args.values["use_cpu"] is True
     assert args.values["deepspeed"] == str(tmp_path / "ds.json")
-    assert len(args.notes) == 3 and any("Liger" in n for n in args.notes)
+    assert len(args.notes) == 4 and any("Liger" in n for n in args.notes)
 
 
 def test_a_case_without_a_config_stands_for_its_own_llamafactory_keys(tmp_path):
@@ -89,8 +91,9 @@ def test_hf_trainer_arguments_take_only_training_arguments_fields(tmp_path):
     assert "model_name_or_path" not in values and "lora_r" not in values and "eval_strategy" not in values
     # the user's optimizer stays; Liger is the case's to say (train.liger_kernel), which the importer reads
     assert values["optim"] == "adamw_torch_fused" and values["use_liger_kernel"] is False
-    assert values["lr_scheduler_type"] == "cosine" and values["bf16"] is True  # the case's precision wins
-    assert values["gradient_checkpointing"] is True and notes == []
+    # at tiny size the learning rate is held constant; the case's precision wins over the user's
+    assert values["lr_scheduler_type"] == "constant" and "warmup_ratio" not in values and values["bf16"] is True
+    assert values["gradient_checkpointing"] is True and len(notes) == 1 and "tiny size" in notes[0]
     args = hf_trainer.parse(values)
     shape = run_shape(case, "tiny")
     assert args.max_steps == shape.steps and args.gradient_accumulation_steps == shape.grad_accum == 2

@@ -329,8 +329,8 @@ def test_the_built_stream_of_phi3_qlora_lands_on_its_recorded_allocated_peak():
 
 
 def _traced(path: Path):
-    """The case file at `path` at gradient accumulation 2: (case, architecture, traces at 1 and 2 layers,
-    run shape)."""
+    """The case file at `path` at gradient accumulation 2, as the recorded runs trained it (the harness's own
+    loop, `launch.runtime`): (case, architecture, traces at 1 and 2 layers, run shape)."""
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
     from harness.predict.trace import trace_pair
@@ -338,6 +338,7 @@ def _traced(path: Path):
     from harness.spec.variants import parse_variant
 
     case = parse_variant("2ga").apply(load_case(path))
+    case = case.model_copy(update={"launch": case.launch.model_copy(update={"runtime": "harness"})})
     arch = load_model(case.model)
     spec = TraceSpec.of(case, arch)
     return (case, arch, *trace_pair(spec), RunShape.of(case, spec, case.layers or arch.layers))
@@ -591,7 +592,7 @@ def test_the_llamafactory_full_fine_tune_is_built_onto_its_recorded_reserved_pea
     from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
     cid = "qwen25-1.5b-full-mb4-s1024-gc-llamafactory"
-    baseline = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == cid)
+    baseline = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == cid and b.runtime == "harness")
     case = baseline.case_as_measured(load_case(ARCH_CASES_DIR / f"{cid}.yaml"))
     assert case.launch.model_source == "config"
     arch = load_model(case.model)

@@ -147,9 +147,16 @@ def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list
 
 
 def _inputs_key(root: Path, case_dir: Path) -> str:
+    import harness.baselines.store as store
+    import harness.predict.device as device
+    import harness.spec.schema as schema
+    import harness.spec.shape as shape
     from harness.models.registry import ARCH_DIR
 
     h = hashlib.sha256(Path(__file__).read_bytes())
+    # the code that decides what an observation is (a baseline's case as measured, its DeepSpeed collective)
+    for module in (store, device, shape, schema):
+        h.update(Path(module.__file__).read_bytes())
     files = sorted(root.glob("*/*.json")) + sorted(case_dir.glob("*.yaml"))
     files += sorted((p for p in ARCH_DIR.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
     for p in files:

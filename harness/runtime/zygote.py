@@ -113,6 +113,7 @@ class Zygote:
         """Start a zygote, or with `address` connect to one another harness started (OSError if
         nothing listens there)."""
         self._proc = self._errors = None
+        self._folder: str | None = None
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
@@ -124,8 +125,11 @@ class Zygote:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._sock = ours
             self._errors = tempfile.TemporaryFile()  # what the zygote itself prints (import warnings)
+            # its socket's folder, made here so that this process removes it however the zygote ends
+            # (killed at a stop while it was still importing, or between making it and saying so)
+            self._folder = tempfile.mkdtemp(prefix="oom-harness-zygote-")  # 0700: only this user connects
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(preload)],
+                [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(preload), self._folder],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._errors, stderr=subprocess.STDOUT,
                 start_new_session=True)  # a Ctrl-C at the terminal is for the harness, which then stops the jobs
             theirs.close()
@@ -240,6 +244,8 @@ class Zygote:
             self._proc.kill()
             self._proc.wait()
         self._errors.close()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 _shared: Zygote | None = None
@@ -413,7 +419,8 @@ def main(argv: list[str]) -> None:
     # what the imports made stays out of the children's garbage collections: a collection writes to
     # every object it visits, and each page it writes is copied into the child (copy-on-write)
     gc.freeze()
-    folder = tempfile.mkdtemp(prefix="oom-harness-zygote-")  # 0700: only this user's harnesses connect
+    # the folder the harness made for the socket (0700: only this user's harnesses connect), else one of its own
+    folder = argv[2] if len(argv) > 2 else tempfile.mkdtemp(prefix="oom-harness-zygote-")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(os.path.join(folder, "socket"))
     listener.listen()

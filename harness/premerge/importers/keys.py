@@ -147,7 +147,7 @@ HF_OPTIMIZERS = {
 # --- Keys that change memory ---------------------------------------------------------------------
 # Each format's memory-relevant keys that the predictor does not model: key -> Unmodelled. The importers
 # record one where its value counts (`when`); the check names it and, where it can raise the peak,
-# claims no verdict. docs/case-format.md lists these tables and MODELLED_KEYS (harness.spec.case_format_doc).
+# claims no verdict. docs/case-format.md lists these tables and MODELLED_KEYS (harness.premerge.case_format_doc).
 
 
 @dataclass(frozen=True)

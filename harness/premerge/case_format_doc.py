@@ -1,7 +1,7 @@
 """Writes the case-format reference from the schema itself, so the documentation cannot drift from
 what `harness.spec.cases` accepts.
 
-    python -m harness.spec.case_format_doc > docs/case-format.md
+    python -m harness.premerge.case_format_doc > docs/case-format.md
 
 Every pydantic model reachable from `Case` becomes a section, named by its path in a case file
 (`target.card`); every field a row: its type, whether it is required or its default, its allowed
@@ -33,7 +33,7 @@ from pydantic.fields import FieldInfo
 
 from harness.spec import schema
 
-REGENERATE = "python -m harness.spec.case_format_doc > docs/case-format.md"
+REGENERATE = "python -m harness.premerge.case_format_doc > docs/case-format.md"
 
 INTRO = """\
 # Case format
