@@ -129,6 +129,7 @@ def test_an_hf_trainer_case_trains_through_transformers_trainer(tmp_path):
     case = _case(tmp_path, stack="hf_trainer", id="stack-hf")
     rank = _tiny_run(tmp_path, case)
     assert rank.stack.name == "hf_trainer" and rank.stack.trainer == "Trainer"
+    assert rank.stack.version == rank.versions["transformers"]
     assert len(rank.step_times_s) == 2 and len(rank.losses) == 2  # timed and logged by the callback
     assert rank.step.allocated > rank.load.allocated > 0
     assert rank.probes.checkpointing_effective  # the Trainer turned checkpointing on, and it recomputes

@@ -77,6 +77,13 @@ def run_arguments(case: Case, shape, out_dir: Path, ds_config: Path | None, on_c
     return values, notes
 
 
+def version() -> str:
+    """The Trainer's version: transformers'."""
+    import importlib.metadata as md
+
+    return md.version("transformers")
+
+
 def parse(values: dict):
     """`TrainingArguments` as the user's script parses its JSON. Creating it makes a DeepSpeed config live,
     so under ZeRO-3 `from_pretrained` builds the model partitioned, as in the user's job."""

@@ -8,7 +8,7 @@ The same three calls for LLaMA-Factory and the HF Trainer, so the worker measure
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ class StackJob:
     record: StackRun
     loaded: Any = None
     trainer: Any = None
-    notes: list[str] = field(default_factory=list)
 
     def load(self) -> Built:
         """The framework's model loading (the measured load phase)."""
@@ -91,6 +90,6 @@ def prepare(case: Case, fidelity: str, shape, device, layers: int | None, out_di
     else:
         values, notes = hf_trainer.run_arguments(case, shape, out_dir, ds_path, on_cpu)
         parsed = hf_trainer.parse(values)
-        record = StackRun(name="hf_trainer", version=None, notes=notes)
+        record = StackRun(name="hf_trainer", version=hf_trainer.version(), notes=notes)
     return StackJob(case=case, device=device, checkpoint=checkpoint, config_dict=config_dict, parsed=parsed,
                     record=record)
