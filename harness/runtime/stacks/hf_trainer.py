@@ -12,10 +12,11 @@ adapters through peft's `get_peft_model`. Checkpointing, mixed precision, the op
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from harness.models.inputs import load_json
+from harness.runtime.stacks import tiny_schedule
 from harness.spec.schema import Case, Precision
 
 # keys a measured run replaces or drops: outputs, logging, saving, evaluation, hubs, resuming
@@ -31,8 +32,7 @@ def user_arguments(case: Case) -> dict[str, Any]:
     source = case.source.config if case.source is not None else None
     if not source or Path(source).suffix.lower() != ".json":
         return {}
-    with open(source, encoding="utf-8") as f:
-        data = json.load(f)
+    data = load_json(source)  # the reader `check` used on it: duplicate keys and oversized files refused
     return data if isinstance(data, dict) else {}
 
 
@@ -66,8 +66,6 @@ def run_arguments(case: Case, shape, out_dir: Path, ds_config: Path | None, on_c
         values["deepspeed"] = str(ds_config)
     else:
         values.pop("deepspeed", None)
-    from harness.runtime.stacks.llamafactory import tiny_schedule
-
     notes += tiny_schedule(values, shape)
     if on_cpu:
         values["use_cpu"] = True  # the Trainer refuses bf16 on a host without a GPU unless told it is one

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from harness.models.inputs import load_yaml
+from harness.runtime.stacks import tiny_schedule
 from harness.spec.schema import Case, Precision
 
 # transformers' attn_implementation as LLaMA-Factory's `flash_attn` (the inverse of the importer's map)
@@ -65,8 +65,7 @@ def user_arguments(case: Case) -> dict[str, Any]:
     path = Path(source)
     if path.suffix.lower() not in (".yaml", ".yml"):
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    data = load_yaml(path) or {}  # the reader `check` used on it: duplicate keys and oversized files refused
     return data if isinstance(data, dict) else {}
 
 
@@ -141,16 +140,6 @@ def run_arguments(case: Case, shape, checkpoint: Path, out_dir: Path, ds_config:
         notes.append("pure_bf16 dropped on a CPU (LLaMA-Factory refuses it without a bf16 GPU): bf16 mixed "
                      "precision, the trainable parameters upcast to fp32 as without it")
     return Arguments(values, notes)
-
-
-def tiny_schedule(values: dict[str, Any], shape) -> list[str]:
-    """At tiny size, the learning rate held constant (no warm-up, no decay): a run of a few steps then shows
-    its loss falling, which the `trains` claim checks; the schedule changes no memory."""
-    if shape.fidelity != "tiny":
-        return []
-    values.pop("warmup_ratio", None)  # not a field of every transformers' TrainingArguments (5.17 has none)
-    values.update(lr_scheduler_type="constant", warmup_steps=0)
-    return ["tiny size: the learning rate held constant, so a few steps show the loss falling"]
 
 
 def version() -> str:
