@@ -130,3 +130,28 @@ def test_jit_ops_and_kernels_are_kept_under_one_cache_folder_that_ci_keeps(tmp_p
         "TORCH_EXTENSIONS_DIR"] == str(tmp_path / "own")
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert "HARNESS_CACHE=${HARNESS_CACHE:-$PWD/.cache/oom-harness}" in ci
+
+
+def test_each_python_environment_builds_deepspeeds_ops_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """A LLaMA-Factory case's workers run on that environment's interpreter, whose torch headers live at
+    other paths: sharing one build folder with this environment's workers made ninja rebuild every op
+    whenever the other environment had used it last."""
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    other = tmp_path / ".venv-lf" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.symlink_to(sys.executable)  # a virtual environment's interpreter: a link to the same base Python
+    case_path = CASES_DIR / "000-lora-z3-offload-aggressive-cutoff512-ga32.yaml"
+    case = load_case(case_path)
+
+    def folders(python, out):
+        monkeypatch.setattr("harness.runtime.launcher.interpreter", lambda c: python)
+        return {job.env["TORCH_EXTENSIONS_DIR"] for job in plan_jobs(case, case_path, "tiny", 2, out, Platform.cpu)}
+
+    lf, own = folders(str(other), tmp_path / "a"), folders(sys.executable, tmp_path / "b")
+    assert own == {str(tmp_path / "torch_extensions")}
+    (lf_dir,) = lf
+    assert Path(lf_dir).parent == tmp_path / "torch_extensions" and Path(lf_dir).name.startswith("env-venv-lf-")
+    # stable across processes, and one per environment path
+    assert compile_cache.extensions_dir(str(other)) == Path(lf_dir)
+    assert compile_cache.extensions_dir(str(tmp_path / "venv2" / "bin" / "python")) != Path(lf_dir)

@@ -7,6 +7,13 @@ a fresh host), Triton's kernels (`triton`) and the random-weight checkpoints. A 
 folder between jobs (`.ci/run` puts it in the checkout's ignored `.cache/`). TORCH_EXTENSIONS_DIR or
 TRITON_CACHE_DIR set in the environment win, for the workers and for the launcher's lock cleanup alike.
 
+Each Python environment builds DeepSpeed's ops in a folder of its own: a case whose stack runs on
+another environment's interpreter (LLaMA-Factory's, `harness.runtime.stacks`) gets a subfolder named
+after that environment. torch's build names the environment's own include paths, so one shared folder
+made ninja rebuild every op each time a worker of the other environment used it: the default tier
+rebuilt cpu_adam, the CPU fused Adam and the shared-memory collective several times a run, minutes of
+compiling with the caches "warm".
+
 flash-linear-attention's kernels are Triton kernels: the first run on a host compiles and autotunes
 them. Measured on guide 004's GLA jobs (docs/findings.md), a cold cache costs the first step minutes
 and holds 1.9-3.8 GiB more device memory per process outside PyTorch's allocator than a warm one;
@@ -20,7 +27,9 @@ sets the variable, so the default only matters for a worker started by hand.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,9 +40,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HARNESS_CACHE") or Path.home() / ".cache" / "oom-harness")
 
 
-def extensions_dir() -> Path:
-    """Where DeepSpeed's ops are JIT-built (torch's cpp_extension reads TORCH_EXTENSIONS_DIR)."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+def extensions_dir(python: str | None = None) -> Path:
+    """Where DeepSpeed's ops are JIT-built (torch's cpp_extension reads TORCH_EXTENSIONS_DIR) by workers
+    running on `python` (default: this interpreter); another environment's interpreter gets a subfolder."""
+    base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
+        return base
+    return base / environment_name(python)
+
+
+def environment_name(python: str) -> str:
+    """A folder name for the environment of the interpreter at `python` (its path as given: a virtual
+    environment's bin/python is a link to the base interpreter, shared by every environment made from it)."""
+    path = os.path.abspath(python)
+    env = re.sub(r"[^A-Za-z0-9_-]+", "", Path(path).parent.parent.name) or "python"
+    return f"env-{env}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
 def shared_triton_dir() -> Path:

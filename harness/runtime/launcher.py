@@ -105,8 +105,8 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
     base_env = {
         "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
                             or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
-        # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs
-        "TORCH_EXTENSIONS_DIR": str(compile_cache.extensions_dir()),
+        # DeepSpeed JIT-builds cpu_adam once (1-2 min); keep the build between runs, one folder per environment
+        "TORCH_EXTENSIONS_DIR": str(compile_cache.extensions_dir(py)),
         # flash-linear-attention's Triton kernels compile and autotune on first use (minutes on a
         # fresh GPU host); keep them between runs too
         "TRITON_CACHE_DIR": str(compile_cache.shared_triton_dir()),
