@@ -31,6 +31,14 @@ the pooled values as the priors. A platform without baselines borrows the neares
 constants (the same card family; `harness.fit.platforms.nearest`), its compute rate scaled by the
 cards' peak FLOPs, and the model's notes say so. `benchmarks/bench_throughput.py` reports the error
 leave-one-case-out, per platform.
+
+Offload is priced by the same terms at any rank count: on one GPU nothing crosses a link, and what is
+left is CPU Adam over every trainable parameter (its arithmetic on the process's threads and its 30 bytes
+per parameter through host memory), the gradients down and the updated parameters up over PCIe once per
+step, and under ZeRO-3 with the parameters offloaded every parameter up over PCIe at each gather (each
+forward, backward and recomputed forward). A model remembers which kinds of offloaded job its baselines
+measured (`OffloadKind`); `ThroughputModel.unmeasured` says where a prediction is of a kind none of them
+is, its price modelled rather than measured.
 """
 
 from __future__ import annotations
@@ -74,6 +82,31 @@ PLATFORM_PRIOR_WEIGHT = 0.3  # the same for a platform's fit, whose priors are t
 CPU_ADAM_BYTES = float(CONSTANTS["cpu_adam_bytes_per_param"]["prior"])
 LIGER_COMPUTE_FACTOR = float(CONSTANTS["liger_compute_factor"]["prior"])
 HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class OffloadKind:
+    """What of an offloaded job its step's price depends on beyond the counts: one rank or several (copies
+    alone, or beside collectives), a full fine-tune or adapters (CPU Adam over every parameter or a few),
+    the ZeRO stage, and whether the parameters are offloaded too."""
+
+    one_rank: bool
+    full: bool
+    stage: int
+    params: bool
+
+    @staticmethod
+    def of(case: Case) -> OffloadKind | None:
+        ds = case.deepspeed
+        if ds is None or (ds.offload_optimizer != Offload.cpu and ds.offload_param != Offload.cpu):
+            return None
+        return OffloadKind(one_rank=case.launch.ranks == 1, full=case.method.kind == "full", stage=ds.stage,
+                           params=ds.offload_param == Offload.cpu)
+
+    def words(self) -> str:
+        what = "the optimizer and the parameters" if self.params else "the optimizer"
+        return (f"{'a one-GPU' if self.one_rank else 'a multi-GPU'} {'full fine-tune' if self.full else 'adapter job'}"
+                f" under ZeRO-{self.stage} with {what} offloaded")
 
 
 @dataclass(frozen=True)
@@ -167,6 +200,18 @@ class ThroughputModel:
     host: Host = field(default_factory=lambda: host(None))  # whose cores give CPU Adam its threads
     fitted_on: list[str] = field(default_factory=list)  # case ids of the baselines
     notes: list[str] = field(default_factory=list)
+    offload_measured: frozenset[OffloadKind] = frozenset()  # the offloaded kinds of job among those baselines
+
+    def unmeasured(self, case: Case) -> str | None:
+        """Where `case` offloads and no baseline the constants were fitted on is its kind of offloaded job
+        (`OffloadKind`): a sentence saying its tokens/s are modelled, not measured. None otherwise."""
+        kind = OffloadKind.of(case)
+        if kind is None or kind in self.offload_measured:
+            return None
+        whose = f"{self.platform}'s baselines" if self.source == "own" or self.source.startswith("borrowed") \
+            else "the baselines"
+        return (f"tokens/s modelled, not measured: none of {whose} is {kind.words()}; its CPU Adam, host memory "
+                "and PCIe copies are priced with constants fitted on other kinds of job")
 
     def coefficients(self) -> list[float]:
         return [1 / self.values[k] if k in _RATES else self.values[k] for k in TERMS]
@@ -221,6 +266,7 @@ class Observation:
     platform: str
     work: StepWork
     tokens_per_s: float
+    offload: OffloadKind | None = None
 
     @property
     def seconds(self) -> float:
@@ -257,7 +303,7 @@ def observations(root: str = str(RESULTS_DIR), case_dir: str = str(CASES_DIR)) -
             continue
         work = step_work(case, load_model(case.model).config, threads=_threads(runs))
         out.append(Observation(b.case_id, b.variant, b.platform.key, work,
-                               statistics.median(r.tokens_per_s_per_gpu for r in runs)))
+                               statistics.median(r.tokens_per_s_per_gpu for r in runs), OffloadKind.of(case)))
     return tuple(out)
 
 
@@ -320,6 +366,7 @@ def fit(obs: list[Observation], prior: ThroughputModel | None = None, weight: fl
                 values[k] = 1 / coefficient if k in _RATES else coefficient
         model = replace(base, values=values)
     return replace(model, fitted_on=sorted({o.case_id for o in obs}),
+                   offload_measured=frozenset(o.offload for o in obs if o.offload is not None),
                    notes=[f"throughput constants fitted on the tokens/s of {len(obs)} baselines"])
 
 
