@@ -180,7 +180,8 @@ def _knobs_text(c: Candidate) -> str:
     k = c.knobs
     gc = ("GC " + ("reentrant" if k.reentrant else "non-reentrant")) if k.checkpointing else "no GC"
     ds = "no DeepSpeed" if k.stage is None else f"ZeRO-{k.stage}" + (
-        "+opt offload" if k.offload_optimizer else "") + ("+param offload" if k.offload_param else "")
+        "+opt offload" if k.offload_optimizer else "") + ("+param offload" if k.offload_param else "") + (
+        " (pageable)" if (k.offload_optimizer or k.offload_param) and not k.pin_memory else "")
     extra = [f"cutoff {k.seq_len}", f"r {k.lora_r}" if k.lora_r else "", "4-bit" if k.four_bit else ""]
     return f"mb {k.micro_batch} x GA {k.grad_accum}, {gc}, {ds}, " + ", ".join(e for e in extra if e)
 
@@ -190,7 +191,7 @@ def _candidate_json(c: Candidate) -> dict:
     return {"knobs": _knobs_text(c), "tokens_per_s": round(c.tokens_per_s, 1),
             "card_peak_gib": gib_rounded(c.result.card_peak), "budget_gib": gib_rounded(c.result.budget),
             "peak_allocated_gib": gib_rounded(p.allocated), "peak_reserved_gib": gib_rounded(p.reserved),
-            "device_peak_gib": gib_rounded(p.device)}
+            "device_peak_gib": gib_rounded(p.device)} | ({"tokens_per_s_note": c.note} if c.note else {})
 
 
 def _search_json(found: Search) -> dict:
@@ -199,7 +200,7 @@ def _search_json(found: Search) -> dict:
             "throughput_constants": {k: float(f"{v:.4g}") for k, v in found.throughput.values.items()},
             "throughput_fitted_on": found.throughput.fitted_on,
             "throughput_platform": found.throughput.platform, "throughput_source": found.throughput.source,
-            "throughput_notes": found.throughput.notes}
+            "throughput_notes": found.throughput.notes, "zero_offload_not_searched": found.offload_not_searched}
 
 
 def _as_json(found: Search, written: Written, recheck: CheckResult) -> dict:
@@ -241,6 +242,7 @@ def _table(found: Search, written: Written) -> str:
         f"fitted: {fmt_gib(best.result.card_peak)} per card predicted (budget {fmt_gib(best.result.budget)}), "
         f"about {best.tokens_per_s:.0f} tokens/s per card",
         f"  {_knobs_text(best)}",
+        *([f"  {best.note}"] if best.note else []),
         "",
         "changes:",
     ]

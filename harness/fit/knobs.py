@@ -4,7 +4,9 @@ Knobs that keep the training the same: the micro-batch (with gradient accumulati
 batch), gradient checkpointing and whether it is reentrant, Liger's kernels (where the stack applies them
 to the model: `harness.predict.step.liger_applies`), the ZeRO stage (of a job that already runs
 DeepSpeed), optimizer and parameter offload, pinned offload buffers, DeepSpeed's buckets and live-set
-limits (`LEAN_BUCKETS`, the guide 000 fix's values), and the dataloader workers. Knobs that change
+limits (`LEAN_BUCKETS`, the guide 000 fix's values), and the dataloader workers. A one-GPU job without
+DeepSpeed, on a stack that reads `deepspeed`, may also take ZeRO-2 with the optimizer offloaded or ZeRO-3
+with the optimizer and the parameters offloaded (`harness.fit.zero_offload`). Knobs that change
 what is trained, only when allowed (`--allow`): 4-bit base weights (`quantization`), a shorter cutoff
 (`cutoff`), a lower LoRA rank (`rank`).
 """
@@ -15,6 +17,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from harness.fit.zero_offload import NewDeepSpeed, offload_block
 from harness.predict.step import reentrant_checkpointing
 from harness.spec.schema import Case, DeepSpeed, Lora, Method, Offload, Quantization, Stack
 
@@ -77,8 +80,10 @@ def knobs_of(case: Case) -> Knobs:
     )
 
 
-def apply(case: Case, k: Knobs) -> Case:
-    """`case` with the knobs `k` set (nothing validated twice: the knobs' values are valid by construction)."""
+def apply(case: Case, k: Knobs, new_deepspeed: NewDeepSpeed | None = None) -> Case:
+    """`case` with the knobs `k` set (nothing validated twice: the knobs' values are valid by construction).
+    A case without DeepSpeed given a ZeRO stage takes the block `harness.fit.zero_offload` writes, sized for
+    `new_deepspeed`'s model; DeepSpeed's AdamW then replaces the Trainer's optimizer, as the importer reads it."""
     train = case.train.model_copy(update={
         "micro_batch": k.micro_batch, "grad_accum": k.grad_accum, "gradient_checkpointing": k.checkpointing,
         "checkpointing_reentrant": k.reentrant if k.checkpointing else None,
@@ -93,8 +98,16 @@ def apply(case: Case, k: Knobs) -> Case:
         method = Method(kind="qlora", lora=method.lora, quantization=Quantization(compute_dtype=compute))
         if stack == Stack.plain:
             stack = Stack.peft  # a TrainingArguments script loads 4-bit weights through peft's k-bit preparation
-    ds = case.deepspeed
-    if ds is not None and k.stage is not None:
+    ds, launch = case.deepspeed, case.launch
+    if ds is None and k.stage is not None:
+        if new_deepspeed is None:
+            raise ValueError("a ZeRO stage for a case without DeepSpeed needs the model's hidden size (NewDeepSpeed)")
+        ds = DeepSpeed.model_validate(offload_block(k.stage, k.pin_memory, LEAN_BUCKETS if k.lean_buckets else None,
+                                                    new_deepspeed.hidden_size))
+        train = train.model_copy(update={"optim": None})
+        launch = launch.model_copy(update={
+            "init_order": new_deepspeed.init_order if k.stage == 3 else "deepspeed_first"})
+    elif ds is not None and k.stage is not None:
         data = ds.model_dump()
         data.update(stage=k.stage, offload_optimizer=Offload.cpu if k.offload_optimizer else Offload.none,
                     offload_param=Offload.cpu if k.offload_param else Offload.none, pin_memory=k.pin_memory)
@@ -103,7 +116,8 @@ def apply(case: Case, k: Knobs) -> Case:
         if k.stage != 3:
             data.update({key: None for key in STAGE3_ONLY})
         ds = DeepSpeed.model_validate(data)
-    return case.model_copy(update={"train": train, "method": method, "stack": stack, "deepspeed": ds})
+    return case.model_copy(update={"train": train, "method": method, "stack": stack, "deepspeed": ds,
+                                   "launch": launch})
 
 
 def _divisors(n: int) -> list[int]:
@@ -118,11 +132,18 @@ def _halvings(value: int, floor: int) -> list[int]:
     return out
 
 
-def _deepspeed_options(base: Knobs) -> list[tuple[int | None, bool, bool, bool, bool]]:
-    """(stage, offload optimizer, offload parameters, pinned, lean buckets) of a job on DeepSpeed, or
-    its own settings for a job without it (DeepSpeed is not added to a job that does not use it)."""
+def _deepspeed_options(base: Knobs, offload: bool = False) -> list[tuple[int | None, bool, bool, bool, bool]]:
+    """(stage, offload optimizer, offload parameters, pinned, lean buckets) of a job on DeepSpeed. A job
+    without it keeps running without it, and where `offload` (a one-GPU job whose stack reads `deepspeed`:
+    `harness.fit.zero_offload.why_not`) may also take ZeRO-2 with the optimizer offloaded or ZeRO-3 with
+    the optimizer and the parameters offloaded: on one card ZeRO shards nothing, so stages without
+    offload, and ZeRO-3 keeping the parameters on the card, hold no less than the job without DeepSpeed."""
     if base.stage is None:
-        return [(None, False, False, base.pin_memory, False)]
+        none = [(None, False, False, base.pin_memory, False)]
+        if not offload:
+            return none
+        return none + [(stage, True, stage == 3, pin, lean)
+                       for stage, pin, lean in itertools.product((2, 3), (True, False), (False, True))]
     out = [(0, False, False, base.pin_memory, False)]
     stages = sorted({2, 3, base.stage} - {0})
     for stage in stages:
@@ -133,10 +154,11 @@ def _deepspeed_options(base: Knobs) -> list[tuple[int | None, bool, bool, bool, 
     return out
 
 
-def space(base: Knobs, allow: frozenset[str], kind: str, liger: bool = False) -> Iterator[Knobs]:
+def space(base: Knobs, allow: frozenset[str], kind: str, liger: bool = False, offload: bool = False) -> Iterator[Knobs]:
     """Every combination of knob values to consider, the global batch kept. `kind`: the method
     (lora, qlora, full); 4-bit weights only for LoRA, and not under ZeRO-3 (not modelled). `liger`: the
-    stack can apply Liger's kernels to this model (they change no training result, only kernels)."""
+    stack can apply Liger's kernels to this model (they change no training result, only kernels).
+    `offload`: a job without DeepSpeed may take ZeRO offload (`_deepspeed_options`)."""
     per_rank = base.micro_batch * base.grad_accum
     checkpointing = [(False, base.reentrant), (True, True), (True, False)]
     workers = sorted({base.workers, min(base.workers, FEW_WORKERS)}, reverse=True)
@@ -145,7 +167,7 @@ def space(base: Knobs, allow: frozenset[str], kind: str, liger: bool = False) ->
     bits = [base.four_bit] + ([True] if "quantization" in allow and kind == "lora" else [])
     ligers = sorted({base.liger, liger or base.liger}, reverse=True)
     for mb, (gc, reentrant), ds, w, seq, r, four, lig in itertools.product(
-            _divisors(per_rank), checkpointing, _deepspeed_options(base), workers, seqs, ranks, bits, ligers):
+            _divisors(per_rank), checkpointing, _deepspeed_options(base, offload), workers, seqs, ranks, bits, ligers):
         stage, opt, par, pin, lean = ds
         if four and stage == 3:
             continue

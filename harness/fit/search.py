@@ -21,6 +21,12 @@ else of a prediction costs about a millisecond. So:
    predicted peak within the budget, and the host's RAM where it is given), so whatever margin that
    verdict holds applies here unchanged.
 4. A candidate that does not fit rules out its family at that micro-batch and above.
+5. A one-GPU job without DeepSpeed may take ZeRO offload (`harness.fit.zero_offload`): ranked by the
+   same model, which prices its CPU Adam and host-device copies. Once a config fits, an offload candidate
+   predicted slower than `SAME_SPEED` of it could not be chosen, so it is not predicted (its ZeRO-3
+   trace costs seconds). Nor is one whose twin without DeepSpeed (the same knobs, at its micro-batch or
+   at 1) was predicted so far over the budget that moving every byte offload can move off the card
+   (`_offload_floor`) leaves it over by more than `SCREEN_SLACK`.
 
 The walk stops at the fastest fitting candidate and `RUNNERS_UP` more with different main knobs, or
 at the deadline (then the result says so).
@@ -37,8 +43,10 @@ from typing import Any
 
 from harness.fit.knobs import Knobs, apply, knobs_of, space
 from harness.fit.throughput import ThroughputModel, calibrate
+from harness.fit.zero_offload import NewDeepSpeed, why_not
 from harness.predict.step import liger_applies
 from harness.premerge.check import CheckResult
+from harness.premerge.importers.model import hidden_size
 from harness.spec.schema import Case
 
 SCREEN_SLACK = 1.10  # estimate / budget above which a candidate is passed over without a trace
@@ -55,6 +63,7 @@ class Candidate:
     changed: int  # knobs that differ from the input's
     changes_training: int  # of them, those that change what is trained (4-bit weights, cutoff, rank)
     result: CheckResult | None = None  # the check's verdict on it, once predicted
+    note: str | None = None  # where its tokens/s are modelled, not measured (ThroughputModel.unmeasured)
 
     @property
     def fits(self) -> bool:
@@ -80,6 +89,7 @@ class Search:
     seconds: float
     stopped_early: bool
     notes: list[str] = field(default_factory=list)
+    offload_not_searched: str | None = None  # why ZeRO offload was not added to a job without DeepSpeed
 
     def cut_short(self) -> str:
         """What a walk the time limit stopped says where it found nothing: not a verdict on the candidates
@@ -100,13 +110,22 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
     case0, config = imported.case, imported.arch.config
     model = calibrate(platform=platform)
     k0 = knobs_of(case0)
+    no_offload = why_not(imported)
+    new_ds = NewDeepSpeed(hidden_size=hidden_size(imported.arch), init_order=imported.init_order.order) \
+        if no_offload is None else None
+
+    def apply_(case: Case, k: Knobs) -> Case:
+        return apply(case, k, new_ds)
+
     candidates = []
     for k in space(k0, allow, case0.method.kind, liger_applies(case0.model_copy(
-            update={"train": case0.train.model_copy(update={"liger_kernel": True})}), imported.arch.model_type)):
-        case = apply(case0, k)
+            update={"train": case0.train.model_copy(update={"liger_kernel": True})}), imported.arch.model_type),
+            offload=no_offload is None):
+        case = apply_(case0, k)
         changed = sum(getattr(k, f.name) != getattr(k0, f.name) for f in dataclasses.fields(k))
         training = sum(getattr(k, name) != getattr(k0, name) for name in ("four_bit", "seq_len", "lora_r"))
-        candidates.append(Candidate(k, case, model.predict(case, config), changed, training))
+        candidates.append(Candidate(k, case, model.predict(case, config), changed, training,
+                                    note=model.unmeasured(case)))
     candidates.sort(key=lambda c: (c.changes_training > 0, -c.tokens_per_s, c.changes_training, c.changed))
 
     predictions: dict[Knobs, CheckResult] = {}
@@ -136,9 +155,21 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
             break
         if fitting and (c.changes_training > 0) != (fitting[0].changes_training > 0) and len(fitting) > runners_up:
             break
+        if fitting and k0.stage is None and k.stage is not None \
+                and c.tokens_per_s < SAME_SPEED * fitting[0].tokens_per_s:
+            continue  # offload added to the job, slower than a config that fits: never the answer
+        if k0.stage is None and k.stage is not None:
+            twin = dataclasses.replace(k, stage=None, offload_optimizer=False, offload_param=False,
+                                       pin_memory=k0.pin_memory, lean_buckets=False)
+            r0 = predictions.get(twin) or predictions.get(dataclasses.replace(
+                twin, micro_batch=1, grad_accum=k.micro_batch * k.grad_accum))
+            if r0 is not None and r0.card_peak is not None \
+                    and _offload_floor(r0, k) * imported.procs_per_gpu > r0.budget * SCREEN_SLACK:
+                screened += 1
+                continue
         if k.micro_batch > 1:
             one = dataclasses.replace(k, micro_batch=1, grad_accum=k.micro_batch * k.grad_accum)
-            r1 = judge(one, apply(case0, one))
+            r1 = judge(one, apply_(case0, one))
             if not r1.fits and r1.card_peak is not None:
                 failed_at[fam] = 1
             p1 = r1.prediction
@@ -175,7 +206,20 @@ def search(base: CheckResult, allow: frozenset[str], predict: PredictFn, *, plat
     return Search(base=base, best=best, runners_up=others, closest=closest, throughput=model,
                   base_tokens_per_s=model.predict(case0, config), considered=len(candidates),
                   predicted=len(predictions), screened_out=screened, seconds=time.perf_counter() - t0,
-                  stopped_early=stopped)
+                  stopped_early=stopped, offload_not_searched=no_offload)
+
+
+def _offload_floor(twin: CheckResult, k: Knobs) -> float:
+    """A floor under the device peak of ZeRO offload (`k`) added to a job whose prediction without DeepSpeed
+    is `twin`: its peak less everything offload could take off the card (the optimizer's state and step,
+    the gradients, trainable and, under ZeRO-3 with the parameters offloaded, every weight), scaled by the
+    twin's reserved over allocated so the allocator's share of them goes too."""
+    p = twin.prediction
+    terms = p.terms
+    movable = sum(terms.get(t, 0) for t in ("adam_states", "grads", "lora_params", "optimizer_step_transient"))
+    if k.offload_param:
+        movable += terms.get("weights", 0)
+    return p.device - movable * max(1.0, p.reserved / max(p.allocated, 1))
 
 
 def _choose(fitting: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:

@@ -3,8 +3,11 @@
 A LLaMA-Factory YAML and the DeepSpeed JSON it names, or a TrainingArguments JSON (with its DeepSpeed
 JSON, or one inlined): the user's files are read again, only the keys a knob changes are set, and the
 results are written into the output folder (harness.spec.outputs: refused outside it, never over an
-input, never over an existing file without --force, taken back when fit fails).
-The allocator's setting, which no config file holds, goes into `launch.sh` beside them.
+input, never over an existing file without --force, taken back when fit fails). A one-GPU job given ZeRO
+offload it did not have gets a DeepSpeed JSON of its own beside the config (`harness.fit.zero_offload`),
+named by the config's `deepspeed` key.
+The allocator's setting, which no config file holds, goes into `launch.sh` beside them, with the launcher
+DeepSpeed needs on one GPU (a one-rank torchrun: LLaMA-Factory's FORCE_TORCHRUN).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import yaml
 
 from harness.fit.knobs import LEAN_BUCKETS, STAGE3_ONLY, Knobs
+from harness.fit.zero_offload import offload_config, trainer_script, why_not
 from harness.premerge.importers import ConfigFormat, ImportedConfig, read_mapping
 from harness.spec.files import control_character, inside, printable
 from harness.spec.outputs import Outputs
@@ -202,6 +206,7 @@ class Plan:
     config: Path
     deepspeed: Path | None  # None where the config has none, or has it inline under `deepspeed`
     launch: Path
+    added_deepspeed: Path | None = None  # where a job without DeepSpeed given ZeRO offload has its JSON written
 
 
 def fit_inputs(imported: ImportedConfig, script: Path | None = None) -> list[Path]:
@@ -239,7 +244,10 @@ def plan_outputs(imported: ImportedConfig, out_dir: Path, outputs: Outputs, scri
             name = f"{ds.path.stem}.deepspeed.fitted.json"
         ds_path = output(name, "the fitted DeepSpeed JSON")
     launch = output("launch.sh", "launch.sh")
-    return Plan(folder=folder, config=config, deepspeed=ds_path, launch=launch)
+    added = None
+    if ds is None and imported.case is not None and why_not(imported) is None:
+        added = output(f"{t.path.stem}.ds_offload.fitted.json", "the DeepSpeed JSON of the ZeRO offload fit adds")
+    return Plan(folder=folder, config=config, deepspeed=ds_path, launch=launch, added_deepspeed=added)
 
 
 def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *,
@@ -276,6 +284,10 @@ def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *
         files.append(plan.deepspeed)
         if deepspeed_arg is None:  # the config names its DeepSpeed file: name the fitted one, beside it
             ed.set("deepspeed", plan.deepspeed.name, "the fitted DeepSpeed JSON, written beside this config")
+    added = None
+    if ds is None and k.stage is not None:
+        added = _add_deepspeed(ed, k, plan, outputs)
+        files.append(added)
     model = imported.case.model
     if Path(model).is_absolute() and data.get("model_name_or_path") not in (None, model):
         ed.set("model_name_or_path", model, "the model's folder as an absolute path, found from the output folder")
@@ -293,21 +305,65 @@ def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *
                               "measured 3-9% less reserved at equal speed on 7-14B LoRA/QLoRA; not credited in the "
                               "prediction, so it adds to the margin"))
     ds_arg = plan.deepspeed if deepspeed_arg is not None else None
-    outputs.write(plan.launch, _launch_script(imported, plan.config, ds_arg, alloc_env), root=plan.folder)
+    launch = _launch_script(imported, plan.config, ds_arg, alloc_env, deepspeed_on=k.stage is not None)
+    if ds is None and k.stage is not None:
+        changes.append(Change("launch.sh", None, _launcher_words(imported),
+                              "DeepSpeed runs in a distributed process, which a one-GPU job starts as one rank"))
+    outputs.write(plan.launch, launch, root=plan.folder)
     files.append(plan.launch)
-    return Written(files=tuple(files), config=plan.config, deepspeed=plan.deepspeed, changes=tuple(changes))
+    return Written(files=tuple(files), config=plan.config, deepspeed=added or plan.deepspeed, changes=tuple(changes))
 
 
-def _launch_script(imported: ImportedConfig, config: Path, deepspeed: Path | None, alloc_env: bool) -> str:
+def _add_deepspeed(ed: _Editor, k: Knobs, plan: Plan, outputs: Outputs) -> Path:
+    """Write the ZeRO offload JSON of knobs `k` for a config without DeepSpeed and name it in the config's
+    `deepspeed` key, by its absolute path: the trainer opens it from the working directory, not from the
+    config's folder."""
+    if plan.added_deepspeed is None:
+        raise ValueError("fit chose ZeRO offload for a job its plan gave no DeepSpeed JSON")
+    data = offload_config(k.stage, k.pin_memory, LEAN_BUCKETS if k.lean_buckets else None)
+    outputs.write(plan.added_deepspeed, json.dumps(data, indent=2) + "\n", root=plan.folder)
+    what = "the optimizer and the parameters" if k.offload_param else "the optimizer"
+    why = (f"DeepSpeed ZeRO-{k.stage} with {what} in host memory ({'pinned' if k.pin_memory else 'pageable'} buffers"
+           + (", guide 000's lean buckets" if k.lean_buckets else "") + "): the card holds less, the step is "
+           "slower (CPU Adam, host-device copies); AdamW as DeepSpeed's optimizer, the Trainer's hyperparameters")
+    path = plan.added_deepspeed.resolve()
+    ed.set("deepspeed", str(path), why)
+    return plan.added_deepspeed
+
+
+def _launcher_words(imported: ImportedConfig) -> str:
+    if imported.training.format == ConfigFormat.llamafactory:
+        return "FORCE_TORCHRUN=1 NPROC_PER_NODE=1 llamafactory-cli train"
+    return "torchrun --nproc_per_node 1"
+
+
+def _launch_script(imported: ImportedConfig, config: Path, deepspeed: Path | None, alloc_env: bool, *,
+                   deepspeed_on: bool = False) -> str:
+    """launch.sh: the allocator's setting and the command. A config on DeepSpeed is started as ranks even on one
+    GPU (LLaMA-Factory refuses DeepSpeed without FORCE_TORCHRUN; the HF Trainer needs a launcher's
+    environment to initialise DeepSpeed's process group)."""
     here = '"$(dirname "$0")"'
     name = shlex.quote(config.name)
-    if imported.training.format == ConfigFormat.llamafactory:
-        command = f"llamafactory-cli train {here}/{name}"
-    else:
-        ds = f" --deepspeed {here}/{shlex.quote(deepspeed.name)}" if deepspeed else ""
-        command = printable(f"# your training script, with the arguments of {name}{ds}")
     lines = ["#!/bin/sh", "# written by oom-harness fit: the environment the fitted config was chosen for"]
     if alloc_env:
         lines.append(f"export {ALLOC_ENV}={ALLOC_VALUE}")
-    lines.append(command)
+    one_gpu = imported.gpus == 1 and imported.procs_per_gpu == 1
+    if imported.training.format == ConfigFormat.llamafactory:
+        if deepspeed_on:
+            lines.append("export FORCE_TORCHRUN=1  # LLaMA-Factory starts DeepSpeed through torchrun only")
+            if one_gpu:
+                lines.append("export NPROC_PER_NODE=1")
+        lines.append(f"llamafactory-cli train {here}/{name}")
+    else:
+        ds = f" --deepspeed {here}/{shlex.quote(deepspeed.name)}" if deepspeed else ""
+        script = imported.init_order.path
+        if deepspeed_on and one_gpu and script is not None and trainer_script(script):
+            lines.append(printable(f"# {Path(script).name} as one rank, with the fitted arguments as its JSON file "
+                                   "(HfArgumentParser.parse_json_file)"))
+            lines.append(f"torchrun --nproc_per_node 1 {shlex.quote(str(Path(script).resolve()))} {here}/{name}{ds}")
+        elif deepspeed_on and one_gpu:
+            lines.append(printable(f"# your training script as one rank, with the arguments of {name}{ds}:"))
+            lines.append(printable(f"# torchrun --nproc_per_node 1 YOUR_SCRIPT.py {name}{ds}"))
+        else:
+            lines.append(printable(f"# your training script, with the arguments of {name}{ds}"))
     return "\n".join(lines) + "\n"
