@@ -71,10 +71,10 @@ def built(timelines: list) -> None:
     from harness.measure.timeline import ALLOC
     from harness.models.source import load_model
     from harness.predict.allocator import CachingAllocator
-    from harness.predict.errors import SUITES
     from harness.predict.stream import RunShape, run_stream, simulate_run, start_states
     from harness.predict.trace import TraceSpec, trace_pair
     from harness.spec.cases import load_case
+    from harness.spec.suite import SUITES
     from harness.spec.variants import parse_variant
 
     print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB; peaks after "

@@ -35,7 +35,7 @@ TOLERANCE = {"allocated": 0.05, "reserved": 0.05, "device": 0.07}  # issue #21's
 
 @dataclass(frozen=True)
 class Row:
-    suite: str  # "guides", "architectures" or "fitted" (harness.predict.errors.SUITES)
+    suite: str  # "guides", "architectures" or "fitted" (harness.spec.suite.SUITES)
     arch: str
     name: str  # case@variant
     case: object  # the case as measured
@@ -54,9 +54,9 @@ def arch_of(case) -> str:
 
 def collect() -> list[Row]:
     from harness.baselines.store import load_baselines
-    from harness.predict.errors import SUITES  # the runs the margins are drawn from
     from harness.predict.predictor import predict
     from harness.spec.cases import load_case
+    from harness.spec.suite import SUITES  # the runs the margins are drawn from
 
     found = []
     for suite, (baselines_dir, case_dir) in SUITES.items():

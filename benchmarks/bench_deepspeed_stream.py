@@ -135,13 +135,14 @@ def _gather_pools(timeline) -> tuple[int, int] | None:
 
     from harness.models.source import load_model
     from harness.predict import zero3
+    from harness.predict.constants import POOL_ROUNDS
 
     case = _zero3_case(timeline)
     stream = _gather_stream(timeline)
     if case is None or stream is None:
         return None
     arch = load_model(case.model)
-    spec = dataclasses.replace(zero3.spec_for(case, arch, case.layers or arch.layers), pool_rounds=zero3.POOL_ROUNDS)
+    spec = dataclasses.replace(zero3.spec_for(case, arch, case.layers or arch.layers), pool_rounds=POOL_ROUNDS)
     return timeline.reserved_peak_on(stream), zero3.replay(spec).pool_bytes
 
 
@@ -305,7 +306,7 @@ def main(argv: list[str]) -> int:
               f"{_sizes(replayed)}")
         pools = _gather_pools(timeline)
         if pools is not None:
-            from harness.predict.zero3 import POOL_ROUNDS
+            from harness.predict.constants import POOL_ROUNDS
 
             print(f"  the gather stream's pool: recorded {pools[0] / GiB:.3f} GiB, replayed over {POOL_ROUNDS} "
                   f"steps {pools[1] / GiB:.3f} GiB ({100 * (pools[1] / pools[0] - 1):+.1f}%)")

@@ -15,7 +15,8 @@ import pytest
 from harness.measure.device_parts import PARTS, DeviceRecord, DeviceRecordError, Part, platform_key, record_for
 from harness.predict import device as device_module
 from harness.predict.calibration import calibrate
-from harness.predict.predictor import PRIORS, predict
+from harness.predict.constants import PRIORS
+from harness.predict.predictor import predict
 from harness.runtime.device_probe import _worst, world_sizes
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.suite import ROOT

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.predict import gather_release
-from harness.predict.gather_release import HOST_S_PER_ALLOCATION, PHASES, WATCHDOG_POLL_S
+from harness.predict.constants import HOST_S_PER_ALLOCATION, PHASES, WATCHDOG_POLL_S
 from harness.predict.stream import Stream
 from harness.predict.zero3_stream import simulate
 

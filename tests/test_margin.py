@@ -1,4 +1,4 @@
-"""The prediction's margin and the fits verdict (harness.predict.margin, harness.predict.errors): the
+"""The prediction's margin and the fits verdict (harness.predict.margin, benchmarks/predictor_errors.py): the
 margin is drawn from the benchmark's errors by kind of config, falls back to coarser groups where a
 kind has too few cases, and lets no blessed run through as a false fit."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.predict.errors import false_fits, measure_errors
+from benchmarks.predictor_errors import false_fits, measure_errors
 from harness.predict.margin import (
     ERRORS_FILE,
     MARGIN_FLOOR,
@@ -160,7 +160,7 @@ def test_the_error_table_is_current():
     stored = ErrorTable.read(ERRORS_FILE)
     assert stored.digest == inputs_digest(), (
         f"{ERRORS_FILE} was computed from other baselines, cases or predictor code: "
-        "rewrite it with `python -m harness.predict.errors` and commit it")
+        "rewrite it with `python benchmarks/predictor_errors.py` and commit it")
 
 
 @pytest.fixture(scope="module")

@@ -285,6 +285,7 @@ from harness.predict import predictor, zero3, zero3_stream
 from harness.predict.fake import trace
 from harness.predict.predictor import predict
 from harness.predict.trace import TraceSpec, trace_pair
+from harness.predict.traced import trace_alongside, zero3_gathered
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.variants import parse_variant
 
@@ -294,7 +295,7 @@ case = parse_variant("2r4L2ga").apply(
 arch = predictor.load_model(case.model)
 if sys.argv[1] == "serial":  # a thread besides this one: nothing is forked
     threading.Thread(target=threading.Event().wait, daemon=True).start()
-    assert predictor._trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None
+    assert trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None
 elif sys.argv[1] == "child-fails":  # the forked trace fails: this process traces and replays the rest itself
     import os
 
@@ -309,13 +310,13 @@ elif sys.argv[1] == "child-fails":  # the forked trace fails: this process trace
 
     trace_module.trace_pair = trace_here_only
     spec = TraceSpec.of(case, arch)
-    alongside = predictor._trace_alongside(case, arch, case.layers, spec)
+    alongside = trace_alongside(case, arch, case.layers, spec)
     alongside.keep_trace(spec)
     assert not alongside.gathers and alongside.take_gathered([]) is None and alongside.child.exitcode == 0
 else:
     assert threading.active_count() == 1
     spec = TraceSpec.of(case, arch)
-    alongside = predictor._trace_alongside(case, arch, case.layers, spec)
+    alongside = trace_alongside(case, arch, case.layers, spec)
     assert alongside is not None and alongside.gathers
     steps = zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, case.layers))
     assert list(zero3._STEPS) == [steps]  # replayed here while the child traced
@@ -326,22 +327,22 @@ else:
     (forked,) = alongside.take_gathered(notes)
     assert alongside.child.exitcode == 0
     here = []
-    assert forked == predictor._zero3_gathered(case, arch, case.layers, here) and notes == here
+    assert forked == zero3_gathered(case, arch, case.layers, here) and notes == here
     # rung 3 builds no step stream: this process replays the gathered set, the child only traces
     rung3 = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")
     rung3_arch = predictor.load_model(rung3.model)
     rung3_spec = TraceSpec.of(rung3, rung3_arch)
     replayed = zero3.gathered.cache_info().currsize
-    alongside = predictor._trace_alongside(rung3, rung3_arch, rung3_arch.layers, rung3_spec)
+    alongside = trace_alongside(rung3, rung3_arch, rung3_arch.layers, rung3_spec)
     assert alongside is not None and not alongside.gathers
     assert zero3.gathered.cache_info().currsize == replayed + 1  # replayed here while the child traced
     alongside.keep_trace(rung3_spec)
     assert alongside.take_gathered([]) is None and alongside.child.exitcode == 0
     other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")  # no DeepSpeed: nothing to fork
     other_arch = predictor.load_model(other.model)
-    assert predictor._trace_alongside(other, other_arch, 1, TraceSpec.of(other, other_arch)) is None
+    assert trace_alongside(other, other_arch, 1, TraceSpec.of(other, other_arch)) is None
 prediction = predict(case)
-assert predictor._trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None  # traced here
+assert trace_alongside(case, arch, case.layers, TraceSpec.of(case, arch)) is None  # traced here
 figures = dataclasses.asdict(prediction)
 figures.pop("seconds")
 print(json.dumps(figures, sort_keys=True))
@@ -378,7 +379,7 @@ def _architecture_run(case_id: str):
     """(the case as measured, its measured median allocated and reserved peaks) of an architecture-benchmark run."""
     import statistics
 
-    from harness.predict.errors import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+    from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
     b = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == case_id)
     ok = [r for r in b.runs if r.outcome == "ok"]

@@ -697,7 +697,7 @@ def test_the_engine_sums_two_gradients_in_place_unless_the_first_is_a_view():
 def test_the_autograd_threads_cublas_workspace_follows_the_backwards_first_matmul():
     """The autograd thread takes its cuBLAS handle, and its 32 MiB workspace, at the backward's first
     matmul, after that matmul's output (the head's, after the loss's gradients): where the trace saw it."""
-    from harness.predict.stream import CUBLAS_HANDLE_WORKSPACE
+    from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE
 
     step = two_layer_step()
     step.matmuls = [-1, 12]  # after layer 1's first backward allocation (event 11 is the head's free)

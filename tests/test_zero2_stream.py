@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.measure.timeline import MemoryTimeline
+from harness.predict.dispatch import route_for
 from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
 from harness.predict.stream import Stream, module_order
 from harness.predict.zero2_stream import (
@@ -21,7 +22,6 @@ from harness.predict.zero2_stream import (
     _Reducer,
     _Shared,
     _shared_run,
-    applies,
     partition_slices,
     simulate,
 )
@@ -48,8 +48,8 @@ def _measured(case_id: str = CASE_ID, suite: str = "architectures"):
     import statistics
 
     from harness.baselines.store import load_baselines
-    from harness.predict.errors import SUITES
     from harness.spec.cases import load_case
+    from harness.spec.suite import SUITES
 
     baselines, cases = SUITES[suite]
     b = next(b for b in load_baselines(baselines) if b.case_id == case_id)
@@ -59,19 +59,30 @@ def _measured(case_id: str = CASE_ID, suite: str = "architectures"):
                                   for k in ("allocated", "reserved")}
 
 
+def _streamed(case) -> bool:
+    return route_for(case).reserved == "zero2_stream"
+
+
 def test_which_zero2_configs_take_the_stream():
     from harness.spec.cases import CASES_DIR, load_case
 
     case, _, _ = _measured()
-    assert applies(case)  # a full fine-tune, the optimizer on the host
-    assert applies(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA, the optimizer on the host
-    assert applies(load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml"))  # LoRA, the optimizer on the device
-    assert applies(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"))  # QLoRA, on the device
-    assert not applies(load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml"))  # ZeRO-3
+    assert _streamed(case)  # a full fine-tune, the optimizer on the host
+    assert _streamed(load_case(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"))  # LoRA, the optimizer on the host
+    assert _streamed(load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml"))  # LoRA, the optimizer on the device
+    assert _streamed(load_case(CASES_DIR / "000-qlora4bit-z2-cutoff512.yaml"))  # QLoRA, on the device
+    assert not _streamed(load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml"))  # ZeRO-3
     rung1 = load_case(CASES_DIR / "001-ladder-rung1-zero2.yaml")
     ds = rung1.deepspeed.model_copy(update={"contiguous_gradients": False})
     scattered = rung1.model_copy(update={"deepspeed": ds})
-    assert not applies(scattered)  # no copy_grads_in_partition: the ratio
+    assert not _streamed(scattered)  # no copy_grads_in_partition: the ratio
+    assert route_for(scattered).reserved == "ratio"
+    expandable = rung1.model_copy(update={"launch": rung1.launch.model_copy(
+        update={"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})})
+    assert route_for(expandable).reserved == "zero2_stream"  # the allocator model follows expandable segments
+    other = rung1.model_copy(update={"launch": rung1.launch.model_copy(
+        update={"env": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}})})
+    assert route_for(other).reserved == "ratio"
 
 
 def test_the_stream_against_the_recorded_timeline():
@@ -336,7 +347,7 @@ def test_the_on_device_stream_against_the_recorded_timeline(name):
     arch = load_model(case.model)
     r1, r2 = trace_pair(TraceSpec.of(case, arch))
     shape = Zero2Shape.of(case, arch.layers, int(arch.config["hidden_size"]))
-    assert not shape.offload and applies(case)
+    assert not shape.offload and _streamed(case)
     stream, side = build(r1, r2, shape, tl.rank)
     recorded, built = _recorded_phases(tl), _built_phases(stream, side)
     assert [p for p, _, _ in built[:3]] == ["load", "engine", "step"]

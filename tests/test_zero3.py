@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from harness.predict.zero3 import DS_DEFAULTS, Zero3Spec, replay
+from harness.predict.constants import DS_DEFAULTS
+from harness.predict.zero3 import Zero3Spec, replay
 from harness.predict.zero3_order import ModelLayout, ModuleSpec, ParamSpec
 
 pytest.importorskip("deepspeed")
@@ -383,7 +384,8 @@ def test_the_gather_streams_pool_is_the_recorded_one(folder, case_file, variant,
     from pathlib import Path
 
     from harness.models.source import load_model
-    from harness.predict.zero3 import POOL_ROUNDS, spec_for
+    from harness.predict.constants import POOL_ROUNDS
+    from harness.predict.zero3 import spec_for
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 

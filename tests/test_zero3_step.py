@@ -84,9 +84,14 @@ def test_nothing_is_added_with_optimizer_offload_or_where_a_step_block_holds_the
     device, where the model's stream is not built, its largest sub-group's gradient (1.012e9 elements,
     3.77 GiB) is larger than any block the forward and backward free; with sub_group_size 1e8 it (0.4 GiB)
     fits the blocks its logits (0.49 GiB) free."""
-    from harness.predict import zero3_stream
+    import dataclasses
 
-    monkeypatch.setattr(zero3_stream, "applies_model_stream", lambda case: False)
+    from harness.predict import dispatch
+
+    # the model's stream not built: the row's figures by the terms and the ratio beside the replayed gather pool
+    monkeypatch.setattr(dispatch, "TABLE", tuple(
+        dataclasses.replace(r, allocated="terms", reserved="zero3_gather_pool")
+        if r.name == "zero3-full-model-stream" else r for r in dispatch.TABLE))
     phi3 = load_case(ARCH_CASES_DIR / "phi3-mini-full-z3-offload-mb2-s2048-gc.yaml")
 
     def with_ds(**update):
@@ -146,7 +151,7 @@ def test_a_full_fine_tune_on_the_device_takes_the_gather_streams_pool_from_the_r
     """Phi-3-mini's full fine-tune (parameters on the device): the model's pool at the ratio beside the gather
     stream's replayed pool, no fitted cached gathers; so do Mistral-7B's LoRA run with its parameters offloaded
     and guide 000's under non-reentrant checkpointing (their model's pool from its own stream,
-    zero3_stream.applies_offload_model_stream); LoRA with its parameters on the device keeps the fitted cached
+    the `zero3-lora-offload` row); LoRA with its parameters on the device keeps the fitted cached
     gathers."""
     from harness.spec.variants import parse_variant
 

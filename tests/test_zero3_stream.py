@@ -31,8 +31,8 @@ def test_every_step_interleaves_each_steps_hook_events_with_its_gathers():
 
 
 def test_expand_calls_between_around_every_chunk_event():
-    from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
-    from harness.predict.stream import BACKWARD, FORWARD, Stream, expand
+    from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
+    from harness.predict.stream import Stream, expand
 
     events = [[1, 0, 100, FORWARD, LAYER_PRE], [1, 1, 10, FORWARD, 0], [1, 2, 10, FORWARD, 1], [0, 1, 10, FORWARD, 1],
               [1, 3, 50, FORWARD, LAYER_POST], [1, 4, 10, BACKWARD, 1], [0, 4, 10, BACKWARD, 1],
@@ -47,15 +47,16 @@ def test_expand_calls_between_around_every_chunk_event():
     assert len(calls) == sum(n + 1 for p, layer, i, n in calls if i == n)
 
 
-def test_applies_only_where_the_gathers_share_the_models_pool():
-    from harness.predict.zero3_stream import applies
+def test_the_one_pool_row_takes_only_the_configs_whose_gathers_share_the_models_pool():
+    from harness.predict.dispatch import route_for
     from harness.spec.cases import load_case
 
     case = load_case(CASE)
-    assert applies(case)
-    assert not applies(case.model_copy(update={"deepspeed": case.deepspeed.model_copy(update={"overlap_comm": True})}))
+    assert route_for(case).row.name == "zero3-lora-one-pool"
+    overlapping = case.model_copy(update={"deepspeed": case.deepspeed.model_copy(update={"overlap_comm": True})})
+    assert route_for(overlapping).row.name == "zero3"
     offload = case.deepspeed.model_copy(update={"offload_param": "cpu"})
-    assert not applies(case.model_copy(update={"deepspeed": offload}))
+    assert route_for(case.model_copy(update={"deepspeed": offload})).row.name != "zero3-lora-one-pool"
 
 
 def test_the_built_pool_against_the_recorded_timeline():
@@ -96,15 +97,16 @@ def test_the_full_fine_tunes_model_stream_against_its_recorded_stream(name, load
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
     from harness.predict.allocator import AllocatorConf
-    from harness.predict.errors import ARCH_BASELINES_DIR, ARCH_CASES_DIR
+    from harness.predict.dispatch import route_for
     from harness.predict.replay import replay
     from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, applies, applies_model_stream, build, simulate
+    from harness.predict.zero3_stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
+    from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
     baseline = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == name)
     case = baseline.case_as_measured(load_case(ARCH_CASES_DIR / f"{name}.yaml"))
-    assert applies_model_stream(case) and not applies(case)
+    assert route_for(case).row.name == "zero3-full-model-stream"
     arch = load_model(case.model)
     layers = case.layers or arch.layers
     run = simulate(build(*trace_pair(TraceSpec.of(case, arch)), OnePoolShape.of(case, arch, layers, "none")),
@@ -301,14 +303,14 @@ def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_ste
     """Guide 002's full fine-tune with its parameters offloaded: allocated from the step stream (its
     ranks measured 10.94 to 11.15 GiB at 12 layers; the terms' sum, which places the gathered bytes at
     the backward's start beside the trace's whole peak, gave 11.62), reserved still from the ratio."""
+    from harness.predict.dispatch import route_for
     from harness.predict.predictor import predict
-    from harness.predict.zero3 import applies_full_offload
     from harness.spec.cases import load_case
 
     case = load_case(ROOT / "cases/002-gemma27b-full-z3-offload-len2048.yaml")
-    assert applies_full_offload(case)
-    assert not applies_full_offload(case.model_copy(update={"deepspeed": case.deepspeed.model_copy(
-        update={"offload_param": "none"})}))
+    assert route_for(case).row.name == "zero3-full-offload"
+    assert route_for(case.model_copy(update={"deepspeed": case.deepspeed.model_copy(
+        update={"offload_param": "none"})})).row.name == "zero3-full-model-stream"
     p = predict(case, variant="2r12L2ga")
     assert 10.9 * GiB < p.allocated < 11.0 * GiB < p.terms["allocated_by_terms"]
     assert any(n.startswith("allocated: the peak of the step's stream") for n in p.notes)
@@ -321,14 +323,14 @@ def test_offloaded_parameters_without_overlap_comm_take_both_figures_from_one_po
     terms' sum gave 5.70) and reserved from the one pool with the gathers where the trace recorded the hooks
     firing: 6.56 / 6.57 GiB against the worst rank's 6.66 / 6.42 (the ratio and the cached gathers gave 8.44,
     +27 / +32 %), within the margin's reach of every rank measured."""
+    from harness.predict.dispatch import route_for
     from harness.predict.predictor import predict
-    from harness.predict.zero3_stream import applies, applies_offload_one_pool
     from harness.spec.cases import load_case
 
     case = load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant-no-overlap.yaml")
-    assert applies_offload_one_pool(case) and not applies(case)
+    assert route_for(case).row.name == "zero3-lora-offload-one-pool"
     overlapping = load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml")
-    assert not applies_offload_one_pool(overlapping)
+    assert route_for(overlapping).row.name == "zero3-lora-offload"
     for variant, allocated, ranks in (("2r4L2ga", 5.441, (6.406, 6.656)), ("2r8L2ga", 5.447, (6.422, 6.223))):
         p = predict(case, variant=variant)
         assert abs(p.allocated / (allocated * GiB) - 1) < 0.01

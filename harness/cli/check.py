@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.cli.arguments import fraction, memory_size, positive_int
 from harness.models.inputs import InputError
+from harness.predict.explain import explain_dict, explain_lines
 from harness.premerge.check import EXIT_BAD_INPUT, PredictFn, as_json, run_check, table
 from harness.premerge.importers import LAUNCHERS, TRITON_CACHES, ConfigError, JobSpec, parse_size_arg
 from harness.spec.schema import Stack
@@ -27,6 +28,10 @@ def add_arguments(parser) -> None:
     """The check's options (also read by `pytest -m premerge`'s premerge.yaml)."""
     add_job_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--explain", action="store_true",
+                        help="also print how the prediction was made: the dispatch table's row the config took, "
+                             "the method that sized each part of the peak and each stage's figures "
+                             "(docs/predictor.md, \"How it works\")")
 
 
 def add_job_arguments(parser) -> None:
@@ -84,10 +89,16 @@ def run(args, predict: PredictFn | None = None) -> int:
             exc.path = Path(args.config)
         _bad_input(str(exc), args.json)
         return EXIT_BAD_INPUT
+    explain = getattr(args, "explain", False) and result.prediction is not None
     if args.json:
-        print(json.dumps(as_json(result), indent=1))
+        out = as_json(result)
+        if explain:
+            out["explain"] = explain_dict(result.prediction)
+        print(json.dumps(out, indent=1))
     else:
         print(table(result))
+        if explain:
+            print("\n" + "\n".join(explain_lines(result.prediction)))
     return result.exit_code
 
 

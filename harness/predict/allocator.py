@@ -38,13 +38,16 @@ import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
-MIN_BLOCK = 512  # kMinBlockSize: every size is rounded to at least 512 B
-SMALL_SIZE = 1 << 20  # kSmallSize: the largest request of the small pool
-SMALL_BUFFER = 2 << 20  # kSmallBuffer: a small pool segment
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: requests below it take a 20 MiB segment
-ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are rounded to 2 MiB
-LARGE_BUFFER = 20 << 20  # kLargeBuffer: a large pool segment for mid-size requests; expandable page
-POWER2_INTERVALS = 16  # roundup_power2_divisions intervals: 1 MiB, 2 MiB, ... 32 GiB and above
+from harness.predict.constants import (
+    LARGE_BUFFER,
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    POWER2_INTERVALS,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+)
+
 _KEYS_WITHOUT_EFFECT = ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
                         "pinned_use_background_threads", "pinned_use_hip_host_register", "per_process_memory_fraction",
                         "graph_capture_record_stream_reuse")

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from harness.predict.constants import PRIORS
 from harness.spec.files import write_atomic
 from harness.spec.suite import BASELINES_DIR as RESULTS_DIR
 from harness.spec.suite import CASES_DIR
@@ -268,7 +269,7 @@ def calibrate(platform: str | None = None, exclude=frozenset(), root: Path = RES
     ratio = fit("reserved_over_allocated", lambda o: o.ok and o.allocated and o.reserved and not o.zero3,
                 lambda o: o.reserved / o.allocated)
     if ratio is None:
-        ratio = 1.05  # harness.predict.predictor.PRIORS
+        ratio = PRIORS["reserved_over_allocated"]
     fit("zero3_cached_gathers", lambda o: o.ok and o.zero3 and o.allocated and o.reserved and o.gather_bytes,
         lambda o: max(0.0, o.reserved - o.allocated * ratio - o.reduce_pool) / o.gather_bytes)
     base = fit("device_overhead", lambda o: not o.deepspeed and not o.cold_triton and o.device and o.reserved,

@@ -18,7 +18,8 @@ import torch
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
-from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
+from harness.predict.constants import SMS, THREADS_PER_SM
+from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.spec.schema import Precision, Stack
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -264,10 +265,6 @@ def _cuda_transients(log: AllocationLog, func, args) -> None:
             del semaphores, buffer
 
 
-# an H100 SXM's and an H200's streaming multiprocessors, and the threads each holds (sm90)
-_SMS, _THREADS_PER_SM = 132, 2048
-
-
 def _global_reduction(x, dims) -> tuple[int, int] | None:
     """The staging buffer and semaphores, in bytes, that `gpu_reduce_kernel` (aten/src/ATen/native/cuda/
     Reduce.cuh) takes from the caching allocator when `setReduceConfig` splits each output's inputs
@@ -316,7 +313,7 @@ def _global_reduction(x, dims) -> tuple[int, int] | None:
     else:
         step_out *= height
     grid = -(-(outputs // out_vec) // step_out)
-    target = _SMS * (_THREADS_PER_SM // (width * height))
+    target = SMS * (THREADS_PER_SM // (width * height))
     per_thread = -(-inputs // step_in)
     if not split_warps or per_thread < 256 or grid > target:
         return None
@@ -951,9 +948,6 @@ def _tie_again(model) -> None:
     base.tie_weights()
 
 
-FORWARD, BACKWARD = 0, 1
-
-
 class AllocationLog(LiveTensorTracker):
     """`LiveTensorTracker` that also logs every storage's allocation and free, in order, as
     `[op, id, bytes, phase, layer]` (op 1 allocates, 0 frees; `id` numbers storages in the order they
@@ -1167,6 +1161,34 @@ def _layout(model, layers: int) -> list[list[int]]:
     return [row for _, row in base + adapters]
 
 
+class _FlaCrossEntropy(torch.autograd.Function):
+    """fla's FusedCrossEntropyLoss(inplace_backward=True): keeps the logits and an fp32
+    log-sum-exp per row; backward writes the gradient into the logits' storage."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        ctx.save_for_backward(logits, lse)
+        return torch.empty((), dtype=torch.float32, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, _ = ctx.saved_tensors
+        return logits, None
+
+
+class _FlaFusedCrossEntropy(torch.nn.Module):
+    """Stands in for fla's FusedCrossEntropyLoss in a trace (`_fla_fake_kernels`)."""
+
+    def __init__(self, inplace_backward: bool = False, reduction: str = "mean", **kwargs):
+        super().__init__()
+        self.reduction = reduction
+        self.ignore_index = kwargs.get("ignore_index", -100)
+
+    def forward(self, logits, target):
+        return _FlaCrossEntropy.apply(logits, target)
+
+
 @contextlib.contextmanager
 def _fla_fake_kernels(active: bool):
     """Replace fla_cpu's reference kernels (which save every intermediate of a recurrent loop) by
@@ -1254,34 +1276,10 @@ def _fla_fake_kernels(active: bool):
 
     import fla.models.modeling_utils as modeling_utils
 
-    class CrossEntropy(torch.autograd.Function):
-        """fla's FusedCrossEntropyLoss(inplace_backward=True): keeps the logits and an fp32
-        log-sum-exp per row; backward writes the gradient into the logits' storage."""
-
-        @staticmethod
-        def forward(ctx, logits, target):
-            lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-            ctx.save_for_backward(logits, lse)
-            return torch.empty((), dtype=torch.float32, device=logits.device)
-
-        @staticmethod
-        def backward(ctx, grad):
-            logits, _ = ctx.saved_tensors
-            return logits, None
-
-    class FusedCE(torch.nn.Module):
-        def __init__(self, inplace_backward: bool = False, reduction: str = "mean", **kwargs):
-            super().__init__()
-            self.reduction = reduction
-            self.ignore_index = kwargs.get("ignore_index", -100)
-
-        def forward(self, logits, target):
-            return CrossEntropy.apply(logits, target)
-
     patches = [(gla_layer, "chunk_gla", chunk_gla), (gla_layer, "fused_chunk_gla", chunk_gla),
                (mlp, "swiglu", swiglu), (mlp, "swiglu_linear", swiglu_linear),
                (RMSNorm, "forward", rms_forward), (FusedRMSNormGated, "forward", gated_forward),
-               (modeling_utils, "FusedCrossEntropyLoss", FusedCE)]
+               (modeling_utils, "FusedCrossEntropyLoss", _FlaFusedCrossEntropy)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:  # only for the trace: the rest of the process keeps fla (or harness.models.fla_cpu) as it was
         for obj, name, new in patches:

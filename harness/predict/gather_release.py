@@ -42,10 +42,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-WATCHDOG_POLL_S = 0.1  # ProcessGroupNCCL's watchdog sleeps 100 ms between its checks of the work list
-HOST_S_PER_ALLOCATION = 150e-6  # under the fastest recorded warm step (170 us per allocator action)
-COPY_BYTES_PER_S = 50e9  # a pinned host partition copied to the device, PCIe Gen5 x16
-PHASES = 20  # watchdog phases tried, evenly over one poll period
+from harness.predict.constants import COPY_BYTES_PER_S, HOST_S_PER_ALLOCATION, PHASES, WATCHDOG_POLL_S
 
 
 @dataclass

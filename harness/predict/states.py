@@ -32,18 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.predict.constants import CUBLAS_WORKSPACES_STATES, DS_DEFAULTS, HALF_BYTES, GiB
 from harness.predict.step import fp32_trainable_parameters, fused_adamw, reentrant_checkpointing, zero_init
 from harness.predict.zero3 import Gathered
 from harness.spec.dsconfig import auto_sizes
-from harness.spec.schema import Case, Offload, Precision
-
-GiB = 2**30
-CUBLAS_WORKSPACE = 2 * (32 * 2**20 + 128 * 2**10)  # two handles (forward, autograd thread)
-HALF = {Precision.bf16: 2, Precision.fp16: 2, Precision.fp32: 4}
-DS_DEFAULT_MAX_LIVE = 1_000_000_000
-DS_DEFAULT_MAX_REUSE = 1_000_000_000
-DS_DEFAULT_PERSISTENCE = 100_000
-DS_DEFAULT_PREFETCH = 50_000_000
+from harness.spec.schema import Case, Offload
 
 
 @dataclass
@@ -104,17 +97,34 @@ def ds_value(case: Case, name: str, hidden: int, default: int | None) -> int | N
 
 
 def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | None = None) -> States:
-    half = HALF[case.precision]
-    kind = case.method.kind
+    half = HALF_BYTES[case.precision.value]
     ds = case.deepspeed
-    W = case.launch.ranks
     dev: dict[str, int] = {}
     host: dict[str, int] = {}
     notes: list[str] = []
-    T = inv.trainable
-    upcast = ds is None and kind == "full" and fp32_trainable_parameters(case)
+    upcast = ds is None and case.method.kind == "full" and fp32_trainable_parameters(case)
+    _base_weights(case, inv, hidden, half, upcast, dev, host, notes)
+    # --- trainable parameters, gradients, optimizer ---
+    step_only: dict[str, int] = {}
+    if ds is None:
+        step_extra = _plain_optimizer(case, inv, half, upcast, dev, notes)
+    else:
+        step_extra = _deepspeed_optimizer(case, inv, hidden, half, gathered, dev, host)
+        if ds.stage == 3:
+            _zero3_gathered(case, inv, hidden, half, gathered, dev, step_only, notes)
+        if ds.offload_param == Offload.cpu or ds.offload_optimizer == Offload.cpu:
+            notes.append("offloaded state is counted in host_ram, pinned or not")
+    dev["cublas_workspaces"] = CUBLAS_WORKSPACES_STATES
+    resident = sum(dev.values())
+    return States(device=dev, host=host, resident=resident, optimizer_step_extra=step_extra, notes=notes,
+                  step_only=step_only)
 
-    # --- base weights ---
+
+def _base_weights(case: Case, inv: Inventory, hidden: int, half: int, upcast: bool, dev: dict[str, int],
+                  host: dict[str, int], notes: list[str]) -> None:
+    """The base model's weights as the stack holds them: 4-bit storage with its quantization state, fp32
+    upcasts, ZeRO-3 partitions and persistent parameters."""
+    kind, ds, W, T = case.method.kind, case.deepspeed, case.launch.ranks, inv.trainable
     if kind == "qlora":
         q = case.method.quantization
         dev["weights_4bit"] = quant_bytes(inv.quantizable, q.double_quant)
@@ -122,110 +132,121 @@ def model_states(case: Case, inv: Inventory, hidden: int, gathered: Gathered | N
         if case.stack.kbit_prepared:
             notes.append("peft prepare_model_for_kbit_training: embeddings, head, norms, biases in fp32")
         dev["weights_other"] = inv.other * other_bytes
-    else:  # full or LoRA: the base weights in the half dtype, partitioned alike under ZeRO-3
-        base = inv.total * half
-        if upcast:  # LLaMA-Factory's full fine-tune: every trainable parameter (all of them) in fp32
-            base = (inv.total - T) * half + T * 4
-            notes.append("LLaMA-Factory's init_adapter: trainable parameters upcast to fp32, trained under autocast")
-        if ds is not None and ds.stage == 3:
-            thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
-            persistent = sum(n for n in inv.sizes if n <= thr) * half
-            part = base // W
-            if ds.offload_param == Offload.cpu:
-                host["zero3_param_partition"] = _host_partition(inv.sizes, W, half, ds.pin_memory) or part
-            else:
-                dev["zero3_param_partition"] = part
-            dev["zero3_persistent_params"] = persistent
+        return
+    # full or LoRA: the base weights in the half dtype, partitioned alike under ZeRO-3
+    base = inv.total * half
+    if upcast:  # LLaMA-Factory's full fine-tune: every trainable parameter (all of them) in fp32
+        base = (inv.total - T) * half + T * 4
+        notes.append("LLaMA-Factory's init_adapter: trainable parameters upcast to fp32, trained under autocast")
+    if ds is not None and ds.stage == 3:
+        thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULTS["persistence"])
+        persistent = sum(n for n in inv.sizes if n <= thr) * half
+        part = base // W
+        if ds.offload_param == Offload.cpu:
+            host["zero3_param_partition"] = _host_partition(inv.sizes, W, half, ds.pin_memory) or part
         else:
-            dev["weights"] = base
-
-    # --- trainable parameters, gradients, optimizer ---
-    step_extra = 0
-    step_only: dict[str, int] = {}
-    if ds is None:
-        pbytes = 4 if kind in ("lora", "qlora") or upcast else half  # peft adapters fp32
-        if kind in ("lora", "qlora"):
-            dev["lora_params"] = T * pbytes
-        dev["grads"] = T * pbytes
-        dev["adam_states"] = 2 * T * pbytes
-        # foreach AdamW: one temporary list the size of the parameters; the Trainer's fused AdamW: none
-        step_extra = 0 if fused_adamw(case) else T * pbytes
-        if case.train.grad_accum == 1:
-            notes.append("GA 1: gradients exist only from backward to the optimizer step")
+            dev["zero3_param_partition"] = part
+        dev["zero3_persistent_params"] = persistent
     else:
-        # adapters: cast to the half dtype by the engine, except in a ZeRO-Init model (peft's fp32)
-        tbytes = 4 if (kind in ("lora", "qlora") and zero_init(case)) else half
-        if kind in ("lora", "qlora") and ds.stage == 3 and gathered is not None and inv.trainable_sizes:
-            # ZeRO-3 keeps whole only the adapters at or below the persistence threshold; the others are
-            # partitioned like the base weights (on the host with parameter offload) and, gathered, counted
-            # in the replayed gathered set. Guide 000's recorded 4-layer peak holds 6.0 MiB of persistent
-            # parameters (the optimizer step's `_allgather_params_coalesced`) against 16 MiB of adapters.
-            thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
-            kept = sum(n for n in inv.trainable_sizes if n <= thr)
-            if ds.offload_param != Offload.cpu:
-                kept += sum(-(-n // W) for n in inv.trainable_sizes if n > thr)
-            dev["lora_params"] = kept * tbytes
-        elif kind in ("lora", "qlora"):
-            dev["lora_params"] = T * tbytes  # small; under ZeRO-3 mostly below the persistence threshold
-        shard = W if ds.stage >= 1 else 1
-        opt = 12 * T // shard
-        if ds.offload_optimizer == Offload.cpu:
-            host["optimizer_fp32_master_adam"] = opt
-            host["fp32_grad_partition"] = 4 * T // shard
-        else:
-            dev["optimizer_fp32_master_adam"] = opt
-            step_extra = 4 * T // shard  # fp32 gradient partition built at the step
-        if ds.stage == 3 and ds.offload_optimizer == Offload.cpu:
-            # ZeRO-3 puts its gradient partitions in a buffer on the optimizer's device: the host
-            # (DeepSpeed 0.19 stage3.py, grad_partitions_flat_buffer on self.device), counted above.
-            # Guide 002's full fine-tune on 2 H200s shows it: allocated 11.15 GiB at 6 and 12 layers.
-            pass
-        elif ds.stage == 2 and ds.offload_optimizer == Offload.cpu:
-            dev["zero2_offload_grad_buffer"] = zero2_offload_grad_buffer(inv, tbytes)
-        elif ds.stage >= 2:
-            dev["grad_partition"] = tbytes * T // shard
-        else:
-            dev["grads"] = tbytes * T
-        bucket = ds_value(case, "reduce_bucket_size", hidden, 500_000_000)
-        n_buckets = 2 if (ds.overlap_comm and ds.stage in (1, 2)) else 1
-        if ds.stage == 3 and ds.contiguous_gradients:
-            # stage3.py (_setup_for_real_optimizer): one IPG buffer of the whole bucket per communication
-            # dtype, the engine's half dtype whatever the adapters' (guide 000's LoRA: 50 MiB at 4 layers)
-            dev["reduce_buckets"] = bucket * half
-        elif ds.contiguous_gradients:
-            dev["reduce_buckets"] = n_buckets * min(bucket, max(T, 1)) * tbytes
-        if ds.stage == 3 and gathered is not None:
-            # DeepSpeed's coordinator replayed over the step (harness.predict.zero3): what is gathered
-            # when backward starts is resident through the step's transient peak; the most gathered at
-            # once, anywhere in the step, is a second candidate for the peak (the predictor takes the larger)
-            dev["zero3_gathered_params"] = gathered.backward_start_bytes
-            step_only["zero3_gathered_above_backward_start"] = max(0, gathered.peak_bytes
-                                                                    - gathered.backward_start_bytes)
-            notes.append(gathered.describe())
-        elif ds.stage == 3:
-            prefetch = ds_value(case, "stage3_prefetch_bucket_size", hidden, DS_DEFAULT_PREFETCH)
-            max_live = ds.stage3_max_live_parameters or DS_DEFAULT_MAX_LIVE
-            # without DeepSpeed to replay: a module's parameters are gathered whole whatever the limits
-            # (the head included); stage3_max_live_parameters caps only what prefetching adds on top
-            live = max(inv.head, min(max_live, inv.largest_layer_module + prefetch))
-            dev["zero3_gathered_params"] = live * half
-            if ds.offload_param == Offload.cpu:  # the partition is copied to the device before the all-gather
-                dev["zero3_offload_staging"] = max(inv.head, inv.largest_layer_module) * half // W
-            notes.append("ZeRO-3 gathered live set (closed form): max(output head, a layer's largest module + "
-                         "prefetch bucket capped by stage3_max_live_parameters), without what DeepSpeed keeps "
-                         "for reuse")
-            retained = zero3_reentrant_retention(case, inv, hidden)
-            if retained:
-                step_only["zero3_reentrant_retained_weights"] = retained
-                notes.append("ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered frozen "
-                             f"weights held at once ({retained / GiB:.2f} GiB at {inv.layers} layers); "
-                             "non-reentrant checkpointing (use_reentrant_gc: false) avoids it")
-        if ds.offload_param == Offload.cpu or ds.offload_optimizer == Offload.cpu:
-            notes.append("offloaded state is counted in host_ram, pinned or not")
-    dev["cublas_workspaces"] = CUBLAS_WORKSPACE
-    resident = sum(dev.values())
-    return States(device=dev, host=host, resident=resident, optimizer_step_extra=step_extra, notes=notes,
-                  step_only=step_only)
+        dev["weights"] = base
+
+
+def _plain_optimizer(case: Case, inv: Inventory, half: int, upcast: bool, dev: dict[str, int],
+                     notes: list[str]) -> int:
+    """Without DeepSpeed: adapters, gradients and AdamW's moments in the parameters' dtype (peft's adapters
+    fp32); the optimizer step's transient returned."""
+    kind, T = case.method.kind, inv.trainable
+    pbytes = 4 if kind in ("lora", "qlora") or upcast else half  # peft adapters fp32
+    if kind in ("lora", "qlora"):
+        dev["lora_params"] = T * pbytes
+    dev["grads"] = T * pbytes
+    dev["adam_states"] = 2 * T * pbytes
+    if case.train.grad_accum == 1:
+        notes.append("GA 1: gradients exist only from backward to the optimizer step")
+    # foreach AdamW: one temporary list the size of the parameters; the Trainer's fused AdamW: none
+    return 0 if fused_adamw(case) else T * pbytes
+
+
+def _deepspeed_optimizer(case: Case, inv: Inventory, hidden: int, half: int, gathered: Gathered | None,
+                         dev: dict[str, int], host: dict[str, int]) -> int:
+    """Under DeepSpeed: the adapters, the fp32 master and moments and gradient partitions (on the device or
+    the host), the reduce buckets; the optimizer step's transient returned."""
+    kind, ds, W, T = case.method.kind, case.deepspeed, case.launch.ranks, inv.trainable
+    step_extra = 0
+    # adapters: cast to the half dtype by the engine, except in a ZeRO-Init model (peft's fp32)
+    tbytes = 4 if (kind in ("lora", "qlora") and zero_init(case)) else half
+    if kind in ("lora", "qlora") and ds.stage == 3 and gathered is not None and inv.trainable_sizes:
+        # ZeRO-3 keeps whole only the adapters at or below the persistence threshold; the others are
+        # partitioned like the base weights (on the host with parameter offload) and, gathered, counted
+        # in the replayed gathered set. Guide 000's recorded 4-layer peak holds 6.0 MiB of persistent
+        # parameters (the optimizer step's `_allgather_params_coalesced`) against 16 MiB of adapters.
+        thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULTS["persistence"])
+        kept = sum(n for n in inv.trainable_sizes if n <= thr)
+        if ds.offload_param != Offload.cpu:
+            kept += sum(-(-n // W) for n in inv.trainable_sizes if n > thr)
+        dev["lora_params"] = kept * tbytes
+    elif kind in ("lora", "qlora"):
+        dev["lora_params"] = T * tbytes  # small; under ZeRO-3 mostly below the persistence threshold
+    shard = W if ds.stage >= 1 else 1
+    opt = 12 * T // shard
+    if ds.offload_optimizer == Offload.cpu:
+        host["optimizer_fp32_master_adam"] = opt
+        host["fp32_grad_partition"] = 4 * T // shard
+    else:
+        dev["optimizer_fp32_master_adam"] = opt
+        step_extra = 4 * T // shard  # fp32 gradient partition built at the step
+    if ds.stage == 3 and ds.offload_optimizer == Offload.cpu:
+        # ZeRO-3 puts its gradient partitions in a buffer on the optimizer's device: the host
+        # (DeepSpeed 0.19 stage3.py, grad_partitions_flat_buffer on self.device), counted above.
+        # Guide 002's full fine-tune on 2 H200s shows it: allocated 11.15 GiB at 6 and 12 layers.
+        pass
+    elif ds.stage == 2 and ds.offload_optimizer == Offload.cpu:
+        dev["zero2_offload_grad_buffer"] = zero2_offload_grad_buffer(inv, tbytes)
+    elif ds.stage >= 2:
+        dev["grad_partition"] = tbytes * T // shard
+    else:
+        dev["grads"] = tbytes * T
+    bucket = ds_value(case, "reduce_bucket_size", hidden, DS_DEFAULTS["reduce_bucket_size"])
+    n_buckets = 2 if (ds.overlap_comm and ds.stage in (1, 2)) else 1
+    if ds.stage == 3 and ds.contiguous_gradients:
+        # stage3.py (_setup_for_real_optimizer): one IPG buffer of the whole bucket per communication
+        # dtype, the engine's half dtype whatever the adapters' (guide 000's LoRA: 50 MiB at 4 layers)
+        dev["reduce_buckets"] = bucket * half
+    elif ds.contiguous_gradients:
+        dev["reduce_buckets"] = n_buckets * min(bucket, max(T, 1)) * tbytes
+    return step_extra
+
+
+def _zero3_gathered(case: Case, inv: Inventory, hidden: int, half: int, gathered: Gathered | None,
+                    dev: dict[str, int], step_only: dict[str, int], notes: list[str]) -> None:
+    """ZeRO-3's gathered parameters: DeepSpeed's coordinator replayed over the step where it could be, else
+    the closed form (and the reentrant retention of frozen weights)."""
+    ds, W = case.deepspeed, case.launch.ranks
+    if gathered is not None:
+        # DeepSpeed's coordinator replayed over the step (harness.predict.zero3): what is gathered
+        # when backward starts is resident through the step's transient peak; the most gathered at
+        # once, anywhere in the step, is a second candidate for the peak (the predictor takes the larger)
+        dev["zero3_gathered_params"] = gathered.backward_start_bytes
+        step_only["zero3_gathered_above_backward_start"] = max(0, gathered.peak_bytes - gathered.backward_start_bytes)
+        notes.append(gathered.describe())
+        return
+    prefetch = ds_value(case, "stage3_prefetch_bucket_size", hidden, DS_DEFAULTS["prefetch"])
+    max_live = ds.stage3_max_live_parameters or DS_DEFAULTS["max_live"]
+    # without DeepSpeed to replay: a module's parameters are gathered whole whatever the limits
+    # (the head included); stage3_max_live_parameters caps only what prefetching adds on top
+    live = max(inv.head, min(max_live, inv.largest_layer_module + prefetch))
+    dev["zero3_gathered_params"] = live * half
+    if ds.offload_param == Offload.cpu:  # the partition is copied to the device before the all-gather
+        dev["zero3_offload_staging"] = max(inv.head, inv.largest_layer_module) * half // W
+    notes.append("ZeRO-3 gathered live set (closed form): max(output head, a layer's largest module + "
+                 "prefetch bucket capped by stage3_max_live_parameters), without what DeepSpeed keeps "
+                 "for reuse")
+    retained = zero3_reentrant_retention(case, inv, hidden)
+    if retained:
+        step_only["zero3_reentrant_retained_weights"] = retained
+        notes.append("ZeRO-3 + reentrant checkpointing + frozen weights: every layer's gathered frozen "
+                     f"weights held at once ({retained / GiB:.2f} GiB at {inv.layers} layers); "
+                     "non-reentrant checkpointing (use_reentrant_gc: false) avoids it")
 
 
 def zero2_offload_grad_buffer(inv: Inventory, tbytes: int) -> int:
@@ -295,6 +316,6 @@ def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
         return 0
     if not reentrant_checkpointing(case) or case.method.kind not in ("lora", "qlora"):
         return 0
-    thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULT_PERSISTENCE)
+    thr = ds_value(case, "stage3_param_persistence_threshold", hidden, DS_DEFAULTS["persistence"])
     per_layer = sum(n for n in inv.layer_sizes if n > thr)
-    return per_layer * HALF[case.precision] * inv.layers
+    return per_layer * HALF_BYTES[case.precision.value] * inv.layers

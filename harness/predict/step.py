@@ -162,6 +162,7 @@ class ParamInfo:
 
 
 LAYER_PRE, LAYER_POST = -1, 1 << 20  # an event or parameter before the first decoder layer, after the last
+FORWARD, BACKWARD = 0, 1  # the pass an event of the step falls in
 
 
 @dataclass

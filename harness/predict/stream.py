@@ -42,18 +42,9 @@ import difflib
 from dataclasses import dataclass, field
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceResult, TraceSpec, fused_adamw
+from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, HALF_BYTES, MAX_STEPS, TENSOR_BEFORE_LOAD, GiB
+from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, TraceResult, TraceSpec, fused_adamw
 from harness.spec.schema import Case
-
-FORWARD, BACKWARD = 0, 1
-HALF_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# One cuBLAS handle's workspace, taken through the caching allocator at the handle's first matmul: one
-# for the forward's thread, one for autograd's (32 MiB each on the recorded H200 timelines, torch 2.11).
-CUBLAS_HANDLE_WORKSPACE = 32 * 2**20
-# A tensor made on the device before the model is loaded: torchaudio's import makes one of 4 bytes (the
-# first action of every recorded run on hosts that have torchaudio, `transformers/audio_utils.py`).
-TENSOR_BEFORE_LOAD = 4
-GiB = 2**30
 
 
 class StreamError(ValueError):
@@ -464,10 +455,6 @@ def _optimizer_step(layout: list[list[int]], grads: list[int], first: bool, stre
     for ident in grads:
         stream.free(ident)
 
-
-# At most this many optimizer steps are replayed while the allocator's state still changes from one step
-# to the next (a bound on the replay's time, not a figure of any run: see `simulate_run`).
-MAX_STEPS = 8
 
 
 class _Run:

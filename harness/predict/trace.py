@@ -89,7 +89,7 @@ def _code_key() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("step.py", "trace.py", "fake.py", "zero3_hook_calls.py"):
+    for name in ("step.py", "trace.py", "fake.py", "zero3_hook_calls.py", "constants.py"):
         h.update((here / name).read_bytes())
     for lib in _LIBS:
         try:
@@ -202,4 +202,5 @@ def simulated_run(spec: TraceSpec, shape):
         conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
         return simulate_run(*trace_pair(spec), shape, conf)
 
-    return cached_on_disk("sim", spec, shape, ("stream.py", "allocator.py"), make, lambda d: Simulated(**d))
+    return cached_on_disk("sim", spec, shape, ("stream.py", "allocator.py", "constants.py"), make,
+                          lambda d: Simulated(**d))

@@ -75,10 +75,10 @@ import functools
 from dataclasses import dataclass
 
 from harness.predict.allocator import AllocatorConf, CachingAllocator
+from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, FP32_BYTES, HALF_BYTES, NCCL_START_ALIGNMENT, NORM_BYTES
 from harness.predict.step import TraceResult, TraceSpec
 from harness.predict.stream import (
     BACKWARD,
-    CUBLAS_HANDLE_WORKSPACE,
     RunShape,
     Stream,
     backward_matmul_traced,
@@ -91,9 +91,6 @@ from harness.predict.stream import (
 from harness.spec.schema import Case, Offload
 
 DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
-NORM_BYTES = 8  # get_norm_dtype(): torch.double where the device has fp64
-FP32_BYTES = 4
-NCCL_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: DeepSpeed's empty_cache() before flattening
 
 
@@ -116,7 +113,6 @@ class Zero2Shape:
 
     @classmethod
     def of(cls, case: Case, layers: int, hidden: int = 0) -> Zero2Shape:
-        from harness.predict.stream import HALF_BYTES
         from harness.spec.dsconfig import auto_sizes
 
         ds = case.deepspeed
@@ -138,18 +134,6 @@ class Zero2Run:
     peak_phase: str
     reduction_stream_reserved: int  # what DeepSpeed's reduction stream holds in segments of its own
     rank: int  # the rank whose stream peaked highest
-
-
-def applies(case: Case) -> bool:
-    """A case this stream is built for: ZeRO-2 with contiguous gradients (the path through
-    `copy_grads_in_partition`), the optimizer on the device or on the host. (LoRA with the optimizer on the
-    host kept the ratio while the trace's dropout kept a noise tensor of the input's dtype where CUDA keeps
-    a boolean mask: guide 001's rung 2, fp16 without checkpointing, then built to 30.56 GiB against 28.84
-    measured; with the mask, 29.31.)"""
-    ds = case.deepspeed
-    if ds is None or ds.stage != 2 or not ds.contiguous_gradients or ds.offload_param == Offload.cpu:
-        return False
-    return ds.offload_optimizer in (Offload.cpu, Offload.none)
 
 
 def partition_slices(sizes: list[int], ranks: int, rank: int) -> list[int]:
@@ -589,5 +573,5 @@ def simulated(spec: TraceSpec, shape: Zero2Shape) -> Zero2Run:
     (keyed by both and by the code of this module, the stream and the allocator model)."""
     from harness.predict.trace import cached_on_disk, trace_pair
 
-    return cached_on_disk("zero2", spec, shape, ("zero2_stream.py", "stream.py", "allocator.py"),
+    return cached_on_disk("zero2", spec, shape, ("zero2_stream.py", "stream.py", "allocator.py", "constants.py"),
                           lambda: zero2_run(*trace_pair(spec), shape), lambda d: Zero2Run(**d))

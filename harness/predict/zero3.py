@@ -63,6 +63,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.predict.constants import DS_DEFAULTS, POOL_ROUNDS, ROUNDS
+from harness.predict.dispatch import replays_gather_pool
 from harness.predict.zero3_order import (
     BACKWARD_START,
     BWD_POST,
@@ -78,14 +80,6 @@ from harness.predict.zero3_order import (
 )
 from harness.spec.files import write_atomic
 
-ROUNDS = 2  # the first step records DeepSpeed's trace, the second uses it
-# the gather stream's pool: over as many steps as the recorded runs made (two optimizer steps of two
-# micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the second
-# LoRA with its parameters offloaded too: its recorded gather streams settle in the second micro-step (guide
-# 000's 32B, Mistral-7B), and a fourth replayed step changes no figure of those runs; four are replayed, as the
-# step stream the allocated peak is taken from is built over (harness.predict.zero3_stream), so one replay
-# serves both
-POOL_ROUNDS = 4
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 # a coalesced gather's flat buffer: its collective is launched once the copies have filled it
@@ -441,38 +435,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
         prefetch_bucket_sz=spec.prefetch_bucket, max_reuse_distance_in_numel=spec.max_reuse,
         max_available_parameters_in_numel=spec.max_live, allgather_stream=None,
         inflight_param_registry=ppc.InflightParamRegistry())
-    available = "_PartitionedParameterCoordinator__n_available_params"
     backward_stack = "_PartitionedParameterCoordinator__active_backward_submodules"
-    best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
-    layer_peaks = [0] * spec.layers
-    below_peak, outside = [0], [0]
-    start_bytes = [0]
-    backward_best = [0]
-
-    below_layers = {m.name for m in step.before}  # the embedding: its backward comes after every layer's
-
-    def note(round_: int, event: int, m: _StandInModule, backward: bool, layer: int | None) -> None:
-        if every_step is not None:
-            every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
-        most = ledger.take_high()  # over the event's own allocations, not only after them
-        if round_ != steady:
-            return
-        if record is not None:
-            record.append((EVENT_NAMES[event], m.name, ledger.live))
-        if backward:
-            backward_best[0] = max(backward_best[0], most)
-            if layer is not None:
-                layer_peaks[layer] = max(layer_peaks[layer], most)
-            elif m.name in below_layers:
-                below_peak[0] = max(below_peak[0], most)
-            else:
-                outside[0] = max(outside[0], most)
-        else:
-            outside[0] = max(outside[0], most)
-        if most > best["bytes"]:
-            best.update(bytes=most, where=f"{EVENT_NAMES[event]} of {m.name}",
-                        elements=getattr(coordinator, available, 0),
-                        layer=layer if backward and layer is not None else -1)
+    # the step whose figures are taken: the first to start with the persistent parameters gathered
+    steady = ROUNDS if spec.pool_rounds else ROUNDS - 1
+    # the embedding: its backward comes after every layer's
+    peaks = _Peaks(spec.layers, {m.name for m in step.before}, steady, ledger, coordinator, record, every_step)
 
     # A parameter a checkpoint's recomputed forward releases (DeepSpeed partitions it at the module's forward
     # hook) keeps its gathered tensor: the recomputed ops saved it for their backward, and the checkpoint holds
@@ -504,13 +471,11 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
                 for token in saved.pop(id(m), []):  # the backward's saved tensors go before the hook releases
                     ledger.free(token)
                 coordinator.release_sub_module(m, forward=False)
-            note(round_, event, m, backward, module.layer)
+            peaks.note(round_, event, m, backward, module.layer)
 
     split = next(i for i, (e, _) in enumerate(events) if e == BACKWARD_START)
     forward, backward = events[:split], [e for e in events[split + 1:] if e[0] != RECOMPUTE]
     every: list[StreamEvent] = []  # every step's allocations and frees, for the gather stream's pool
-    # the step whose figures are taken: the first to start with the persistent parameters gathered
-    steady = ROUNDS if spec.pool_rounds else ROUNDS - 1
     with _single_process(ppc):
         for round_ in range(max(ROUNDS, spec.pool_rounds)):
             if round_ >= steady:
@@ -531,18 +496,58 @@ def replay(spec: Zero3Spec, record: list | None = None, stream: list | None = No
             coordinator.reset_step()  # DeepSpeed's pre-forward hook on the root module
             run(forward, round_)
             if round_ == steady:
-                start_bytes[0] = ledger.live
+                peaks.start_bytes = ledger.live
             _in_graph_task(lambda r=round_: run(backward, r, backward=True))
             coordinator.release_backward_leftovers()  # the engine's backward epilogue
             for tokens in saved.values():  # of modules whose post-backward never fired: freed with the graph
                 for token in tokens:
                     ledger.free(token)
             saved.clear()
-    return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=start_bytes[0],
-                    backward_peak_bytes=backward_best[0], peak_backward_layer=best["layer"],
-                    layer_backward_peaks=layer_peaks, below_backward_peak=below_peak[0], outside_peak=outside[0],
-                    peak_elements=int(best["elements"]), events=len(events),
+    best = peaks.best
+    return Gathered(peak_bytes=max(best["bytes"], 0), peak_where=best["where"], backward_start_bytes=peaks.start_bytes,
+                    backward_peak_bytes=peaks.backward_best, peak_backward_layer=best["layer"],
+                    layer_backward_peaks=peaks.layer_peaks, below_backward_peak=peaks.below_peak,
+                    outside_peak=peaks.outside, peak_elements=int(best["elements"]), events=len(events),
                     pool_bytes=gather_pool(every, spec.alloc_conf) if spec.pool_rounds else 0)
+
+
+# the coordinator's count of gathered elements (a name-mangled attribute of PartitionedParameterCoordinator)
+_AVAILABLE = "_PartitionedParameterCoordinator__n_available_params"
+
+
+class _Peaks:
+    """What the replay's steady-state step gathers at most, noted after each hook event: the most at once and
+    where, per layer's backward, in the embedding's backward (below the layers) and outside both."""
+
+    def __init__(self, layers: int, below_layers: set[str], steady: int, ledger, coordinator, record, every_step):
+        self.best = {"bytes": -1, "where": "", "elements": 0, "round": 0, "layer": -1}
+        self.layer_peaks = [0] * layers
+        self.below_peak = self.outside = self.start_bytes = self.backward_best = 0
+        self.below_layers, self.steady = below_layers, steady
+        self.ledger, self.coordinator, self.record, self.every_step = ledger, coordinator, record, every_step
+
+    def note(self, round_: int, event: int, m, backward: bool, layer: int | None) -> None:
+        if self.every_step is not None:
+            self.every_step[-1].append(HookEvent(EVENT_NAMES[event], m.name, layer, backward))
+        most = self.ledger.take_high()  # over the event's own allocations, not only after them
+        if round_ != self.steady:
+            return
+        if self.record is not None:
+            self.record.append((EVENT_NAMES[event], m.name, self.ledger.live))
+        if backward:
+            self.backward_best = max(self.backward_best, most)
+            if layer is not None:
+                self.layer_peaks[layer] = max(self.layer_peaks[layer], most)
+            elif m.name in self.below_layers:
+                self.below_peak = max(self.below_peak, most)
+            else:
+                self.outside = max(self.outside, most)
+        else:
+            self.outside = max(self.outside, most)
+        if most > self.best["bytes"]:
+            self.best.update(bytes=most, where=f"{EVENT_NAMES[event]} of {m.name}",
+                             elements=getattr(self.coordinator, _AVAILABLE, 0),
+                             layer=layer if backward and layer is not None else -1)
 
 
 def _hook_events(spec: Zero3Spec, step) -> list:
@@ -643,7 +648,7 @@ def _code_key() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py", "zero3_hook_calls.py"):
+    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py", "zero3_hook_calls.py", "constants.py"):
         h.update((here / name).read_bytes())
     try:
         h.update(f"deepspeed={md.version('deepspeed')}".encode())
@@ -766,56 +771,9 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
         # embedding again in backward
         input_requires_grad=gc or case.method.kind == "full",
         alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        pool_rounds=POOL_ROUNDS if uses_gather_pool(case) else 0,
+        pool_rounds=POOL_ROUNDS if replays_gather_pool(case) else 0,
         # peft's adapters are fp32 (autocast_adapter_dtype); the engine leaves a zero.Init model's dtypes alone
         trainable_bytes=4 if case.method.kind in ("lora", "qlora") and zero_init(case) else 0,
         # the spec the hooks are recorded under: configs that differ only in batch or length share the replay
         trace_spec_json=json.dumps(dataclasses.asdict(hook_spec(trace_spec)), sort_keys=True),
     )
-
-
-def uses_gather_pool(case) -> bool:
-    """Whether the predictor takes the gather stream's pool from the replay (`Gathered.pool_bytes`): a full
-    fine-tune with its parameters on the device, and with them offloaded or LoRA with them offloaded where its
-    model's stream is built (`applies_full_offload`, `applies_offload_model_stream`), the configs whose recorded
-    timelines show the rest of the reserve to be the model's pool (harness.predict.predictor._zero3_gather_pool
-    says why not elsewhere). Elsewhere the extra steps are not replayed."""
-    from harness.spec.schema import Offload
-
-    if case.method.kind == "full":
-        return case.deepspeed.offload_param != Offload.cpu or applies_full_offload(case)
-    return applies_offload_model_stream(case)
-
-
-def applies_full_offload(case) -> bool:
-    """ZeRO-3 with `overlap_comm` and the parameters on the host, a full fine-tune of a half-precision model
-    built under zero.Init (the optimizer is on the host with them): the configs whose step stream and
-    model's stream are built from `harness.predict.zero3_stream._full_offload_engine`. Checked on the
-    recorded streams of guide 002's Gemma-3-27B (its allocated peak) and Qwen2.5-1.5B (stream 0's reserve
-    to the MiB)."""
-    from harness.predict.step import zero_init
-    from harness.spec.schema import Offload
-
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
-            and case.method.kind == "full" and case.method.quantization is None and zero_init(case))
-
-
-def applies_offload_model_stream(case) -> bool:
-    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`) and the parameters on
-    the host, LoRA on a half-precision model: the configs whose model's stream (stream 0) is zero.Init's load
-    with the checkpoint's gathers, peft's adapters, the IPG bucket and the hook registration's gathers of the
-    adapters (`build` with `offload_param` and no gathers, `_lora_offload_engine`), then the traced step; the
-    optimizer is on the host (with the parameters offloaded DeepSpeed offloads it too). Checked on the recorded
-    streams of Mistral-7B (reentrant checkpointing) and guide 000's 32B (reentrant and not, to the MiB)."""
-    from harness.predict.step import zero_init
-    from harness.spec.schema import Offload
-
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param == Offload.cpu
-            and case.method.kind == "lora" and case.method.quantization is None and zero_init(case))
-
-
-# DeepSpeed 0.19's defaults (runtime/zero/config.py) where neither the case nor 'auto' sets a value
-DS_DEFAULTS = {"prefetch": 50_000_000, "max_live": 1_000_000_000, "max_reuse": 1_000_000_000,
-               "persistence": 100_000, "model_persistence": 2**63 - 1}

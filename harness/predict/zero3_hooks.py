@@ -33,13 +33,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from harness.predict.constants import RECORDED_LAYERS, RECORDED_TOKENS
 from harness.predict.zero3_hook_calls import Recorder, hooked, module_stack_kept
 from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, Module, Step
-
-RECORDED_LAYERS = 2  # layer 0, and layer 1 standing for every later one
-# the hooks fire per module call, whatever the batch: one sequence this long is recorded for every shape of
-# a config, so configs that differ only in batch, length or accumulation (fit's candidates) share one recording
-RECORDED_TOKENS = 64
 
 
 def hook_spec(trace_spec):

@@ -48,12 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.predict.constants import DS_DEFAULTS, NORM_BYTES, NORM_CHUNK, ROUND_LARGE
 from harness.spec.schema import Case, Offload
-
-DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # deepspeed/runtime/zero/config.py: sub_group_size
-NORM_CHUNK = 250_000_000  # stage3.py _constant_buffered_norm2(buffer_size=250000000)
-NORM_BYTES = 8  # get_norm_dtype(): fp64 where the device has it (CUDA, ROCm)
-_ROUND_LARGE = 2 << 20  # the caching allocator rounds a large segment to 2 MiB
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ def fp32_grad_segment(case: Case, trainable_sizes: list[int] | None, trainable: 
     if ds is None or ds.stage != 3 or ds.offload_optimizer != Offload.none or trainable <= 0:
         return None
     ranks = case.launch.ranks
-    size = ds.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE
+    size = ds.sub_group_size or DS_DEFAULTS["sub_group_size"]
     if trainable_sizes:
         groups = sub_groups([-(-n // ranks) for n in trainable_sizes], size)
     else:
@@ -113,7 +109,7 @@ def fp32_grad_segment(case: Case, trainable_sizes: list[int] | None, trainable: 
         groups = [part] if part <= size else [size] * (part // size) + ([part % size] if part % size else [])
     largest = max(groups)
     fp32 = 4 * largest  # the master weights' dtype (fp32) whatever the training precision
-    segment = -(-fp32 // _ROUND_LARGE) * _ROUND_LARGE
+    segment = -(-fp32 // ROUND_LARGE) * ROUND_LARGE
     where = (f"ZeRO-3 optimizer step: {len(groups)} sub-group(s) of sub_group_size {size:.3g}, the largest "
              f"{largest / 1e6:.1f}M elements per rank; its fp32 gradient ({segment / 2**30:.2f} GiB, "
              "stage3.py _prepare_fp32_grad_for_sub_group)")

@@ -13,7 +13,7 @@ had made (864 MiB), the intermediates split the segment the previous micro-step'
 takes a new one: 4.64 GiB more, in that micro-step's backward.
 
 `build` makes that one-pool stream for a LoRA case with its parameters on the device and the optimizer
-offloaded (`applies`), whose engine keeps little else on the device:
+offloaded (the dispatch table's `zero3-lora-one-pool` row), whose engine keeps little else on the device:
 
 1. **The load** under `zero.Init` (the recorded `partition_parameters.py` allocations): each frozen
    parameter, in module definition order, built whole in the half dtype, its partition (one rank's
@@ -31,7 +31,7 @@ offloaded (`applies`), whose engine keeps little else on the device:
    comes with the first matmul, in the first layer (the recording has it in the block the embedding's
    gather had freed), the autograd thread's where the backward begins.
 
-**A full fine-tune with `overlap_comm`** (`applies_model_stream`) gathers on the coordinator's stream,
+**A full fine-tune with `overlap_comm`** (row `zero3-full-model-stream`) gathers on the coordinator's stream,
 whose pool `zero3.gather_pool` replays; its model's stream (stream 0) is `build` with `full` and no gathers:
 zero.Init's load (every parameter built whole, its partition kept), the engine (the partitions moved to the
 host, `empty_cache()`, `defragment()`'s flat buffer of every partition, the IPG bucket, each trainable
@@ -48,7 +48,7 @@ the first micro-step, 28.088 after the first optimizer step and 33.770 in the se
 same at every phase end but the load's (2.56 against 4.21: the run gathers parameters while loading), its
 allocated peak 27.64 GiB as recorded (the ratio and the fp32 gradient segment gave 32.85).
 
-**A full fine-tune with its parameters offloaded** (`zero3.applies_full_offload`) is `build` with `full`
+**A full fine-tune with its parameters offloaded** (row `zero3-full-offload`) is `build` with `full`
 and `offload_param`: `_full_offload_engine`'s load and engine, then the micro-steps.
 
 **The step's allocated peak** (`harness.predict.predictor`): for every config above, `build` with the
@@ -85,19 +85,21 @@ from dataclasses import dataclass
 
 from harness.predict import gather_release
 from harness.predict.allocator import AllocatorConf, CachingAllocator
-from harness.predict.step import LAYER_POST, LAYER_PRE, TraceSpec
-from harness.predict.stream import BACKWARD, CUBLAS_HANDLE_WORKSPACE, FORWARD, Stream, expand
-from harness.predict.zero3 import applies_offload_model_stream
-from harness.predict.zero3_step import DS_DEFAULT_SUB_GROUP_SIZE, NORM_BYTES, sub_groups
+from harness.predict.constants import (
+    CUBLAS_HANDLE_WORKSPACE,
+    DS_DEFAULTS,
+    FP32_BYTES,
+    MICRO_STEPS,
+    NORM_BYTES,
+    OFFLOAD_MICRO_STEPS,
+)
+from harness.predict.dispatch import row_of
+from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, TraceSpec
+from harness.predict.stream import Stream, expand
+from harness.predict.zero3_step import sub_groups
 from harness.spec.schema import Case, Offload
 
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
-MICRO_STEPS = 4  # two optimizer steps of two micro-steps, as the recorded runs made
-# LoRA with its parameters offloaded: no optimizer step on the model's stream (the optimizer is on the host,
-# the gradients' copies on the reduce stream), so every micro-step after the first repeats the second's
-# allocations; the recorded streams peak in the first backward (guide 000, Mistral-7B) or the second (rung 4)
-OFFLOAD_MICRO_STEPS = 2
-FP32_BYTES = 4
 # of a layer chunk's hook events: where the trace recorded DeepSpeed's hooks firing (else spread), evenly
 # spread, all at the chunk's start, all at its end; none: no gathers
 PLACEMENTS = ("recorded", "spread", "start", "end", "none")
@@ -129,12 +131,13 @@ class OnePoolShape:
         bucket = ds.reduce_bucket_size or auto_sizes(int(arch.config["hidden_size"]))["reduce_bucket_size"]
         full = case.method.kind == "full"
         on_device = full and ds.offload_optimizer == Offload.none
-        steps = OFFLOAD_MICRO_STEPS if applies_offload_model_stream(case) and placement == "none" else MICRO_STEPS
+        offload_model_stream = row_of(case).name == "zero3-lora-offload" and placement == "none"
+        steps = OFFLOAD_MICRO_STEPS if offload_model_stream else MICRO_STEPS
         return cls(zero3_spec=json.dumps(dataclasses.asdict(spec), sort_keys=True), ranks=case.launch.ranks,
                    half_bytes=spec.half_bytes, ipg_bucket=bucket if ds.contiguous_gradients else 0,
                    micro_steps=steps, alloc_conf=case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    placement=placement, full=full,
-                   sub_group_size=(ds.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE) if on_device else 0,
+                   sub_group_size=(ds.sub_group_size or DS_DEFAULTS["sub_group_size"]) if on_device else 0,
                    accumulation=max(1, min(case.train.grad_accum, 2)), offload_param=spec.offload_param)
 
 
@@ -153,51 +156,12 @@ class OnePoolRun:
     peak_allocated_held: int = 0
 
 
-def applies(case: Case) -> bool:
-    """ZeRO-3 without `overlap_comm` (the gathers in the model's pool), LoRA on a half-precision model
-    (no quantized load), the parameters on the device and the optimizer on the host: the configs whose
-    device allocations beside the model's are the gathers and two buffers (the recorded timeline shows
-    DeepSpeed's other step allocations, the reduce path's norms and partition copies, to be MiBs)."""
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and not ds.overlap_comm and ds.offload_param != Offload.cpu
-            and ds.offload_optimizer == Offload.cpu and case.method.kind == "lora"
-            and case.method.quantization is None)
-
-
-def applies_offload_one_pool(case: Case) -> bool:
-    """`applies`, but with the parameters on the host and the model built under zero.Init (LLaMA-Factory's
-    `ds_z3_offload_config.json`): the gathers and their host partition copies share the model's pool, and
-    the step is built with `_lora_offload_engine`'s load and engine, its gathers where the trace recorded
-    the hooks firing (placement `recorded`). Both its figures are that stream's: guide 000's non-reentrant
-    fix with this config, allocated 5.44 / 5.46 GiB against 5.44 / 5.45 measured at 4 / 8 layers, reserved
-    6.56 / 6.57 against the worst rank's 6.66 / 6.42 (the ranks 0.2 GiB apart, each the same to the MiB in
-    a second run). Spread evenly, the reserve is 6.66 / 5.91: which transients take a segment of their own
-    turns on where each chunk's hook events fall among its allocations."""
-    from harness.predict.step import zero_init
-
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and not ds.overlap_comm and ds.offload_param == Offload.cpu
-            and zero_init(case) and ds.offload_optimizer == Offload.cpu and case.method.kind == "lora"
-            and case.method.quantization is None)
-
-
 def placement_for(case: Case) -> str:
-    """Where a case's step stream puts each chunk's hook events: where the trace recorded them for
-    `applies_offload_one_pool` (whose reserve turns on it; both its figures come from that stream), spread
-    evenly elsewhere (guide 002's allocated peak, placed where recorded, falls under its runs:
-    docs/predictor.md, "Where the hooks fire")."""
-    return "recorded" if applies_offload_one_pool(case) else "spread"
-
-
-def applies_model_stream(case: Case) -> bool:
-    """ZeRO-3 with `overlap_comm` (the gathers on their own stream, `zero3.gather_pool`), a full fine-tune of a
-    half-precision model with its parameters on the device and the optimizer on the host or the device: the
-    configs whose model's stream (stream 0) is zero.Init's load, the flat partition buffer, the IPG bucket,
-    the traced step and, with the optimizer on the device, its fp32 partitions, gradient partitions and
-    sub-group steps (`build` with `full` and no gathers)."""
-    ds = case.deepspeed
-    return (ds is not None and ds.stage == 3 and ds.overlap_comm and ds.offload_param != Offload.cpu
-            and case.method.kind == "full" and case.method.quantization is None)
+    """Where a case's step stream puts each chunk's hook events: where the trace recorded them for the
+    one-pool configs with the parameters on the host (`zero3-lora-offload-one-pool`, whose reserve turns on
+    it; both its figures come from that stream), spread evenly elsewhere (guide 002's allocated peak, placed
+    where recorded, falls under its runs: docs/predictor.md, "Where the hooks fire")."""
+    return "recorded" if row_of(case).name == "zero3-lora-offload-one-pool" else "spread"
 
 
 def _chunk_of(backward: bool, layer: int | None, seen: dict[bool, bool]) -> tuple[int, int]:
@@ -689,4 +653,18 @@ def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
         return OnePoolRun(**d)
 
     return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "zero3_hooks.py",
-                                                     "stream.py", "allocator.py", "gather_release.py"), make, load)
+                                                     "zero3_step.py", "stream.py", "allocator.py", "gather_release.py",
+                                                     "constants.py"), make, load)
+
+
+def simulated_or_none(trace_spec: TraceSpec, shape: OnePoolShape, what: str, instead: str, notes: list[str],
+                      figure: str = "reserved") -> OnePoolRun | None:
+    """`simulated`, or None, with a note that `instead` stands in for `figure`, where DeepSpeed cannot be
+    imported or the build cannot follow the trace or the hook order (`what`: the stream, in words)."""
+    try:
+        return simulated(trace_spec, shape)
+    except ImportError as exc:
+        notes.append(f"{figure}: {instead}; DeepSpeed's coordinator could not be imported for {what} ({exc})")
+    except (ValueError, RuntimeError, AssertionError) as exc:  # a trace or hook order the build cannot follow
+        notes.append(f"{figure}: {instead}; {what} could not be built ({exc})")
+    return None

@@ -4,7 +4,7 @@
 
 Each row is a kind of config as the margin groups them (method and the stack's k-bit path, ZeRO stage,
 offload; a cold Triton cache apart), over the benchmark's full-size runs, each predicted leave-one-out
-(`python -m harness.predict.errors` writes them): how many runs, the error of the device figure per
+(`python benchmarks/predictor_errors.py` writes them): how many runs, the error of the device figure per
 card (measured / predicted - 1; median of its size and the worst), and the margin `check` adds to a
 config of that kind. A run that ran out of memory gives only a lower bound: it is counted apart, and
 the margin covers it where the prediction was under it. The page's table is this function's output; a

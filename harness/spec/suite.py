@@ -39,3 +39,9 @@ ARCH_BASELINES_DIR = ROOT / "results" / "architectures" / "baselines"
 # the predictor's errors on what fit proposes draw the margins too (benchmarks/fitted).
 FITTED_CASES_DIR = ROOT / "benchmarks" / "fitted" / "cases"
 FITTED_BASELINES_DIR = ROOT / "results" / "fitted" / "baselines"
+# (baselines, their cases) by suite, the runs the predictor's errors and so its margins are measured on
+# (benchmarks/predictor_errors.py): the bundled suite, the architecture benchmark (models the constants are
+# never fitted on: harness.predict.calibration reads the bundled baselines only), and fit's configs measured
+# through --verify (also out of the constants' sample)
+SUITES = {"guides": (BASELINES_DIR, CASES_DIR), "architectures": (ARCH_BASELINES_DIR, ARCH_CASES_DIR),
+          "fitted": (FITTED_BASELINES_DIR, FITTED_CASES_DIR)}

@@ -63,7 +63,7 @@ class SuiteRecord:
     """A blessed run of another measured suite than the one reported (the architecture benchmark, fit's
     verified configs), as the predictor's error table holds it: predicted leave-one-out and measured."""
 
-    suite: str  # harness.predict.errors.SUITES
+    suite: str  # harness.spec.suite.SUITES
     record: object  # harness.predict.margin.ErrorRecord
 
     @property
@@ -208,8 +208,8 @@ def other_suites_of(baselines_dir: Path) -> list[SuiteRecord]:
     its error table (already predicted, each case left out), matched to their baselines. Elsewhere (a
     team's own suite) none: those suites are the bundled suite's evidence, not the team's."""
     from harness.baselines.store import RESULTS_DIR, load_baselines
-    from harness.predict.errors import SUITES
     from harness.predict.margin import ERRORS_FILE, ErrorTable
+    from harness.spec.suite import SUITES
 
     if Path(baselines_dir).resolve() != RESULTS_DIR.resolve() or not ERRORS_FILE.is_file():
         return []

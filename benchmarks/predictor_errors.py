@@ -1,7 +1,8 @@
 """The predictor's errors on the benchmark, leave-one-out: what the margins are drawn from.
 
-    python -m harness.predict.errors            rewrite results/predictor/errors.json, print the margins
-    python -m harness.predict.errors --check    exit 1 where the stored table is stale or a margin lets a run through
+    python benchmarks/predictor_errors.py            rewrite results/predictor/errors.json, print the margins
+    python benchmarks/predictor_errors.py --check    exit 1 where the stored table is stale or a margin lets a run
+                                                     through
 
 Every blessed baseline of the bundled suite and of the architecture benchmark (benchmarks/architectures:
 models in none of the guides) is predicted as it was measured (its variant applied,
@@ -19,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.baselines.store import RESULTS_DIR, load_baselines
+from harness.baselines.store import load_baselines
 from harness.predict.margin import (
     ERRORS_FILE,
     LEVELS,
@@ -30,9 +31,9 @@ from harness.predict.margin import (
     inputs_digest,
     margin_from,
 )
-from harness.spec.cases import CASES_DIR, load_case
+from harness.spec.cases import load_case
 from harness.spec.files import write_atomic
-from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR, FITTED_BASELINES_DIR, FITTED_CASES_DIR
+from harness.spec.suite import SUITES
 from harness.spec.units import fmt_gib
 
 
@@ -44,11 +45,6 @@ class Measured:
     record: ErrorRecord
 
 
-# (baselines, their cases) by suite: the bundled suite, the architecture benchmark (models the constants
-# are never fitted on: harness.predict.calibration reads the bundled baselines only), and fit's configs
-# measured through --verify (also out of the constants' sample)
-SUITES = {"guides": (RESULTS_DIR, CASES_DIR), "architectures": (ARCH_BASELINES_DIR, ARCH_CASES_DIR),
-          "fitted": (FITTED_BASELINES_DIR, FITTED_CASES_DIR)}
 SOURCES = tuple(SUITES.values())
 
 
@@ -119,7 +115,7 @@ def report(table: ErrorTable) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.predict.errors", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/predictor_errors.py", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the stored table instead of writing it")
     parser.add_argument("--out", type=Path, default=ERRORS_FILE)
     args = parser.parse_args(argv)
@@ -129,7 +125,7 @@ def main(argv=None) -> int:
         stored = ErrorTable.read(args.out)
         problems = []
         if stored.digest != table.digest:
-            problems.append(f"{args.out} is stale: rewrite it with `python -m harness.predict.errors`")
+            problems.append(f"{args.out} is stale: rewrite it with `python benchmarks/predictor_errors.py`")
         problems += [s.line() for s in false_fits(measured, stored)]
         print("\n".join(problems) or f"{args.out}: current, and no false fit on {len(measured)} runs")
         return 1 if problems else 0
