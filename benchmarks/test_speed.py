@@ -28,6 +28,7 @@ a figure to read, not a failing test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -47,6 +48,8 @@ DEFAULT_TIER_TARGET_S = 180.0
 # the README's test command: the repository's default tier on two pytest-xdist workers, the case
 # items in one of them (harness.pytest_plugin.xdist_groups)
 DEFAULT_TIER = ["-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q"]
+# and every test's duration, summed by file to say where the time went (it changes nothing that runs)
+DURATIONS = ["--durations=0"]
 
 
 def _say(request, line: str) -> None:
@@ -115,7 +118,8 @@ def test_default_tier(benchmark, request, cache, tmp_path):
 
     def one():
         before = _children_cpu_s()
-        proc = subprocess.run([sys.executable, *DEFAULT_TIER], capture_output=True, text=True, cwd=ROOT, env=env)
+        proc = subprocess.run([sys.executable, *DEFAULT_TIER, *DURATIONS], capture_output=True, text=True, cwd=ROOT,
+                              env=env)
         cpu.append(_children_cpu_s() - before)
         if proc.returncode != 0:
             pytest.fail(f"the default tier failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
@@ -125,13 +129,30 @@ def test_default_tier(benchmark, request, cache, tmp_path):
     wall = benchmark.stats.stats.data[0]
     summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " passed" in ln), "")
     cores = len(os.sched_getaffinity(0))
+    by_file = _durations_by_file(proc.stdout)
     benchmark.extra_info.update(cache=cache, target_s=DEFAULT_TIER_TARGET_S if cache == "warm" else None,
                                 cpu_s=round(cpu[0], 1), cpus=os.cpu_count(), affinity=cores,
-                                load_average=os.getloadavg()[0], summary=summary.strip("= "))
+                                load_average=os.getloadavg()[0], summary=summary.strip("= "),
+                                test_s_by_file=dict(list(by_file.items())[:20]))
     target = (f" ({'within' if wall <= DEFAULT_TIER_TARGET_S else 'over'} the {DEFAULT_TIER_TARGET_S:.0f} s target)"
               if cache == "warm" else "")
     _say(request, f"\ndefault tier, {cache} caches: {wall:.0f} s and {cpu[0]:.0f} CPU-s on {cores} cores{target}: "
-                  f"{summary.strip('= ')}")
+                  f"{summary.strip('= ')}; the two workers' test time {sum(by_file.values()):.0f} s, most in "
+                  + ", ".join(f"{name} {secs:.0f} s" for name, secs in list(by_file.items())[:6]))
+
+
+def _durations_by_file(output: str) -> dict[str, float]:
+    """pytest's `--durations` lines ("12.34s call     tests/test_x.py::test_y"), summed by file, largest first.
+    The case items are one entry, `cases/`: one worker runs them, two tiny runs at a time in the background."""
+    total: dict[str, float] = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0].endswith("s") and parts[1] in ("setup", "call", "teardown"):
+            with contextlib.suppress(ValueError):
+                file = parts[2].split("::", 1)[0]
+                file = "cases/" if file.startswith("cases/") else file
+                total[file] = total.get(file, 0.0) + float(parts[0][:-1])
+    return {k: round(v, 1) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
 # what a worker imports before it builds anything; it then writes the CPU seconds it used
