@@ -197,8 +197,42 @@ def test_only_cpu_workers_come_from_the_zygote(tmp_path, monkeypatch):
 def test_a_zygote_that_died_leaves_the_job_to_a_fresh_interpreter(light, tmp_path, monkeypatch):
     os.kill(light.pid, signal.SIGKILL)
     assert light._gone.wait(10)
-    monkeypatch.setattr(zygote, "shared", lambda: light)
+    monkeypatch.setattr(zygote, "shared", lambda python=None: light)
     run = run_jobs([_job("0")], tmp_path / "run", 60, "x", "tiny", 0)
     assert run.returncode == 0 and run.error is None
     log = Path(run.run_dir, "log.txt").read_text()
     assert "the worker zygote" in log and "starting the worker in a fresh interpreter" in log
+
+
+def _another_environment(folder: Path) -> Path:
+    """A second virtual environment at `folder` with this one's packages: its own interpreter path."""
+    (folder / "bin").mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text(Path(sys.prefix, "pyvenv.cfg").read_text())
+    (folder / "lib").symlink_to(Path(sys.prefix, "lib"))
+    (folder / "bin" / "python").symlink_to(sys.executable)
+    return folder / "bin" / "python"
+
+
+def test_a_job_on_another_interpreter_is_forked_from_that_interpreters_zygote(light, tmp_path, monkeypatch):
+    """A LLaMA-Factory case's workers run on that environment's interpreter: they come from a zygote
+    started on it (which has imported that environment's stack), never from this interpreter's."""
+    other = _another_environment(tmp_path / "venv-lf")
+    monkeypatch.setattr(zygote, "PRELOAD", ("json",))
+    monkeypatch.setattr(zygote, "_others", {})
+    try:
+        run = run_jobs([Job([str(other), "-m", "zjob", "0"], preloaded=True)], tmp_path / "run", 60, "x", "tiny", 0)
+        assert run.returncode == 0 and run.error is None
+        theirs = zygote._others[os.path.abspath(other)]
+        assert theirs is not light and theirs.pid != light.pid
+        assert psutil.Process(theirs.pid).cmdline()[0] == str(other)  # started on that interpreter
+        assert zygote.shared(str(other)) is theirs and zygote.shared(sys.executable) is light
+        log = Path(run.run_dir, "log.txt").read_text()
+        assert "job 0" in log and "fresh interpreter" not in log
+    finally:
+        for z in zygote._others.values():
+            z.close()
+    # the plan: a case of another environment's stack is forked on a CPU host too
+    lf = CASES_DIR / "003-qlora-fix-r32-seq1024-gc-llamafactory.yaml"
+    monkeypatch.setattr("harness.runtime.launcher.interpreter", lambda case: str(other))
+    (job,) = plan_jobs(load_case(lf), lf, "tiny", 1, tmp_path / "plan", Platform.cpu)
+    assert job.preloaded and job.argv[0] == str(other)

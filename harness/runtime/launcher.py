@@ -101,7 +101,6 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
     """`case` is the case as measured (a variant applied); `case_path` and `variant` tell the
     worker how to rebuild it."""
     py = interpreter(case) or sys.executable  # a framework's own environment (harness.runtime.stacks)
-    own = py == sys.executable  # the zygote has imported this interpreter's stack, not another's
     base_env = {
         "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
                             or cpu_threads(fidelity, ranks * case.launch.procs_per_card)),
@@ -126,7 +125,7 @@ def plan_jobs(case: Case, case_path: Path, fidelity: str, ranks: int, out_dir: P
         port = str(free_port())
         if launcher == "python":
             jobs.append(Job([py, "-m", WORKER, *wargs], dict(base_env, **rank_env(0, ranks, port)),
-                            preloaded=platform == Platform.cpu and own and zygote.enabled(), ranks=ranks))
+                            preloaded=platform == Platform.cpu and zygote.enabled(), ranks=ranks))
         elif launcher == "torchrun":
             jobs.append(Job([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                              "--master-addr", "127.0.0.1", "--master-port", port, "-m", WORKER, *wargs],
@@ -307,7 +306,8 @@ def _start_one(job: Job, env: dict[str, str], log):
     with _running_lock:
         if job.preloaded:
             try:
-                proc = zygote.shared().start(job.argv, env, os.getcwd(), log.fileno())
+                # the zygote of the job's interpreter: another environment's has imported that one's stack
+                proc = zygote.shared(job.argv[0]).start(job.argv, env, os.getcwd(), log.fileno())
                 _running.add(proc.pid)
                 return proc
             except zygote.ZygoteError as exc:

@@ -10,6 +10,10 @@ Used on CPU hosts only (`harness.runtime.launcher` decides): a process that has 
 HIP cannot be forked safely, and a GPU run's context costs more than its imports anyway. Multi-rank
 runs go through torchrun as before.
 
+A case whose workers run on another environment's interpreter (LLaMA-Factory's, `harness.runtime.stacks`)
+gets a zygote of that interpreter (`shared(python)`), which has imported that environment's stack: a
+zygote only forks workers of the interpreter it runs on.
+
 A child gets what `subprocess.Popen(..., start_new_session=True)` gives a worker: a session and
 process group of its own (a timeout kills its whole tree), stdout and stderr on the case's log (the
 launcher's own file descriptor, passed over the socket, so lines interleave as they do for a Popen
@@ -109,9 +113,10 @@ class Zygote:
     """One zygote process and the jobs it forked. Start it early (`warm`): its imports run in the
     background, and `start` waits for them only if they have not finished."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_timeout_s: float = 300, address: str | None = None):
-        """Start a zygote, or with `address` connect to one another harness started (OSError if
-        nothing listens there)."""
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_timeout_s: float = 300, address: str | None = None,
+                 python: str = sys.executable):
+        """Start a zygote on the interpreter `python`, or with `address` connect to one another harness
+        started (OSError if nothing listens there)."""
         self._proc = self._errors = None
         self._folder: str | None = None
         if address:
@@ -129,7 +134,7 @@ class Zygote:
             # (killed at a stop while it was still importing, or between making it and saying so)
             self._folder = tempfile.mkdtemp(prefix="oom-harness-zygote-")  # 0700: only this user connects
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(preload), self._folder],
+                [python, "-m", __name__, str(theirs.fileno()), ",".join(preload), self._folder],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._errors, stderr=subprocess.STDOUT,
                 start_new_session=True)  # a Ctrl-C at the terminal is for the harness, which then stops the jobs
             theirs.close()
@@ -249,14 +254,26 @@ class Zygote:
 
 
 _shared: Zygote | None = None
+_others: dict[str, Zygote] = {}  # the zygotes of other environments' interpreters, by their path
 _shared_lock = threading.Lock()
 
 
-def shared() -> Zygote:
-    """This harness process's zygote, started on first use (and again if it died): the one
-    `SOCKET_ENV` names where it answers, else one of its own."""
+def _own(python: str | None) -> bool:
+    return python is None or os.path.abspath(python) == os.path.abspath(sys.executable)
+
+
+def shared(python: str | None = None) -> Zygote:
+    """This harness process's zygote for workers on the interpreter `python` (default: this one),
+    started on first use (and again if it died): for this interpreter, the one `SOCKET_ENV` names
+    where it answers, else one of its own."""
     global _shared
     with _shared_lock:
+        if not _own(python):
+            key = os.path.abspath(python)
+            if key not in _others or _others[key]._gone.is_set():
+                names = os.environ.get(PRELOAD_ENV)
+                _others[key] = Zygote(tuple(names.split(",")) if names else PRELOAD, python=python)
+            return _others[key]
         if _shared is None or _shared._gone.is_set():
             _shared = None
             if os.environ.get(SOCKET_ENV):
@@ -273,9 +290,13 @@ def warm() -> None:
     shared()
 
 
+def _zygotes() -> list[Zygote]:
+    return [z for z in (_shared, *_others.values()) if z is not None]
+
+
 def _close_shared() -> None:
-    if _shared is not None:
-        _shared.close()
+    for zygote in _zygotes():
+        zygote.close()
 
 
 def _let_go() -> None:
@@ -283,14 +304,12 @@ def _let_go() -> None:
     is told to exit (it removes its socket's folder on the way), or killed while it is still
     importing (nothing of it is on disk yet: its folder is made after the imports); the interpreter's
     exit then waits for it (`close`). A thread waiting to start a job sees it gone at once."""
-    zygote = _shared
-    if zygote is None:
-        return
-    with contextlib.suppress(OSError):
-        zygote._sock.shutdown(socket.SHUT_RDWR)
-    if zygote._proc is not None and not zygote._ready.is_set():
+    for zygote in _zygotes():
         with contextlib.suppress(OSError):
-            zygote._proc.kill()
+            zygote._sock.shutdown(socket.SHUT_RDWR)
+        if zygote._proc is not None and not zygote._ready.is_set():
+            with contextlib.suppress(OSError):
+                zygote._proc.kill()
 
 
 atexit.register(_close_shared)
