@@ -1,6 +1,7 @@
 """The pytest surface: the plugin loads through its entry point, stays inert until asked, and turns
 each case file into an item per fidelity with markers; a bad file fails alone."""
 
+import contextlib
 import importlib.metadata
 import shutil
 
@@ -26,6 +27,18 @@ def _case_dir(pytester):
         "id: 003-qlora-fix-r16-seq512-gc", "id: 003-broken").replace("seq_len: 512", "seq_len: 0")
     (cases / "003-broken.yaml").write_text(bad.replace("micro_batch: 1", "micro_batch: 1\n  gradient_acumulation: 4"))
     return cases
+
+
+def _configured(pytester, *args):
+    """`pytester.parseconfigure`, without the full garbage collection pytest's unraisable-exception
+    plugin runs when that config is unconfigured at the test's end, as pytester's own in-process runs
+    do: in an xdist worker that has run hundreds of tests it took seconds per config."""
+    config = pytester.parseconfigure(*args)
+    with contextlib.suppress(ImportError):  # a private key of pytest's (pytester sets it for inline runs)
+        from _pytest.unraisableexception import gc_collect_iterations_key
+
+        config.stash[gc_collect_iterations_key] = 0
+    return config
 
 
 def test_the_plugin_is_registered_through_the_pytest11_entry_point():
@@ -69,11 +82,11 @@ def test_the_bundled_suite_on_request(pytester):
 def test_folders_come_from_the_command_line_or_relative_to_the_ini_file(pytester, tmp_path, monkeypatch):
     cases = _case_dir(pytester)
     pytester.makeini("[pytest]\nharness_case_dir = mycases\nharness_baselines_dir = perf/baselines\n")
-    config = pytester.parseconfigure()
+    config = _configured(pytester, )
     chosen = settings(config)
     assert chosen.case_dir == cases.resolve()
     assert chosen.baselines_dir == (pytester.path / "perf" / "baselines").resolve()
-    config = pytester.parseconfigure(f"--baselines-dir={tmp_path}")
+    config = _configured(pytester, f"--baselines-dir={tmp_path}")
     assert settings(config).baselines_dir == tmp_path.resolve()
     from harness.pytest_plugin.cases import _session
     from harness.runtime import platform
@@ -86,7 +99,7 @@ def test_folders_come_from_the_command_line_or_relative_to_the_ini_file(pytester
 
 def test_the_bundled_baselines_are_the_default(pytester):
     _case_dir(pytester)
-    config = pytester.parseconfigure("--case-dir", "mycases")
+    config = _configured(pytester, "--case-dir", "mycases")
     assert settings(config).baselines_dir == suite.BASELINES_DIR
 
 
@@ -203,7 +216,7 @@ def test_an_xdist_worker_whose_items_are_not_grouped_runs_cases_on_demand_in_a_f
     started = []
     monkeypatch.setattr(Session, "prefetch", lambda self, keys, jobs=None: started.append(keys))
     for grouped, folder in ((False, tmp_path / "runs" / "gw1"), (True, tmp_path / "runs")):
-        config = pytester.parseconfigure("--case-dir", "mycases", "--harness-run-dir", str(tmp_path / "runs"))
+        config = _configured(pytester, "--case-dir", "mycases", "--harness-run-dir", str(tmp_path / "runs"))
         config.workerinput = {"workerid": "gw1"}
         config.option.loadgroup = grouped
         config.stash[plugin_cases._PLANNED] = [(GOOD, "tiny")]
