@@ -26,7 +26,6 @@ from harness.spec.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "architectures" / "models"
-CONFIGS = ROOT / "benchmarks" / "architectures" / "configs"
 H100 = "nvidia-h100-80gb-hbm3-x1"
 
 
@@ -171,7 +170,7 @@ def test_multi_gpu_jobs_and_a_scripts_own_loop_get_no_deepspeed(tmp_path, spec, 
 
 
 def test_a_job_already_on_deepspeed_keeps_its_own_stage_options(tmp_path):
-    config = _hf_full(tmp_path / "in", deepspeed=str(CONFIGS / "ds_z2_offload_hf.json"))
+    config = _hf_full(tmp_path / "in", deepspeed=str(ROOT / "tests" / "data" / "fit" / "ds_z2_offload.json"))
     for gpus in (1, 2):
         imported = import_config(config, JobSpec(gpus=gpus, gpu_memory=12 * GIB, launcher="torchrun"))
         assert "already runs DeepSpeed" in why_not(imported)
