@@ -169,6 +169,23 @@ def test_multi_gpu_jobs_and_a_scripts_own_loop_get_no_deepspeed(tmp_path, spec, 
     assert [o[0] for o in _deepspeed_options(knobs_of(imported.case), offload=why_not(imported) is None)] == [None]
 
 
+def test_a_peft_script_that_hands_its_arguments_to_a_trainer_takes_deepspeed(tmp_path):
+    config = _hf_full(tmp_path / "in")
+    own_loop, trainer = tmp_path / "in" / "loop.py", tmp_path / "in" / "sft.py"
+    own_loop.write_text("from transformers import AutoModelForCausalLM\n"
+                        "model = AutoModelForCausalLM.from_pretrained('m')\nfor batch in []:\n    model(**batch)\n")
+    trainer.write_text("from trl import SFTTrainer\nfrom transformers import AutoModelForCausalLM\n"
+                       "model = AutoModelForCausalLM.from_pretrained('m')\nSFTTrainer(model=model).train()\n")
+    spec = JobSpec(gpus=1, gpu_memory=12 * GIB, stack="peft")
+    assert "own loop" in why_not(import_config(config, dataclasses.replace(spec, script=own_loop)))
+    imported = import_config(config, dataclasses.replace(spec, script=trainer))
+    assert why_not(imported) is None
+    # this script builds its model before any DeepSpeed config: under ZeRO-3 the whole model lands on the card
+    z3 = dataclasses.replace(knobs_of(imported.case), stage=3, offload_optimizer=True, offload_param=True)
+    new = NewDeepSpeed(hidden_size(imported.arch), imported.init_order.order)
+    assert apply(imported.case, z3, new).launch.init_order == "model_first"
+
+
 def test_a_job_already_on_deepspeed_keeps_its_own_stage_options(tmp_path):
     config = _hf_full(tmp_path / "in", deepspeed=str(ROOT / "tests" / "data" / "fit" / "ds_z2_offload.json"))
     for gpus in (1, 2):
