@@ -6,13 +6,13 @@
 results/fitted/timelines; a case is looked up in every suite.)
 
 For each timeline (one rank's recorded allocator history, `oom-harness run --memory-history`) the
-allocations and frees are replayed through `harness.predict.allocator` under the run's
+allocations and frees are replayed through `harness.predict.allocator.allocator` under the run's
 PYTORCH_CUDA_ALLOC_CONF and memory cap, and the table shows the recorded reserved peak (from the
 recorded segment actions), the simulated one, their error, where each ran out of memory under a cap,
 and the replay's speed in actions per second.
 
 Then, for each timeline of a case without DeepSpeed (whose predicted reserved figure is the allocator
-model's), the stream the predictor builds from the fake-tensor trace (`harness.predict.stream`, the
+model's), the stream the predictor builds from the fake-tensor trace (`harness.predict.allocator.stream`, the
 case at the timeline's variant) beside the recording: bytes allocated during the load, allocated and
 reserved at its end, and the allocated and reserved peaks after the load (the run's step figures: a
 recorded load may also build the random-weight checkpoint on the card, then empty the cache), the built
@@ -33,7 +33,7 @@ GiB = 2**30
 
 def main(argv: list[str]) -> int:
     from harness.measure.timeline import MemoryTimeline
-    from harness.predict.replay import recorded_limit, replay
+    from harness.predict.allocator.replay import recorded_limit, replay
 
     folders = [Path(a) for a in argv] or [ROOT / "results" / d / "timelines" for d in (".", "architectures", "fitted")]
     paths = sorted(p for folder in folders for p in folder.glob("*/*.json.gz"))
@@ -70,15 +70,15 @@ def built(timelines: list) -> None:
     (`timelines`: (path, MemoryTimeline) pairs)."""
     from harness.measure.timeline import ALLOC
     from harness.models.source import load_model
-    from harness.predict.allocator import CachingAllocator
-    from harness.predict.stream import RunShape, run_stream, simulate_run, start_states
-    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.predict.allocator.allocator import CachingAllocator
+    from harness.predict.allocator.stream import RunShape, run_stream, simulate_run, start_states
+    from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.spec.cases import load_case
     from harness.spec.suite import SUITES
     from harness.spec.variants import parse_variant
 
-    print("\nbuilt from the trace (harness.predict.stream) / recorded, GiB; the load's bytes in MiB; peaks after "
-          "the load:")
+    print("\nbuilt from the trace (harness.predict.allocator.stream) / recorded, GiB; the load's bytes in MiB; peaks "
+          "after the load:")
     head = (f"{'platform/timeline':<60} {'load MiB':>17} {'alloc after load':>17} {'reserved after load':>19} "
             f"{'allocated peak':>15} {'reserved peak':>15} {'error':>7}")
     print(head)
@@ -94,7 +94,8 @@ def built(timelines: list) -> None:
         spec = TraceSpec.of(case, arch)
         r1, r2 = trace_pair(spec)
         # loaded as the recorded process loaded it: onto a device that already held a tensor (the recording's
-        # first action, torchaudio's), which shrinks from_pretrained's warm-up (harness.predict.stream.start_states)
+        # first action, torchaudio's), which shrinks from_pretrained's warm-up
+        # (harness.predict.allocator.stream.start_states)
         shape = start_states(RunShape.of(case, spec, case.layers or arch.layers))[-1]
         stream = run_stream(r1, r2, shape, 1)  # its load
         sim = simulate_run(r1, r2, shape)  # the run, as the predictor replays it

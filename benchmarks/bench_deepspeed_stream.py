@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_deepspeed_stream.py [results/timelines]
 
 A DeepSpeed config's reserved figure is allocated times a fitted ratio: the stream the allocator model
-replays for the other configs (`harness.predict.stream`) is built from the fake-tensor trace, which does
+replays for the other configs (`harness.predict.allocator.stream`) is built from the fake-tensor trace, which does
 not see DeepSpeed's own device allocations. This prints, for every recorded timeline of a DeepSpeed
 run, what a stream built for DeepSpeed would have to reproduce:
 
@@ -15,12 +15,12 @@ run, what a stream built for DeepSpeed would have to reproduce:
    and its free k actions later (k = 1, 2, 3, 5, 10), beside the allocated peak, which moves only when
    the shift lengthens a lifetime across it.
 3. **ZeRO-3's gathers.** The allocations and frees of DeepSpeed's coordinator replayed over the case's
-   step (`harness.predict.zero3.replay(spec, stream=[])`) beside the recorded allocations on the gather
+   step (`harness.predict.zero3.coordinator.replay(spec, stream=[])`) beside the recorded allocations on the gather
    stream (`partition_parameters.py`'s buffers and host copies, and the parameters `torch.cat` copies
    out of coalesced buffers) of the timeline's second-to-last forward and backward (a step after the
    one in which DeepSpeed records the module order): how many, how many bytes, and the largest sizes;
    then the gather stream's reserved peak, recorded and replayed through the allocator model
-   (`harness.predict.zero3.gather_pool`).
+   (`harness.predict.zero3.coordinator.gather_pool`).
 4. **Where the reserve grows.** For each phase of the timeline in which the reserve grew: reserved
    before and after, and the new segments by the call site of the allocation that asked for each; then
    the reserved peak's action, its phase and the allocation it was made for, with allocated memory
@@ -129,21 +129,21 @@ def _gathers(timeline) -> Counter | None:
 
 
 def _gather_pools(timeline) -> tuple[int, int] | None:
-    """The gather stream's reserved peak, recorded and replayed (harness.predict.zero3.gather_pool over
+    """The gather stream's reserved peak, recorded and replayed (harness.predict.zero3.coordinator.gather_pool over
     POOL_ROUNDS steps)."""
     import dataclasses
 
     from harness.models.source import load_model
-    from harness.predict import zero3
     from harness.predict.constants import POOL_ROUNDS
+    from harness.predict.zero3 import coordinator
 
     case = _zero3_case(timeline)
     stream = _gather_stream(timeline)
     if case is None or stream is None:
         return None
     arch = load_model(case.model)
-    spec = dataclasses.replace(zero3.spec_for(case, arch, case.layers or arch.layers), pool_rounds=POOL_ROUNDS)
-    return timeline.reserved_peak_on(stream), zero3.replay(spec).pool_bytes
+    spec = dataclasses.replace(coordinator.spec_for(case, arch, case.layers or arch.layers), pool_rounds=POOL_ROUNDS)
+    return timeline.reserved_peak_on(stream), coordinator.replay(spec).pool_bytes
 
 
 def _zero3_case(timeline):
@@ -164,15 +164,15 @@ def _zero3_case(timeline):
 
 def _replayed_gathers(timeline) -> Counter | None:
     from harness.models.source import load_model
-    from harness.predict import zero3
+    from harness.predict.zero3 import coordinator
 
     case = _zero3_case(timeline)
     if case is None:
         return None
     arch = load_model(case.model)
     events: list = []
-    zero3.replay(zero3.spec_for(case, arch, case.layers or arch.layers), record=events, stream=events)
-    return Counter(e.nbytes for e in events if isinstance(e, zero3.StreamEvent) and e.kind == "alloc")
+    coordinator.replay(coordinator.spec_for(case, arch, case.layers or arch.layers), record=events, stream=events)
+    return Counter(e.nbytes for e in events if isinstance(e, coordinator.StreamEvent) and e.kind == "alloc")
 
 
 def _largest_free_block(timeline, before: int) -> int:
@@ -249,7 +249,7 @@ def _sizes(counter: Counter, n: int = 6) -> str:
 
 def main(argv: list[str]) -> int:
     from harness.measure.timeline import ALLOC, MemoryTimeline
-    from harness.predict.replay import recorded_limit, replay
+    from harness.predict.allocator.replay import recorded_limit, replay
 
     folders = [Path(a) for a in argv] or [ROOT / "results" / d for d in ("timelines", "architectures/timelines")]
     timelines = [(p, MemoryTimeline.load(p)) for folder in folders for p in sorted(folder.glob("*/*.json.gz"))]
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
         print(f"{name:<78} " + "  ".join(f"{c:>14}" for c in cells))
 
     print("\n3. ZeRO-3 gathers over one steady-state forward and backward: recorded against DeepSpeed's "
-          "coordinator replayed (harness.predict.zero3); sizes in MiB")
+          "coordinator replayed (harness.predict.zero3.coordinator); sizes in MiB")
     for name, timeline, _, _ in prepared:
         replayed = _replayed_gathers(timeline)
         if replayed is None:

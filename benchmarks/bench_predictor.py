@@ -15,7 +15,7 @@ estimators"; benchmarks/bench_architectures.py sets accelerate's beside them too
 Their errors are against the measured device peak.
 
 Last, the wall time of `predict()` on guide 000's 32B case in a fresh interpreter (imports included),
-with an empty trace cache and with the trace cached on disk (harness.predict.trace).
+with an empty trace cache and with the trace cached on disk (harness.predict.trace.trace).
 """
 
 from __future__ import annotations

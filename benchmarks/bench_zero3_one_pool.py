@@ -11,7 +11,7 @@ timeline is fit's verified config for guide 000 (DeepSeek-R1-Distill-Qwen-32B Lo
    allocator model with the gather paths' allocations (`partition_parameters.py`'s buffers and the
    parameters copied out of them) on a stream of their own, as `overlap_comm: true` would place them;
    and with them left out (the model's pool alone).
-2. **The one-pool stream built from the trace** at 4 and 8 layers (`harness.predict.zero3_stream`):
+2. **The one-pool stream built from the trace** at 4 and 8 layers (`harness.predict.zero3.stream`):
    reserved at the end of each phase, the peaks, with a layer chunk's hook events spread evenly over
    it (what the predictor uses), all at its start, all at its end, and with no gathers (the model's
    pool alone). The trace tags its events by decoder layer and pass, not by module, so where in a
@@ -40,7 +40,7 @@ def _phase_ends(timeline, reserved: list[int]) -> list[tuple[str, int]]:
 def taken_apart(timeline) -> list[str]:
     """Section 1."""
     from harness.measure.timeline import ALLOC, FREE_COMPLETED, FREE_REQUESTED, MemoryTimeline
-    from harness.predict.replay import replay
+    from harness.predict.allocator.replay import replay
 
     def site(i: int) -> str:
         return timeline.sites[timeline.site[i]] if timeline.site[i] >= 0 else "?"
@@ -87,9 +87,9 @@ def main(argv: list[str]) -> int:
     print("\n".join("   " + line for line in taken_apart(timeline)))
     recorded = [r for _, r in _phase_ends(timeline, timeline.curve().reserved)]
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import PLACEMENTS, OnePoolShape, build, simulate
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import PLACEMENTS, OnePoolShape, build, simulate
 
     case = load_case(CASE)
     print("\n2. The one-pool stream built from the trace: reserved at the end of each phase, GiB (load, engine, "

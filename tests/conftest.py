@@ -23,7 +23,7 @@ def _caches_kept_under_pytester(request, monkeypatch):
     (1.3 CPU-s a run)."""
     if "pytester" not in request.fixturenames:
         return
-    from harness.predict.trace import _cache_dir
+    from harness.predict.trace.trace import _cache_dir
     from harness.runtime.compile_cache import cache_dir
 
     monkeypatch.setenv("HARNESS_CACHE", str(cache_dir()))

@@ -7,8 +7,14 @@ from pathlib import Path
 import pytest
 
 from harness.measure.timeline import MemoryTimeline
-from harness.predict.allocator import AllocatorConf, AllocConfError, CachingAllocator, round_size, segment_size
-from harness.predict.replay import recorded_limit, replay
+from harness.predict.allocator.allocator import (
+    AllocatorConf,
+    AllocConfError,
+    CachingAllocator,
+    round_size,
+    segment_size,
+)
+from harness.predict.allocator.replay import recorded_limit, replay
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent

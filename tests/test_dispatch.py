@@ -131,7 +131,7 @@ def test_explain_names_the_allocator_simulation_for_a_plain_lora(capsys):
     assert text.startswith("dispatch: row `no-deepspeed` (when ZeRO none)")
     assert "allocated by `terms`, reserved by `stream`" in text
     assert "  reserved: `stream` (the allocator model over the traced load and optimizer steps; " \
-           "harness.predict.stream)" in text
+           "harness.predict.allocator.stream)" in text
     table = out[:out.index("dispatch:")]
     reserved_row = next(line for line in table.splitlines() if line.strip().startswith("peak reserved"))
     reserved_stage = text[text.index("  reserved: `stream`"):]

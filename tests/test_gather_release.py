@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.predict import gather_release
+from harness.predict.allocator.stream import Stream
 from harness.predict.constants import HOST_S_PER_ALLOCATION, PHASES, WATCHDOG_POLL_S
-from harness.predict.stream import Stream
-from harness.predict.zero3_stream import simulate
+from harness.predict.zero3 import gather_release
+from harness.predict.zero3.stream import simulate
 
 MiB = 2**20
 

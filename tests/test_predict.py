@@ -281,10 +281,14 @@ import json
 import sys
 import threading
 
-from harness.predict import predictor, zero3, zero3_stream
-from harness.predict.fake import trace
+from harness.predict import predictor
+
+from harness.predict.zero3 import coordinator
+
+from harness.predict.zero3 import stream as zero3_stream
+from harness.predict.trace.fake import trace
 from harness.predict.predictor import predict
-from harness.predict.trace import TraceSpec, trace_pair
+from harness.predict.trace.trace import TraceSpec, trace_pair
 from harness.predict.traced import trace_alongside, zero3_gathered
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.variants import parse_variant
@@ -299,7 +303,7 @@ if sys.argv[1] == "serial":  # a thread besides this one: nothing is forked
 elif sys.argv[1] == "child-fails":  # the forked trace fails: this process traces and replays the rest itself
     import os
 
-    from harness.predict import trace as trace_module
+    from harness.predict.trace import trace as trace_module
 
     parent, traced = os.getpid(), trace_module.trace_pair
 
@@ -319,7 +323,7 @@ else:
     alongside = trace_alongside(case, arch, case.layers, spec)
     assert alongside is not None and alongside.gathers
     steps = zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, case.layers))
-    assert list(zero3._STEPS) == [steps]  # replayed here while the child traced
+    assert list(coordinator._STEPS) == [steps]  # replayed here while the child traced
     alongside.keep_trace(spec)
     untimed = lambda r: {k: v for k, v in dataclasses.asdict(r).items() if k != "seconds"}  # noqa: E731
     assert [untimed(r) for r in trace_pair(spec)] == [untimed(trace(spec, n)) for n in (1, 2)]
@@ -332,10 +336,10 @@ else:
     rung3 = load_case(CASES_DIR / "001-ladder-rung3-zero3.yaml")
     rung3_arch = predictor.load_model(rung3.model)
     rung3_spec = TraceSpec.of(rung3, rung3_arch)
-    replayed = zero3.gathered.cache_info().currsize
+    replayed = coordinator.gathered.cache_info().currsize
     alongside = trace_alongside(rung3, rung3_arch, rung3_arch.layers, rung3_spec)
     assert alongside is not None and not alongside.gathers
-    assert zero3.gathered.cache_info().currsize == replayed + 1  # replayed here while the child traced
+    assert coordinator.gathered.cache_info().currsize == replayed + 1  # replayed here while the child traced
     alongside.keep_trace(rung3_spec)
     assert alongside.take_gathered([]) is None and alongside.child.exitcode == 0
     other = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")  # no DeepSpeed: nothing to fork

@@ -1,4 +1,4 @@
-"""The allocation stream built from the traced steps (harness.predict.stream): layer repetition, frees
+"""The allocation stream built from the traced steps (harness.predict.allocator.stream): layer repetition, frees
 that cross layers, the load order, and the traced-and-expanded stream of guide 003 against its
 recorded GPU timeline."""
 
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.measure.timeline import ALLOC, MemoryTimeline
-from harness.predict.allocator import round_size
-from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
-from harness.predict.stream import (
+from harness.predict.allocator.allocator import round_size
+from harness.predict.allocator.stream import (
     TENSOR_BEFORE_LOAD,
     RunShape,
     Stream,
@@ -24,6 +23,7 @@ from harness.predict.stream import (
     simulate_run,
     start_states,
 )
+from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
 
 MiB = 2**20
 LARGE = 64 * 2**10
@@ -229,7 +229,7 @@ def test_guide_003_r32_through_peft_takes_the_segment_its_recorded_run_took():
 
 def test_the_simulated_run_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(tmp_path))
-    from harness.predict import trace as trace_mod
+    from harness.predict.trace import trace as trace_mod
 
     layout = [[1024, 2, 0, 1, 0, 0], [1024, 2, 0, 1, 1, 0]]
     pair = (result([(1, 0, MiB, F, 0), (0, 0, MiB, B, 0)], layout[:1], 1),
@@ -251,7 +251,7 @@ def test_the_simulated_run_is_cached_on_disk(tmp_path, monkeypatch):
 def test_layers_are_tagged_in_a_module_list_of_any_name():
     import torch
 
-    from harness.predict.fake import _decoder_stack, _layer_index
+    from harness.predict.trace.fake import _decoder_stack, _layer_index
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -274,7 +274,7 @@ def test_fp32_attention_is_laid_out_and_saved_as_the_cuda_kernels_do():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.predict.fake import _cuda_sdpa
+    from harness.predict.trace.fake import _cuda_sdpa
 
     saved: list[tuple[int, ...]] = []
     with FakeTensorMode(), _cuda_sdpa():
@@ -296,7 +296,7 @@ def test_the_trace_reads_the_harness_rows_as_unpacked():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import masking_utils
 
-    from harness.predict.fake import _unpacked_rows
+    from harness.predict.trace.fake import _unpacked_rows
 
     with FakeTensorMode():
         positions = torch.arange(8).unsqueeze(0)
@@ -314,7 +314,7 @@ def test_the_built_stream_of_phi3_qlora_lands_on_its_recorded_allocated_peak():
     allocated peak on the recorded one (a copy of it per layer had put it 4.6% above)."""
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.trace import trace_pair
+    from harness.predict.trace.trace import trace_pair
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -333,7 +333,7 @@ def _traced(path: Path):
     loop, `launch.runtime`): (case, architecture, traces at 1 and 2 layers, run shape)."""
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.trace import trace_pair
+    from harness.predict.trace.trace import trace_pair
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -423,7 +423,7 @@ def test_the_trace_sees_what_the_cuda_softmax_kernels_allocate_beside_their_outp
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.predict.fake import AllocationLog, _cuda_sdpa
+    from harness.predict.trace.fake import AllocationLog, _cuda_sdpa
 
     log = AllocationLog()
     with FakeTensorMode(), _cuda_sdpa():
@@ -449,7 +449,7 @@ def test_training_dropout_is_traced_as_cudas_fused_kernel():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.predict.fake import AllocationLog, _cuda_dropout
+    from harness.predict.trace.fake import AllocationLog, _cuda_dropout
 
     log = AllocationLog()
     with FakeTensorMode(), _cuda_dropout():
@@ -478,7 +478,7 @@ def test_the_fake_4bit_forward_frees_the_restored_absmax_after_its_output():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.predict.fake import AllocationLog, _Fake4bitMatmul
+    from harness.predict.trace.fake import AllocationLog, _Fake4bitMatmul
 
     log = AllocationLog()
     with FakeTensorMode():
@@ -521,8 +521,8 @@ def test_the_trace_builds_the_model_with_the_cases_attention_kernel():
     """Eager attention keeps every layer's score matrices (batch x heads x seq x seq) for backward; SDPA
     and flash-attention keep none. Llama's default under the local transformers is SDPA: naming it
     changes nothing."""
-    from harness.predict.fake import trace
-    from harness.predict.trace import _key
+    from harness.predict.trace.fake import trace
+    from harness.predict.trace.trace import _key
 
     traced = {}
     for attn in (None, "eager", "sdpa", "flash_attention_2"):
@@ -546,7 +546,7 @@ def test_a_kernel_the_local_transformers_refuses_is_set_on_the_models_config():
     import transformers
     from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
 
-    from harness.predict.fake import trace
+    from harness.predict.trace.fake import trace
 
     if getattr(Gemma2PreTrainedModel, "_supports_sdpa", False):
         pytest.skip(f"transformers {transformers.__version__} takes SDPA for Gemma-2: nothing to refuse")
@@ -565,7 +565,7 @@ def test_a_kernel_the_local_transformers_refuses_is_set_on_the_models_config():
 def test_a_tied_head_stays_tied_in_the_trace():
     """`to_empty` unties the output head from the embedding; the trace ties them again, so the
     layout holds one vocab x hidden weight (the job holds one) and the load builds and frees the head."""
-    from harness.predict.fake import trace
+    from harness.predict.trace.fake import trace
 
     spec, config = _attention_spec("qwen2.5-1.5b", None)
     assert config["tie_word_embeddings"]
@@ -587,7 +587,7 @@ def test_the_llamafactory_full_fine_tune_is_built_onto_its_recorded_reserved_pea
     from harness.baselines.store import load_baselines
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.trace import trace_pair
+    from harness.predict.trace.trace import trace_pair
     from harness.spec.cases import load_case
     from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
@@ -613,7 +613,7 @@ def _logged(fn, *, backward_too: bool = True):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.predict.fake import AllocationLog, _cuda_sdpa
+    from harness.predict.trace.fake import AllocationLog, _cuda_sdpa
 
     log = AllocationLog()
     with FakeTensorMode(), _cuda_sdpa(), log:

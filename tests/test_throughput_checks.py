@@ -214,10 +214,10 @@ def test_a_forged_run_record_adds_no_row_and_hides_none(tmp_path, capsys):
 
 
 def test_report_html_keeps_the_predictors_cache_in_its_folder(tmp_path, monkeypatch):
-    """The predictor writes its traces where harness.predict.trace._cache_dir says (the home folder's
+    """The predictor writes its traces where harness.predict.trace.trace._cache_dir says (the home folder's
     cache by default): while the report is built, that is inside the report's folder."""
     pytest.importorskip("matplotlib")
-    from harness.predict import trace
+    from harness.predict.trace import trace
     from harness.report.html import inputs
     from harness.report.html.build import build_report
 

@@ -1,4 +1,4 @@
-"""ZeRO-2 (harness.predict.zero2_stream): the stream with DeepSpeed's buffers in it. With the optimizer on
+"""ZeRO-2 (harness.predict.zero2.stream): the stream with DeepSpeed's buffers in it. With the optimizer on
 the host: the flat buffer and the boundary's gradient casts, against the recorded timeline of the
 architecture benchmark's full fine-tune (Qwen2.5-1.5B, rank 0 of 2, 2 x H200). With the optimizer on the
 device: the engine's casts and partitions, the IPG buckets and the gradient partition, against the three
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from harness.measure.timeline import MemoryTimeline
+from harness.predict.allocator.stream import Stream, module_order
 from harness.predict.dispatch import route_for
 from harness.predict.step import LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
-from harness.predict.stream import Stream, module_order
-from harness.predict.zero2_stream import (
+from harness.predict.zero2.stream import (
     REDUCTION_STREAM,
     Zero2Shape,
     _merged,
@@ -90,9 +90,9 @@ def test_the_stream_against_the_recorded_timeline():
     boundary's casts take segments of DeepSpeed's reduction stream, which the default stream's cache
     cannot serve, and they make the run's reserved peak."""
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero2_stream import Zero2Shape, build, simulate
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero2.stream import Zero2Shape, build, simulate
 
     tl = MemoryTimeline.load(TIMELINE)
     recorded, at_end = {}, {}  # phase -> (allocated peak, reserved at its end), the first span of each
@@ -221,7 +221,7 @@ def test_one_replay_for_every_rank_gives_each_ranks_own_replay():
     """The ranks differ only in their own allocations on the reduction stream and the step's norm casts:
     one replay of the shared stream, each rank's own allocations beside it, gives what replaying each
     rank's whole stream gives."""
-    from harness.predict.allocator import AllocatorConf
+    from harness.predict.allocator.allocator import AllocatorConf
 
     shared = _Shared(Stream([], [], []), [[], []], [], [[3 * 2**20], [2**20, 2**20]], True)
     stream = shared.stream
@@ -246,8 +246,8 @@ def test_ranks_with_the_same_own_allocations_are_replayed_once(monkeypatch):
     """Where the ranks' own allocations are on the default stream (no `overlap_comm`), each rank's whole
     stream is replayed; ranks whose own allocations and norm casts are the same have the same stream, and
     one of them is replayed for all. Guide 000's QLoRA at 8 ranks: 8 replays -> 1."""
-    from harness.predict import zero2_stream
-    from harness.predict.allocator import AllocatorConf
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.zero2 import stream as zero2_stream
 
     shared = _Shared(Stream([], [], []), [[], [], []], [], [[2**20], [3 * 2**20], [2**20]], False)
     stream = shared.stream
@@ -275,7 +275,7 @@ def test_ranks_with_the_same_own_allocations_are_replayed_once(monkeypatch):
 def test_with_the_optimizer_on_the_host_ranks_with_the_same_slices_are_built_once(monkeypatch):
     """With the optimizer on the host a rank's stream differs from another's only by the slices of the flat
     buffer its partition holds: one rank of each set with the same slices is built and replayed."""
-    from harness.predict import zero2_stream
+    from harness.predict.zero2 import stream as zero2_stream
 
     sizes = [4, 4, 4, 4, 4, 4, 8]  # 8 elements a rank: [4, 4] on ranks 0 to 2, [8] on rank 3
     slices = [partition_slices(sizes, 4, rank) for rank in range(4)]
@@ -306,8 +306,8 @@ def _recorded_phases(tl: MemoryTimeline) -> list[tuple[str, int, int]]:
 
 
 def _built_phases(stream: Stream, side: set[int]) -> list[tuple[str, int, int]]:
-    from harness.predict.allocator import AllocatorConf, CachingAllocator
-    from harness.predict.zero2_stream import EMPTY_CACHE
+    from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
+    from harness.predict.zero2.stream import EMPTY_CACHE
 
     sim, blocks, out = CachingAllocator(AllocatorConf()), {}, []
     starts: dict[int, str] = {}
@@ -337,9 +337,9 @@ def test_the_on_device_stream_against_the_recorded_timeline(name):
     reserve is the recording's (three fp32 segments of the loss, not four: the backward's cuBLAS workspace
     comes after the loss's backward); the reserved peak is the recording's to 1 %."""
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero2_stream import build
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero2.stream import build
 
     case_id, suite, path = ON_DEVICE[name]
     tl = MemoryTimeline.load(path)
@@ -371,7 +371,7 @@ def test_the_prediction_of_fits_rung1_config_under_zero2():
 
 
 def test_the_load_before_the_engine_holds_the_adapters_and_a_peft_4bit_models_rest_in_fp32():
-    from harness.predict.stream import RunShape, load_stream
+    from harness.predict.allocator.stream import RunShape, load_stream
 
     # as a DeepSpeed trace holds them: every parameter in the half dtype
     layout = [[64, 2, 0, 0, LAYER_PRE, 0], [256, 2, 1, 0, 0, 0], [8, 2, 0, 1, 0, 1]]

@@ -1,4 +1,4 @@
-"""DeepSpeed's coordinator, replayed over a step, holds what ZeRO-3 holds (harness.predict.zero3)."""
+"""DeepSpeed's coordinator, replayed over a step, holds what ZeRO-3 holds (harness.predict.zero3.coordinator)."""
 
 import dataclasses
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from harness.predict.constants import DS_DEFAULTS
-from harness.predict.zero3 import Zero3Spec, replay
-from harness.predict.zero3_order import ModelLayout, ModuleSpec, ParamSpec
+from harness.predict.zero3.coordinator import Zero3Spec, replay
+from harness.predict.zero3.order import ModelLayout, ModuleSpec, ParamSpec
 
 pytest.importorskip("deepspeed")
 
@@ -97,8 +97,8 @@ def test_the_allocation_stream_adds_up_to_the_gathered_figures():
     """The steady-state step's allocations and frees, in order, are what the peak is made of, the host
     partitions' copies a coalesced gather frees before it returns included (the most live at once over
     every allocation, not only between hook events), and a caching-allocator model can replay them."""
-    from harness.predict.allocator import CachingAllocator
-    from harness.predict.zero3 import COALESCED_STAGING, StreamEvent
+    from harness.predict.allocator.allocator import CachingAllocator
+    from harness.predict.zero3.coordinator import COALESCED_STAGING, StreamEvent
 
     events: list = []
     result = replay(_spec(ranks=2, reuse=0, prefetch_bucket=20 * M, checkpointing="nonreentrant"), record=events,
@@ -128,7 +128,7 @@ def test_fp32_adapters_are_gathered_in_a_buffer_of_their_own():
     `_all_gather_coalesced` makes one `_all_gather_dtype` buffer per communication dtype (bfloat16 before
     float32), so a coalesced gather of a weight and its adapter books two buffers, the adapter's at 4 bytes
     an element, and every host partition copy and parameter copied out at its own dtype."""
-    from harness.predict.zero3 import StreamEvent
+    from harness.predict.zero3.coordinator import StreamEvent
 
     def buffers(**kw):
         events: list = []
@@ -156,7 +156,7 @@ def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
     import subprocess
     import sys
 
-    code = "from harness.predict.zero3 import _deepspeed; _deepspeed()"
+    code = "from harness.predict.zero3.coordinator import _deepspeed; _deepspeed()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -166,7 +166,7 @@ def test_importing_deepspeed_for_the_replay_leaves_stdout_alone():
 def test_layout_of_reads_a_decoder_and_refuses_a_model_without_layers():
     import torch
 
-    from harness.predict.zero3 import layout_of
+    from harness.predict.zero3.coordinator import layout_of
 
     class Layer(torch.nn.Module):
         def __init__(self):
@@ -192,14 +192,14 @@ def test_layout_of_reads_a_decoder_and_refuses_a_model_without_layers():
 def test_a_replay_that_fails_falls_back_to_the_closed_form(monkeypatch):
     from pathlib import Path
 
-    from harness.predict import zero3
     from harness.predict.predictor import predict
+    from harness.predict.zero3 import coordinator
     from harness.spec.cases import CASES_DIR, load_case
 
     def fails(spec):
         raise RuntimeError("tracing error at step 3")
 
-    monkeypatch.setattr(zero3, "gathered", fails)
+    monkeypatch.setattr(coordinator, "gathered", fails)
     p = predict(load_case(Path(CASES_DIR) / "001-ladder-rung4-zero3-offload.yaml"))
     assert any("could not be replayed (tracing error at step 3)" in n for n in p.notes)
     assert p.terms["zero3_offload_staging"] > 0  # the closed form's term
@@ -242,7 +242,7 @@ def test_a_lora_layer_holds_its_lora_A_weight_as_deepspeed_discovers_it():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from harness.predict.zero3 import layout_of
+    from harness.predict.zero3.coordinator import layout_of
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=32)
@@ -256,7 +256,7 @@ def test_a_lora_layer_holds_its_lora_A_weight_as_deepspeed_discovers_it():
 
 
 def test_a_lora_layer_encloses_its_modules_in_forward_and_backward():
-    from harness.predict.zero3_order import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, build_step, step_events
+    from harness.predict.zero3.order import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, build_step, step_events
 
     lora = ParamSpec(11, 1000, True)
     layout = ModelLayout(before=(ModuleSpec("m.embed", (ParamSpec(0, 30 * M, False),)),),
@@ -314,7 +314,7 @@ def test_the_replay_holds_what_the_runs_gathered(name, case_file, within):
 
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict import zero3
+    from harness.predict.zero3 import coordinator
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -323,7 +323,7 @@ def test_the_replay_holds_what_the_runs_gathered(name, case_file, within):
     timeline = MemoryTimeline.load(root / folder / f"{name}.json.gz")
     case = parse_variant(timeline.variant).apply(load_case(root / f"{case_file}.yaml"))
     arch = load_model(case.model)
-    replayed = zero3.replay(zero3.spec_for(case, arch, case.layers or arch.layers))
+    replayed = coordinator.replay(coordinator.spec_for(case, arch, case.layers or arch.layers))
     recorded = _recorded_most_gathered(timeline)
     assert abs(replayed.peak_bytes / recorded - 1) < within, (replayed.peak_bytes / 2**30, recorded / 2**30)
     if "nonreentrant@2r4L" in name:  # in layer 2's backward, where the embedding is prefetched for the end
@@ -385,7 +385,7 @@ def test_the_gather_streams_pool_is_the_recorded_one(folder, case_file, variant,
 
     from harness.models.source import load_model
     from harness.predict.constants import POOL_ROUNDS
-    from harness.predict.zero3 import spec_for
+    from harness.predict.zero3.coordinator import spec_for
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -399,7 +399,7 @@ def test_the_gather_streams_pool_is_the_recorded_one(folder, case_file, variant,
 
 
 def test_the_gather_pool_is_replayed_under_the_cases_allocator_settings():
-    from harness.predict.zero3 import StreamEvent, gather_pool
+    from harness.predict.zero3.coordinator import StreamEvent, gather_pool
 
     mib = 2**20
     # freed in one order, asked for larger: a default allocator keeps both 30 MiB segments and adds one

@@ -1,11 +1,11 @@
-"""DeepSpeed's ZeRO-3 hooks, recorded on the case's model, fire as in a real run (harness.predict.zero3_hooks)."""
+"""DeepSpeed's ZeRO-3 hooks, recorded on the case's model, fire as in a real run (harness.predict.zero3.hooks)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from harness.predict.zero3_order import (
+from harness.predict.zero3.order import (
     BACKWARD_START,
     BWD_POST,
     BWD_PRE,
@@ -30,7 +30,7 @@ LAYER1 = "base_model.model.model.layers.1"
 def recorded():
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.zero3_hooks import hook_spec, record
+    from harness.predict.zero3.hooks import hook_spec, record
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -96,13 +96,13 @@ def _layout() -> ModelLayout:
 
 
 def _log(events):
-    from harness.predict.zero3_hooks import HookLog
+    from harness.predict.zero3.hooks import HookLog
 
     return HookLog.from_dict(json.loads(json.dumps({"events": events, "stack": "m.layers"})))
 
 
 def test_the_two_recorded_layers_are_laid_out_at_the_cases_depth():
-    from harness.predict.zero3_hooks import expand
+    from harness.predict.zero3.hooks import expand
 
     layer = lambda i, e: [[e, f"m.layers.{i}"], [e, f"m.layers.{i}.attn"], [e, f"m.layers.{i}.act"],  # noqa: E731
                           [e, f"m.layers.{i}.mlp"]]
@@ -126,7 +126,7 @@ def test_the_two_recorded_layers_are_laid_out_at_the_cases_depth():
 
 
 def test_hooks_of_one_layer_in_two_runs_are_refused():
-    from harness.predict.zero3_hooks import expand
+    from harness.predict.zero3.hooks import expand
 
     log = _log([[FWD_PRE, "m.layers.0.attn"], [FWD_PRE, "m.layers.1.attn"], [FWD_POST, "m.layers.0.attn"],
                 [BACKWARD_START, "root"], [BWD_PRE, "m.layers.1.attn"], [BWD_POST, "m.layers.0.attn"]])

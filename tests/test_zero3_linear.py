@@ -1,5 +1,5 @@
 """Under ZeRO-3 the trace's linear layers are DeepSpeed's `LinearFunctionForZeroStage3`
-(harness.predict.fake._Zero3Linear): a frozen layer keeps its input for backward."""
+(harness.predict.trace.fake._Zero3Linear): a frozen layer keeps its input for backward."""
 
 import contextlib
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.predict.fake import _zero3_linear, _Zero3Linear
+from harness.predict.trace.fake import _zero3_linear, _Zero3Linear
 
 MiB = 2**20
 
@@ -107,7 +107,7 @@ def test_the_zero3_step_holds_what_guide_001s_recorded_rung_held_at_its_peak():
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
     from harness.predict.step import TraceSpec
-    from harness.predict.trace import extrapolate, trace_pair
+    from harness.predict.trace.trace import extrapolate, trace_pair
     from harness.spec.cases import CASES_DIR, load_case
     from harness.spec.variants import parse_variant
 

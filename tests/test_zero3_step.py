@@ -1,4 +1,4 @@
-"""ZeRO-3's optimizer step on the device (harness.predict.zero3_step): the sub-groups DeepSpeed cuts, and
+"""ZeRO-3's optimizer step on the device (harness.predict.zero3.step): the sub-groups DeepSpeed cuts, and
 the segment the largest one's fp32 gradient takes beyond the forward and backward's reserve, checked
 against DeepSpeed's own code and the recorded Gemma-2-2B timeline."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from harness.measure.timeline import ALLOC, PHASES, SEGMENT_ALLOC, MemoryTimeline
 from harness.predict.predictor import predict
-from harness.predict.zero3_step import full_depth_sizes, sub_groups
+from harness.predict.zero3.step import full_depth_sizes, sub_groups
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.schema import Offload
 from harness.spec.suite import ARCH_CASES_DIR
@@ -59,7 +59,7 @@ def test_gemma2_timeline_peaks_at_the_second_steps_fp32_gradient_segment():
     """The recorded Gemma-2-2B full fine-tune under ZeRO-3 (2 ranks, rank 0) reaches its reserved peak
     when the second optimizer step's fp32 gradient of sub-group 0 takes a segment of its own, on top of
     what the forward and backward reserved. The prediction builds that step into the model's stream
-    (harness.predict.zero3_stream) and adds no segment beside it."""
+    (harness.predict.zero3.stream) and adds no segment beside it."""
     t = MemoryTimeline.load(GEMMA2_TIMELINE)
     curve = t.curve()
     peak, reserved = curve.peak("reserved")

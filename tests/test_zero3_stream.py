@@ -1,5 +1,5 @@
 """ZeRO-3 with `overlap_comm: false`: the model's allocations and DeepSpeed's gathers in one pool
-(harness.predict.zero3_stream)."""
+(harness.predict.zero3.stream)."""
 
 from pathlib import Path
 
@@ -16,7 +16,7 @@ GiB = 2**30
 def test_every_step_interleaves_each_steps_hook_events_with_its_gathers():
     from test_zero3 import _spec  # a sibling test module: pytest puts tests/ on the path
 
-    from harness.predict.zero3 import HookEvent, StreamEvent, replay
+    from harness.predict.zero3.coordinator import HookEvent, StreamEvent, replay
 
     steps: list[list] = []
     steady: list = []
@@ -31,8 +31,8 @@ def test_every_step_interleaves_each_steps_hook_events_with_its_gathers():
 
 
 def test_expand_calls_between_around_every_chunk_event():
+    from harness.predict.allocator.stream import Stream, expand
     from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult
-    from harness.predict.stream import Stream, expand
 
     events = [[1, 0, 100, FORWARD, LAYER_PRE], [1, 1, 10, FORWARD, 0], [1, 2, 10, FORWARD, 1], [0, 1, 10, FORWARD, 1],
               [1, 3, 50, FORWARD, LAYER_POST], [1, 4, 10, BACKWARD, 1], [0, 4, 10, BACKWARD, 1],
@@ -65,9 +65,9 @@ def test_the_built_pool_against_the_recorded_timeline():
     recording), and with the gathers in the pool the built reserve lands within 3% of the recorded 29.77."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -96,11 +96,11 @@ def test_the_full_fine_tunes_model_stream_against_its_recorded_stream(name, load
     from harness.baselines.store import load_baselines
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.allocator.replay import replay
     from harness.predict.dispatch import route_for
-    from harness.predict.replay import replay
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
     from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
@@ -134,7 +134,7 @@ def _model_stream_phase_ends(timeline):
     """Reserved at the end of each phase of the recorded stream 0 alone (the coordinator's and the reduce
     path's streams apart), replayed through the allocator model, and its allocated peak."""
     from harness.measure.timeline import MemoryTimeline
-    from harness.predict.replay import replay
+    from harness.predict.allocator.replay import replay
 
     data = timeline.model_dump()
     keep = [s == 0 for s in data["stream"]]
@@ -164,9 +164,9 @@ def test_the_lora_offload_model_stream_against_its_recorded_stream(timeline_path
     2.775 at 4 layers."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -226,8 +226,8 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     logits the loop still holds."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
     from harness.spec.schema import Offload
     from harness.spec.variants import parse_variant
@@ -251,13 +251,13 @@ def test_nccl_lets_a_prefetched_gathers_host_copy_go_before_its_wait():
     """Qwen2.5-1.5B's full fine-tune with its parameters offloaded, 512 tokens (recorded 3.386 GiB): with
     every host partition copy held to its gather's wait the step stream peaks at 3.734 (+10 %), 709 MiB of
     copies live where the run held 334. NCCL keeps a collective's input until its watchdog, polling every
-    100 ms, has seen it done and the next collective is launched; timed so (`harness.predict.gather_release`,
+    100 ms, has seen it done and the next collective is launched; timed so (`harness.predict.zero3.gather_release`,
     the worst phase on a fast host) the peak is 3.45 GiB, above the run's and within 2 %. The model's own
     stream is the recorded one to the MiB."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict.trace import TraceSpec, trace_pair
-    from harness.predict.zero3_stream import OnePoolShape, build, simulate
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3.stream import OnePoolShape, build, simulate
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -348,9 +348,9 @@ def test_the_gathers_go_where_the_trace_recorded_the_hooks_firing():
     made 6.66 / 5.91."""
     from harness.measure.timeline import MemoryTimeline
     from harness.models.source import load_model
-    from harness.predict import zero3_stream
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.trace import TraceSpec, trace_pair
+    from harness.predict.allocator.allocator import AllocatorConf
+    from harness.predict.trace.trace import TraceSpec, trace_pair
+    from harness.predict.zero3 import stream as zero3_stream
     from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
@@ -388,8 +388,8 @@ def test_the_gathers_go_where_the_trace_recorded_the_hooks_firing():
 def test_the_allocated_peak_is_taken_apart_into_what_was_gathered():
     """`simulate` says how much of the allocated peak DeepSpeed's gathers held, counting each gather's
     block as allocated, also where a freed gather merges with the free blocks beside it."""
-    from harness.predict.stream import Stream
-    from harness.predict.zero3_stream import simulate
+    from harness.predict.allocator.stream import Stream
+    from harness.predict.zero3.stream import simulate
 
     MiB = 2**20
     stream = Stream([], [], [])
@@ -422,29 +422,29 @@ def test_one_replay_serves_the_gathered_figures_and_the_step_stream(monkeypatch,
     is built from them."""
     from test_zero3 import _spec
 
-    from harness.predict import zero3
+    from harness.predict.zero3 import coordinator
 
     monkeypatch.setenv("HARNESS_PREDICT_CACHE", str(tmp_path))
     spec = _spec(ranks=2, prefetch_bucket=20_000_000, checkpointing="nonreentrant", pool_rounds=4)
     calls = []
-    real = zero3.replay
-    monkeypatch.setattr(zero3, "replay", lambda *a, **k: calls.append(1) or real(*a, **k))
-    zero3.gathered.cache_clear()
-    zero3._STEPS.clear()
-    zero3.gathered(spec)
-    steps = zero3.replayed_steps(spec)
+    real = coordinator.replay
+    monkeypatch.setattr(coordinator, "replay", lambda *a, **k: calls.append(1) or real(*a, **k))
+    coordinator.gathered.cache_clear()
+    coordinator._STEPS.clear()
+    coordinator.gathered(spec)
+    steps = coordinator.replayed_steps(spec)
     assert len(calls) == 1 and len(steps) == 4
-    zero3._STEPS.clear()
-    assert zero3.replayed_steps(spec) == steps and len(calls) == 2  # replayed again where not kept
+    coordinator._STEPS.clear()
+    assert coordinator.replayed_steps(spec) == steps and len(calls) == 2  # replayed again where not kept
 
 
 def test_a_lora_layer_s_lora_A_weight_is_one_parameter_of_the_engine():
     """A LoRA layer holds its adapter's `lora_A` weight as DeepSpeed discovers it, beside its `lora_A`
-    module (harness.predict.zero3.layout_of); zero.Init, peft and the engine make it once."""
+    module (harness.predict.zero3.coordinator.layout_of); zero.Init, peft and the engine make it once."""
     from test_zero3 import _layout
 
-    from harness.predict.zero3_order import ModelLayout, ModuleSpec, ParamSpec
-    from harness.predict.zero3_stream import _params
+    from harness.predict.zero3.order import ModelLayout, ModuleSpec, ParamSpec
+    from harness.predict.zero3.stream import _params
 
     base = _layout()
     lora = base.layer[1]  # model.layers.0.attn.lora, its adapter

@@ -5,7 +5,7 @@
   gathered at once beside what a forward keeps, or every layer's frozen weights retained (reentrant
   checkpointing);
 * `zero3_step_stream`: the allocator model's allocated peak over the step built as one stream with
-  DeepSpeed's gathers among the model's allocations (harness.predict.zero3_stream), the gathered bytes and
+  DeepSpeed's gathers among the model's allocations (harness.predict.zero3.stream), the gathered bytes and
   the activations each as they are at that moment; the terms' figure is kept as `allocated_by_terms`.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.predict import zero3_stream
 from harness.predict.constants import COPY_BYTES_PER_S, HOST_S_PER_ALLOCATION, GiB
 from harness.predict.job import Job
 from harness.predict.margin import MARGIN_FLOOR
-from harness.predict.trace import extrapolate
+from harness.predict.trace.trace import extrapolate
 from harness.predict.traced import Traced
+from harness.predict.zero3 import stream as zero3_stream
 
 
 @dataclass
@@ -48,7 +48,7 @@ def step_stream(job: Job, notes: list[str]) -> zero3_stream.OnePoolRun | None:
 
 def _gather_peak(job: Job, t: Traced, resident: int, above: int) -> tuple[int, int, int]:
     """(gather peak, gathered bytes above the backward's start, activations held then): the most ZeRO-3
-    parameters gathered at once (harness.predict.zero3) beside the activations a forward keeps.
+    parameters gathered at once (harness.predict.zero3.coordinator) beside the activations a forward keeps.
 
     Where the replay puts that peak in a layer's backward, the layers above it are done: their saved layer
     inputs (the checkpoints) are freed, and what a forward through this layer and those below it keeps is

@@ -13,13 +13,13 @@ needs no prediction and costs milliseconds):
   allocator keeps their blocks (about two of them on guide 000's 32B). Median over finished
   ZeRO-3 runs; on two cards fitted on two models (guide 000's 32B, guide 002's Gemma-3 27B). What the
   predictor adds from DeepSpeed's code is taken out first: under ZeRO-3 with optimizer offload, the
-  reduce stream's pool of a full fine-tune (harness.predict.zero3_step.reduce_stream_reserve over its
+  reduce stream's pool of a full fine-tune (harness.predict.zero3.step.reduce_stream_reserve over its
   largest parameter, `reduce_pool_bytes`: 3.95 GiB of guide 002's 20.4 GiB, which leaves it 1.6-1.9
   units beside guide 000's 1.7-2.6; a LoRA run's is a few MiB and is left in). The optimizer step's
   fp32 gradient segment without offload is not subtracted: none of the bundled guides' ZeRO-3 runs
   adds it (their sub-groups are LoRA adapters, or the optimizer is offloaded). A full fine-tune with its
   parameters on the device does not use it: its gather stream's pool is replayed
-  (harness.predict.zero3.gather_pool).
+  (harness.predict.zero3.coordinator.gather_pool).
 * ``device_overhead``: device (NVML, per process) minus reserved: the CUDA context, cuBLAS/cuDNN
   handles and module images outside the allocator. Median over baselines without DeepSpeed,
   OOM outcomes included (the overhead does not depend on where the run stopped), runs on a cold
@@ -56,7 +56,18 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import harness.baselines.store as store
+import harness.predict.device as device
+import harness.spec.schema as schema
+import harness.spec.shape as shape
+from harness.baselines.store import read_baselines
+from harness.models.registry import ARCH_DIR
+from harness.models.source import load_model
+from harness.predict.allocator.allocator import AllocatorConf, AllocConfError
 from harness.predict.constants import PRIORS
+from harness.predict.device import collective_before_engine
+from harness.predict.zero3.step import reduce_stream_reserve
+from harness.spec.cases import load_case
 from harness.spec.files import write_atomic
 from harness.spec.suite import BASELINES_DIR as RESULTS_DIR
 from harness.spec.suite import CASES_DIR
@@ -112,9 +123,6 @@ def _observations(root: str, case_dir: str) -> tuple[_Obs, ...]:
 
 
 def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list[str]]:
-    from harness.baselines.store import read_baselines
-    from harness.predict.device import collective_before_engine
-    from harness.spec.cases import load_case
 
     baselines, warnings = read_baselines(Path(root))
     cases = {}
@@ -148,11 +156,6 @@ def _read_observations(root: str, case_dir: str) -> tuple[tuple[_Obs, ...], list
 
 
 def _inputs_key(root: Path, case_dir: Path) -> str:
-    import harness.baselines.store as store
-    import harness.predict.device as device
-    import harness.spec.schema as schema
-    import harness.spec.shape as shape
-    from harness.models.registry import ARCH_DIR
 
     h = hashlib.sha256(Path(__file__).read_bytes())
     # the code that decides what an observation is (a baseline's case as measured, its DeepSpeed collective)
@@ -169,7 +172,7 @@ def _inputs_key(root: Path, case_dir: Path) -> str:
 
 
 def _cache_file(key: str) -> Path | None:
-    from harness.predict.trace import _cache_dir  # the predictor's cache folder (HARNESS_PREDICT_CACHE)
+    from harness.predict.trace.trace import _cache_dir  # the predictor's cache folder (HARNESS_PREDICT_CACHE)
 
     folder = _cache_dir()
     return None if folder is None else folder / f"calibration-{key}.json"
@@ -201,7 +204,6 @@ def largest_gather_bytes(case) -> int:
     """Bytes of the largest single parameter a ZeRO-3 rank gathers whole: the embedding / output
     head (vocab x hidden) or an MLP matrix (intermediate x hidden), in the half dtype. From the
     architecture's config (a closed form, not a trace), so fitting stays cheap."""
-    from harness.models.source import load_model
 
     cfg = load_model(case.model).config
     hidden = int(cfg.get("hidden_size", 0))
@@ -215,8 +217,6 @@ def reduce_pool_bytes(case) -> int:
     over the largest parameter (`largest_gather_bytes`' elements, partitioned over the ranks), which
     sets it where that parameter's copy, norm and cast need the most; 0 for other cases. A closed form
     of the config, so fitting stays cheap."""
-    from harness.predict.allocator import AllocatorConf, AllocConfError
-    from harness.predict.zero3_step import reduce_stream_reserve
 
     if case.method.kind != "full":
         return 0

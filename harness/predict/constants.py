@@ -76,7 +76,7 @@ NCCL_START_ALIGNMENT = 2
 # --- copied: the card (NVIDIA's H100 SXM and H200 specifications, compute capability 9.0) ---------------------
 
 # streaming multiprocessors, and the threads each holds: how `gpu_reduce_kernel` (aten/src/ATen/native/cuda/
-# Reduce.cuh) splits a reduction across blocks (`harness.predict.fake._global_reduction`)
+# Reduce.cuh) splits a reduction across blocks (`harness.predict.trace.fake._global_reduction`)
 SMS = 132  # streaming multiprocessors of an H100 SXM and of an H200
 THREADS_PER_SM = 2048  # resident threads per multiprocessor, compute capability 9.0
 
@@ -110,7 +110,7 @@ PRIORS = {"reserved_over_allocated": 1.05, "zero3_cached_gathers": 2.0, "device_
 # --- replay bounds (not figures of any run) ---------------------------------------------------------------
 
 # At most this many optimizer steps are replayed while the allocator's state still changes from one step to
-# the next (a bound on the replay's time: see `harness.predict.stream.simulate_run`).
+# the next (a bound on the replay's time: see `harness.predict.allocator.stream.simulate_run`).
 MAX_STEPS = 8
 # ZeRO-3's coordinator: the first step records DeepSpeed's trace, the second uses it
 ROUNDS = 2
@@ -118,7 +118,7 @@ ROUNDS = 2
 # micro-steps); on guide 000's it still grew in the third, on Phi-3-mini's and Gemma-2-2B's not after the
 # second. LoRA with its parameters offloaded too: its recorded gather streams settle in the second micro-step
 # (guide 000's 32B, Mistral-7B), and a fourth replayed step changes no figure of those runs; four are
-# replayed, as the step stream the allocated peak is taken from is built over (harness.predict.zero3_stream),
+# replayed, as the step stream the allocated peak is taken from is built over (harness.predict.zero3.stream),
 # so one replay serves both
 POOL_ROUNDS = 4
 # ZeRO-3's step stream: two optimizer steps of two micro-steps, as the recorded runs made
@@ -132,5 +132,5 @@ RECORDED_LAYERS = 2
 # the hooks fire per module call, whatever the batch: one sequence this long is recorded for every shape of
 # a config, so configs that differ only in batch, length or accumulation (fit's candidates) share one recording
 RECORDED_TOKENS = 64
-# NCCL's watchdog phases tried, evenly over one poll period (`harness.predict.gather_release`)
+# NCCL's watchdog phases tried, evenly over one poll period (`harness.predict.zero3.gather_release`)
 PHASES = 20

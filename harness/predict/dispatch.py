@@ -10,7 +10,7 @@ names the method of each part:
 
 * allocated: `terms` (the closed-form states beside the trace's peaks, harness.predict.states) or
   `zero3_step_stream` (the step built as one stream with DeepSpeed's gathers among the model's allocations,
-  harness.predict.zero3_stream);
+  harness.predict.zero3.stream);
 * reserved: one of `RESERVED` below; a method that follows the allocator model needs the allocator it
   models (`RESERVED[...].allocators`), and on another one the row's `fallback` sizes it;
 * device: the device's own parts beside the allocator (harness.predict.device), the same for every row.
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.predict.allocator import AllocatorConf
+from harness.models.inputs import InputError
+from harness.predict.allocator.allocator import AllocatorConf, AllocConfError
 from harness.predict.step import zero_init
 from harness.spec.schema import Case, Offload
 
@@ -44,20 +45,20 @@ ALLOCATED = {m.name: m for m in (
     Method("terms", "the model states beside the trace's step peak, the optimizer step's and ZeRO-3's gathers",
            "harness.predict.states"),
     Method("zero3_step_stream", "the allocator model's allocated peak over the step built as one stream with "
-           "DeepSpeed's gathers among the model's allocations", "harness.predict.zero3_stream"),
+           "DeepSpeed's gathers among the model's allocations", "harness.predict.zero3.stream"),
 )}
 RESERVED = {m.name: m for m in (
-    Method("stream", "the allocator model over the traced load and optimizer steps", "harness.predict.stream",
+    Method("stream", "the allocator model over the traced load and optimizer steps", "harness.predict.allocator.stream",
            ("native", "expandable")),
     Method("ratio", "allocated x reserved_over_allocated (fitted)", "harness.predict.calibration"),
     Method("zero2_stream", "the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps",
-           "harness.predict.zero2_stream", ("native", "expandable")),
+           "harness.predict.zero2.stream", ("native", "expandable")),
     Method("zero3_one_pool", "the allocator model over zero.Init's load, the engine's buffers and four "
-           "micro-steps with the gathers in the model's pool", "harness.predict.zero3_stream", ("native",)),
+           "micro-steps with the gathers in the model's pool", "harness.predict.zero3.stream", ("native",)),
     Method("zero3_model_stream", "the allocator model over the model's own stream, beside the replayed gather "
-           "stream's pool and the reduce stream's", "harness.predict.zero3_stream", ("native",)),
+           "stream's pool and the reduce stream's", "harness.predict.zero3.stream", ("native",)),
     Method("zero3_gather_pool", "(allocated - gathered) x reserved_over_allocated, beside the replayed gather "
-           "stream's pool, the fp32 gradient segment and the reduce stream's pool", "harness.predict.zero3",
+           "stream's pool, the fp32 gradient segment and the reduce stream's pool", "harness.predict.zero3.coordinator",
            ("native",)),
     Method("zero3_ratio", "allocated x reserved_over_allocated + zero3_cached_gathers x the largest gathered "
            "parameter, the fp32 gradient segment and the reduce stream's pool", "harness.predict.calibration"),
@@ -179,8 +180,6 @@ class Route:
 def alloc_conf(case: Case) -> AllocatorConf:
     """The case's PYTORCH_CUDA_ALLOC_CONF (`launch.env`) as the allocator model reads it; one it cannot read
     is bad input."""
-    from harness.models.inputs import InputError
-    from harness.predict.allocator import AllocConfError
 
     try:
         return AllocatorConf.parse(case.launch.env.get("PYTORCH_CUDA_ALLOC_CONF", ""), "PYTORCH_CUDA_ALLOC_CONF")

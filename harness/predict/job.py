@@ -26,7 +26,7 @@ class Job:
     arch: Architecture
     layers: int  # the depth predicted at: the case's `layers`, else the model's
     hidden: int
-    trace_spec: object  # harness.predict.trace.TraceSpec
+    trace_spec: object  # harness.predict.trace.trace.TraceSpec
     route: Route
     notes: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)

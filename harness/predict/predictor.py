@@ -10,14 +10,14 @@ in `Prediction.stages` with the method that sized it and its figures (`oom-harne
 0. route (`harness.predict.dispatch`): the config's kind picks the table's row, which names the method of
    each part below.
 1. trace (`harness.predict.traced`): one training micro-step of the real model code at full width with 1
-   and 2 layers, on fake tensors, as the case's stack builds and trains it (`harness.predict.trace`);
+   and 2 layers, on fake tensors, as the case's stack builds and trains it (`harness.predict.trace.trace`);
    extrapolated affinely to the case's depth. Gives the step's transient peak above the model states, the
    activations a forward keeps, the logits, the parameter inventory, and the step's allocations and frees by
    layer (the allocator model's input). Traces are cached in-process and on disk (keyed by spec, code and
    library versions), so a repeated prediction imports neither torch nor transformers.
 2. states (`harness.predict.states`): weights (4-bit storage, fp32 upcasts, ZeRO-3 partitions and
    persistent parameters), adapters, gradients, AdamW / DeepSpeed optimizer state, ZeRO buckets and the
-   gathered ZeRO-3 parameters (DeepSpeed's coordinator replayed over the step, `harness.predict.zero3`;
+   gathered ZeRO-3 parameters (DeepSpeed's coordinator replayed over the step, `harness.predict.zero3.coordinator`;
    the closed form where it cannot be), offload to host, cuBLAS workspaces.
 3. allocated (`harness.predict.allocated`): the states beside the largest of the step's peaks (`terms`), or
    the peak of the step built as one stream with DeepSpeed's gathers in it (`zero3_step_stream`).
@@ -54,7 +54,7 @@ from harness.predict.dispatch import route_for
 from harness.predict.job import Job, Stage
 from harness.predict.margin import Margin, margin_for
 from harness.predict.reserved import reserved
-from harness.predict.trace import TraceSpec
+from harness.predict.trace.trace import TraceSpec
 from harness.predict.traced import Traced, traced, with_states
 from harness.spec.schema import Case, Offload
 from harness.spec.variants import Variant, parse_variant

@@ -3,17 +3,17 @@
 One function per method of the dispatch table (`harness.predict.dispatch.RESERVED`), chosen by
 `job.route.reserved` in `METHODS`:
 
-* `stream`: the allocator model (harness.predict.allocator) over the run's allocation stream built from the
-  traces (harness.predict.stream: the load, optimizer steps until the allocator's state repeats);
+* `stream`: the allocator model (harness.predict.allocator.allocator) over the run's allocation stream built from the
+  traces (harness.predict.allocator.stream: the load, optimizer steps until the allocator's state repeats);
 * `ratio`: allocated x reserved_over_allocated (harness.predict.calibration, fitted per platform);
 * `zero2_stream`: the allocator model over a stream with DeepSpeed's ZeRO-2 buffers in it
-  (harness.predict.zero2_stream);
+  (harness.predict.zero2.stream);
 * `zero3_one_pool`: the allocator model over zero.Init's load, the engine's buffers and four micro-steps with
-  DeepSpeed's gathers in the model's pool (harness.predict.zero3_stream, `overlap_comm: false`);
+  DeepSpeed's gathers in the model's pool (harness.predict.zero3.stream, `overlap_comm: false`);
 * `zero3_model_stream`, `zero3_gather_pool`, `zero3_ratio`: ZeRO-3's reserve in parts, the model's pool (its
   own stream built, or the ratio) beside the gather stream's pool (DeepSpeed's all-gathers replayed through
-  the allocator model, harness.predict.zero3.gather_pool, or zero3_cached_gathers x the largest gathered
-  parameter), the optimizer step's fp32 gradient segment (harness.predict.zero3_step) and the reduce
+  the allocator model, harness.predict.zero3.coordinator.gather_pool, or zero3_cached_gathers x the largest gathered
+  parameter), the optimizer step's fp32 gradient segment (harness.predict.zero3.step) and the reduce
   stream's pool under optimizer offload.
 
 Each returns the reserve and what of it is held apart from the model's pool (`beyond_allocated`).
@@ -23,16 +23,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.predict import zero2_stream, zero3_stream
 from harness.predict.allocated import Allocated
+from harness.predict.allocator.stream import RunShape, StreamError, start_states
 from harness.predict.calibration import largest_gather_bytes
 from harness.predict.constants import GiB
 from harness.predict.dispatch import alloc_conf
 from harness.predict.job import Job
-from harness.predict.stream import RunShape, StreamError, start_states
-from harness.predict.trace import extrapolate, simulated_run
+from harness.predict.trace.trace import extrapolate, simulated_run
 from harness.predict.traced import Traced, trainable_sizes
-from harness.predict.zero3_step import fp32_grad_segment, reduce_stream_reserve
+from harness.predict.zero2 import stream as zero2_stream
+from harness.predict.zero3 import stream as zero3_stream
+from harness.predict.zero3.step import fp32_grad_segment, reduce_stream_reserve
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _ratio(job: Job, t: Traced, a: Allocated, values: dict[str, float]) -> tuple
 
 
 def _stream(job: Job, t: Traced, a: Allocated, values: dict[str, float]) -> tuple[Reserved, str]:
-    """The allocator model over the run's stream (harness.predict.stream)."""
+    """The allocator model over the run's stream (harness.predict.allocator.stream)."""
     ratio = values["reserved_over_allocated"]
     by_ratio = int(a.peak * ratio)
     try:
@@ -228,7 +229,7 @@ def _zero3_parts(job: Job, t: Traced, a: Allocated, values: dict[str, float], *,
 
 def _reduce_stream(job: Job, t: Traced) -> int:
     """ZeRO-3 with optimizer offload: what DeepSpeed's reduce stream reserves beside the model's pool
-    (harness.predict.zero3_step.reduce_stream_reserve), 0 elsewhere."""
+    (harness.predict.zero3.step.reduce_stream_reserve), 0 elsewhere."""
     ranks = job.case.launch.ranks
     partitions = [-(-n // ranks) for n in reversed(trainable_sizes(job.case, t.r1, job.layers, t.r2))]
     pool = reduce_stream_reserve(job.case, partitions, alloc_conf(job.case))
@@ -241,7 +242,7 @@ def _reduce_stream(job: Job, t: Traced) -> int:
 
 def _fp32_grad_segment(job: Job, t: Traced) -> int:
     """ZeRO-3 without optimizer offload: the segment the optimizer step's fp32 gradient of the largest
-    sub-group takes beyond the forward and backward's reserve (harness.predict.zero3_step), 0 elsewhere."""
+    sub-group takes beyond the forward and backward's reserve (harness.predict.zero3.step), 0 elsewhere."""
     case, r1, r2, layers = job.case, t.r1, t.r2, job.layers
     sizes = trainable_sizes(case, r1, layers, r2) if case.method.kind == "full" else None
     trainable = sum(sizes) if sizes else round(extrapolate(r1.params.trainable, r2.params.trainable, layers))

@@ -1,7 +1,7 @@
 """Closed-form model-state terms: what fake tensors cannot see.
 
 Per GPU process (worst rank) and per node, in bytes, from the parameter inventory of the traced
-model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and the case:
+model (`harness.predict.trace.trace.ParamInfo`, extrapolated to the case's depth) and the case:
 
 * weights: the parameters as the stack holds them (bf16/fp16; peft's k-bit preparation makes
   non-4-bit parameters fp32; LoRA adapters fp32 (peft's `autocast_adapter_dtype`), cast to the half
@@ -16,7 +16,7 @@ model (`harness.predict.trace.ParamInfo`, extrapolated to the case's depth) and 
   parameter instead, `zero2_offload_grad_buffer`); the reduce buckets (contiguous gradients: one bucket, two with
   overlap_comm); ZeRO-3 parameters / W (host with parameter offload), parameters under the
   persistence threshold kept whole on every rank, and the gathered parameters: what DeepSpeed's own
-  coordinator, replayed over the step (`harness.predict.zero3`), holds when backward starts and at
+  coordinator, replayed over the step (`harness.predict.zero3.coordinator`), holds when backward starts and at
   most (prefetch, reuse distance, live-parameter limit, recomputation under checkpointing, offload
   staging); for a full fine-tune with parameter offload (`harness.predict.predictor`), or without
   DeepSpeed installed, the closed form (the largest of the output head and one layer's largest
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from harness.predict.constants import CUBLAS_WORKSPACES_STATES, DS_DEFAULTS, HALF_BYTES, GiB
 from harness.predict.step import fp32_trainable_parameters, fused_adamw, reentrant_checkpointing, zero_init
-from harness.predict.zero3 import Gathered
+from harness.predict.zero3.coordinator import Gathered
 from harness.spec.dsconfig import auto_sizes
 from harness.spec.schema import Case, Offload
 
@@ -223,7 +223,7 @@ def _zero3_gathered(case: Case, inv: Inventory, hidden: int, half: int, gathered
     the closed form (and the reentrant retention of frozen weights)."""
     ds, W = case.deepspeed, case.launch.ranks
     if gathered is not None:
-        # DeepSpeed's coordinator replayed over the step (harness.predict.zero3): what is gathered
+        # DeepSpeed's coordinator replayed over the step (harness.predict.zero3.coordinator): what is gathered
         # when backward starts is resident through the step's transient peak; the most gathered at
         # once, anywhere in the step, is a second candidate for the peak (the predictor takes the larger)
         dev["zero3_gathered_params"] = gathered.backward_start_bytes
@@ -266,7 +266,7 @@ def zero2_offload_grad_buffer(inv: Inventory, tbytes: int) -> int:
 def zero3_reentrant_retention(case: Case, inv: Inventory, hidden: int) -> int:
     """Bytes of gathered frozen weights ZeRO-3 keeps on the device through the forward when the
     layers are checkpointed reentrantly; 0 where it does not apply. Used only by the closed form
-    (DeepSpeed not installed): the replay of DeepSpeed's coordinator (`harness.predict.zero3`) finds
+    (DeepSpeed not installed): the replay of DeepSpeed's coordinator (`harness.predict.zero3.coordinator`) finds
     the same retention from DeepSpeed's own rule, which ties the frozen weights fetched by a
     recomputed forward to the newest module in backward, under reentrant checkpointing the root,
     released only when backward ends.

@@ -1,7 +1,7 @@
 """One traced training micro-step: what of a case changes it (the spec), and what tracing it gives.
 
-Shared by the tracer (`harness.predict.fake`, which runs the model code) and its caches
-(`harness.predict.trace`), so neither imports the other's half.
+Shared by the tracer (`harness.predict.trace.fake`, which runs the model code) and its caches
+(`harness.predict.trace.trace`), so neither imports the other's half.
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ class TraceResult:
     params: ParamInfo
     seconds: float
     cached: bool = False
-    # the step's allocations and frees in order, [op, id, bytes, phase, layer] (harness.predict.fake.AllocationLog)
+    # the step's allocations and frees in order, [op, id, bytes, phase, layer]
+    # (harness.predict.trace.fake.AllocationLog)
     events: list[list[int]] = field(default_factory=list)
     # every parameter in load order, [elements, bytes per element, quantized, trainable, layer, adapter]
     layout: list[list[int]] = field(default_factory=list)
@@ -186,8 +187,8 @@ class TraceResult:
     # (-1: none seen)
     matmuls: list[int] = field(default_factory=list)
     # at 2 layers where `TraceSpec.zero3_hook_positions`: where DeepSpeed's hooks fire among `events`, [events
-    # logged before it, in backward, event, module name] (harness.predict.zero3_hook_calls.positions; the events
-    # as harness.predict.zero3_order numbers them)
+    # logged before it, in backward, event, module name] (harness.predict.zero3.hook_calls.positions; the events
+    # as harness.predict.zero3.order numbers them)
     hooks: list[list] = field(default_factory=list)
     attention: str = ""  # the attention implementation the traced model dispatched through
     attention_note: str = ""  # how it came to, where the local transformers refused the case's

@@ -1,9 +1,10 @@
 """The predictor's first stage: the step traced on fake tensors, and ZeRO-3's gathered set replayed.
 
-`traced(job)` gives the 1- and 2-layer traces of the case's step (harness.predict.trace), their figures
+`traced(job)` gives the 1- and 2-layer traces of the case's step (harness.predict.trace.trace), their figures
 extrapolated to the case's depth, and the parameter inventory the closed-form states are sized from;
-`gathered_set(job)` DeepSpeed's coordinator replayed over the step (harness.predict.zero3). On a cold start of
-a ZeRO-3 case the two run side by side, the trace in a forked child (`trace_alongside`).
+`with_states(job, traced)` DeepSpeed's coordinator replayed over the step (harness.predict.zero3.coordinator)
+and the closed-form states beside it. On a cold start of a ZeRO-3 case the trace and the replay run side by
+side, the trace in a forked child (`trace_alongside`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from harness.models.registry import Architecture
-from harness.predict import trace, zero3, zero3_stream
 from harness.predict.dispatch import route_for
 from harness.predict.job import Job
 from harness.predict.states import Inventory, States, model_states
 from harness.predict.step import LAYER_POST, LAYER_PRE
-from harness.predict.zero3_step import full_depth_sizes
+from harness.predict.trace import trace
+from harness.predict.zero3 import coordinator
+from harness.predict.zero3 import stream as zero3_stream
+from harness.predict.zero3.step import full_depth_sizes
 from harness.spec.schema import Case
 
 
@@ -47,13 +50,13 @@ def _trainable_rows(r1, layers: int) -> list[int]:
 
 
 def zero3_gathered(case: Case, arch: Architecture, layers: int, notes: list[str]):
-    """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3), for LoRA, QLoRA and
+    """DeepSpeed's coordinator replayed over the case's step (harness.predict.zero3.coordinator), for LoRA, QLoRA and
     full fine-tunes alike; None where the case is not ZeRO-3 or DeepSpeed is not installed (states.py then
     uses its closed form)."""
     if case.deepspeed is None or case.deepspeed.stage != 3:
         return None
     try:
-        return zero3.gathered(zero3.spec_for(case, arch, layers))
+        return coordinator.gathered(coordinator.spec_for(case, arch, layers))
     except ImportError as exc:
         notes.append(f"ZeRO-3 gathered set: the closed form; DeepSpeed's coordinator could not be imported ({exc})")
     except (ValueError, RuntimeError, AssertionError) as exc:  # a model or hook order the replay cannot follow
@@ -103,9 +106,9 @@ def trace_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> 
     """On a cold start of a ZeRO-3 case, trace the step in a forked child while this process replays
     DeepSpeed's coordinator: once the model's module layout is built here (transformers imported once),
     the two are independent and each takes seconds. This process replays what the step stream is built
-    from (`zero3.replayed_steps`, four steps), then builds that stream with the child's traces while the
+    from (`coordinator.replayed_steps`, four steps), then builds that stream with the child's traces while the
     child replays the gathered set (two steps); where the two specs are one, or no step stream is built,
-    this process replays the gathered set (`zero3.gathered`, which keeps its steps) and the child only
+    this process replays the gathered set (`coordinator.gathered`, which keeps its steps) and the child only
     traces. None where nothing is gained or forking is not safe: a trace this process or the disk cache
     already has, one CPU, or threads running in this process (a forked child holds only the forking
     thread, and a lock another thread held stays locked in it)."""
@@ -115,8 +118,8 @@ def trace_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> 
             or "fork" not in multiprocessing.get_all_start_methods() or trace._load(trace_spec) is not None):
         return None
     try:  # the model's layout first, here: it builds the model as the trace will
-        zero3.layout(trace_spec)
-        spec = zero3.spec_for(case, arch, layers)
+        coordinator.layout(trace_spec)
+        spec = coordinator.spec_for(case, arch, layers)
         steps = (zero3_stream.step_spec(zero3_stream.OnePoolShape.of(case, arch, layers))
                  if route_for(case).allocated == "zero3_step_stream" else spec)
     except Exception:  # met again, and reported, by the in-process trace and replay
@@ -130,9 +133,9 @@ def trace_alongside(case: Case, arch: Architecture, layers: int, trace_spec) -> 
     send.close()
     try:
         if child_gathers:
-            zero3.replayed_steps(steps)
+            coordinator.replayed_steps(steps)
         else:
-            zero3.gathered(spec)
+            coordinator.gathered(spec)
     except Exception:  # met again, and reported, where the prediction replays
         pass
     return TracedAlongside(child, receive, child_gathers)
@@ -175,15 +178,15 @@ def trainable_sizes(case: Case, r1, layers: int, r2=None) -> list[int]:
 class Traced:
     """The step as traced, at the case's depth, and what the states stage adds to it."""
 
-    r1: object  # harness.predict.trace.TraceResult at 1 layer
+    r1: object  # harness.predict.trace.trace.TraceResult at 1 layer
     r2: object  # and at 2
     peak: int  # the step's transient peak above the model states
     held: int  # the activations a forward keeps
     inv: Inventory
     alongside: TracedAlongside | None = None  # the forked child that traced, where one did
-    stepped: object | None = None  # harness.predict.zero3_stream.OnePoolRun: the step's stream, where built
+    stepped: object | None = None  # harness.predict.zero3.stream.OnePoolRun: the step's stream, where built
     stream_notes: list[str] = field(default_factory=list)  # its notes, added where it is used
-    gathered: object | None = None  # harness.predict.zero3.Gathered: the replayed gathered set, ZeRO-3 only
+    gathered: object | None = None  # harness.predict.zero3.coordinator.Gathered: the replayed gathered set, ZeRO-3 only
     states: States | None = None
 
 

@@ -21,6 +21,7 @@ _LEAVES_OUT = ("an untied output head (it sizes AutoModel), activations, ZeRO pa
 
 
 def accelerate_estimate(case: Case, counts: ModelCounts) -> Estimate:
+    # heavy: accelerate imports torch; only the reference estimators need it
     from accelerate.commands.estimate import estimate_training_usage
 
     dtype = DTYPE[case.precision]

@@ -58,6 +58,7 @@ def config_counts(config: dict) -> ModelCounts:
 
 @functools.lru_cache(maxsize=32)
 def _counts(config_json: str) -> ModelCounts:
+    # heavy: torch, accelerate and transformers, only to count a model built on meta
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import calculate_maximum_sizes

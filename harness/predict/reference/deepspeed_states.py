@@ -35,6 +35,7 @@ def deepspeed_estimate(case: Case, counts: ModelCounts) -> Estimate:
     n, layer = counts.total_params, counts.largest_layer_params
     opt_off = ds is not None and ds.offload_optimizer == Offload.cpu
     if stage == 3:
+        # heavy: DeepSpeed (and torch), only for its own estimator
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         param_off = ds.offload_param == Offload.cpu
@@ -53,6 +54,7 @@ def deepspeed_estimate(case: Case, counts: ModelCounts) -> Estimate:
             if param_off:
                 what += " (its estimator has no row for parameter offload without optimizer offload)"
     else:
+        # heavy: DeepSpeed (and torch), only for its own estimator
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         gpus = case.launch.ranks if stage else 1

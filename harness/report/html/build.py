@@ -22,7 +22,7 @@ CACHE = ".predict-cache"  # the predictor's trace cache, inside the report's fol
 
 @contextlib.contextmanager
 def _cache_inside(folder: Path):
-    """The predictor keeps its traces on disk (harness.predict.trace; by default in the home folder's
+    """The predictor keeps its traces on disk (harness.predict.trace.trace; by default in the home folder's
     cache): while a report is built they go into a folder inside the report's, removed once the page is
     drawn, so that `report --html` leaves nothing but its page. A cache the user named
     (HARNESS_PREDICT_CACHE, "off" included) is theirs to share between reports, and is used as it is."""

@@ -98,7 +98,7 @@ class ReportInputs:
 def _predicted(case_json: str, platform: str, exclude: str):
     """The predictor's figures for one measured config (a case with its variant applied), its
     platform's calibration without the case itself (as benchmarks/bench_predictor.py does). Kept
-    in-process; the predictor keeps its traces on disk (harness.predict.trace), so a second report
+    in-process; the predictor keeps its traces on disk (harness.predict.trace.trace), so a second report
     on one machine traces nothing."""
     from harness.predict.predictor import predict
 

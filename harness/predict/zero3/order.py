@@ -2,10 +2,10 @@
 derived from the module tree.
 
 A case's model has the order of its hooks recorded: DeepSpeed's own hook registration on the model as the
-trace builds it (`harness.predict.zero3_hooks`). What is here serves that and what has no model behind it:
+trace builds it (`harness.predict.zero3.hooks`). What is here serves that and what has no model behind it:
 
 * `ModelLayout`: the parameter-holding modules of a model with one decoder layer, split around the layer
-  (`harness.predict.zero3.layout_of`); `build_step` repeats the layer to any depth with fresh parameters.
+  (`harness.predict.zero3.coordinator.layout_of`); `build_step` repeats the layer to any depth with fresh parameters.
 * `step_events`: the hook order derived from a layout alone, for a layout built by hand (the coordinator's
   unit tests): forward in definition order, each module around the modules its name prefixes; backward in
   reverse, a pre-backward where the module's output needs a gradient and a post-backward where its input

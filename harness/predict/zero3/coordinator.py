@@ -10,7 +10,7 @@ gathered, and after a module releases only the parameters not used again within
 frozen parameters fetched by a recomputed forward to the module whose backward is running, and
 releases them with it. None of this is re-derived here: `gathered` runs that class itself, from the
 installed DeepSpeed, over the hook events of the case's step (DeepSpeed's hooks recorded on the case's
-model, `harness.predict.zero3_hooks`; derived from the module tree, `harness.predict.zero3_order`, for a
+model, `harness.predict.zero3.hooks`; derived from the module tree, `harness.predict.zero3.order`, for a
 layout with no model behind it) with stand-in parameters that carry DeepSpeed's attributes (ds_id,
 ds_numel, ds_status, ds_persist, ...) and whose all-gather only records what it would allocate on the device:
 
@@ -32,7 +32,7 @@ Every one of these allocations is made on the coordinator's all-gather stream (`
 `all_gather_coalesced` and the handle's `wait` both run under it), so the caching allocator keeps
 their blocks in a pool of that stream's own, apart from the model's. `gather_pool` replays the
 allocations and frees of every replayed step, in order, through the allocator model
-(`harness.predict.allocator`) on one stream: the reserve that pool reaches (`Gathered.pool_bytes`).
+(`harness.predict.allocator.allocator`) on one stream: the reserve that pool reaches (`Gathered.pool_bytes`).
 
 Two rounds of (forward, backward) run: DeepSpeed records the module order in the first and uses it
 from the second, which is the steady state every later micro-step repeats (where the gather stream's
@@ -58,14 +58,20 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata as md
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
 from harness.predict.constants import DS_DEFAULTS, POOL_ROUNDS, ROUNDS
 from harness.predict.dispatch import replays_gather_pool
-from harness.predict.zero3_order import (
+from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
+from harness.predict.trace.trace import _cache_dir
+from harness.predict.trace.trace import _code_key as model_code_key
+from harness.predict.zero3.hooks import HookLog, expand, hook_spec, record
+from harness.predict.zero3.order import (
     BACKWARD_START,
     BWD_POST,
     BWD_PRE,
@@ -75,10 +81,14 @@ from harness.predict.zero3_order import (
     RECOMPUTE,
     ModelLayout,
     Module,
+    ModuleSpec,
+    ParamSpec,
     build_step,
     step_events,
 )
+from harness.spec.dsconfig import auto_sizes
 from harness.spec.files import write_atomic
+from harness.spec.schema import Offload
 
 # a coalesced gather's host partition copies: freed within the gather, so in no hook event's figure
 COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
@@ -86,7 +96,7 @@ COALESCED_STAGING = "host partition copied to the device for a coalesced gather"
 COALESCED_BUFFER = "coalesced all-gather buffer"
 # a one-parameter gather's input, its host partition copied to the device: NCCL holds it until the gather
 # is waited on or its watchdog, polling every 100 ms, has seen the gather done; the replay frees it at the wait
-# (harness.predict.gather_release times when NCCL lets it go)
+# (harness.predict.zero3.gather_release times when NCCL lets it go)
 GATHER_INPUT = "host partition copied to the device as a gather's input"
 
 
@@ -112,8 +122,8 @@ class Zero3Spec:
     # model built under zero.Init (harness.predict.step.zero_init), and DeepSpeed gathers each dtype apart
     trainable_bytes: int = 0
     # the case's TraceSpec at the hooks' shape (zero3_hooks.hook_spec; dataclasses.asdict, sorted JSON):
-    # DeepSpeed's hooks are recorded on that model (harness.predict.zero3_hooks); "" for a layout with no
-    # model behind it, whose hook order is derived from the module tree (harness.predict.zero3_order.step_events,
+    # DeepSpeed's hooks are recorded on that model (harness.predict.zero3.hooks); "" for a layout with no
+    # model behind it, whose hook order is derived from the module tree (harness.predict.zero3.order.step_events,
     # `checkpointing`, `input_requires_grad`)
     trace_spec_json: str = ""
 
@@ -354,7 +364,10 @@ def _single_process(module):
     DeepSpeed's NVTX ranges around the coordinator's methods (`deepspeed.utils.nvtx.enable_nvtx`), a
     profiler's markers, are switched off too: the replay does no GPU work to mark, and pushing and popping
     them is a tenth of its time."""
+    # heavy: DeepSpeed (and torch), imported only to replay its coordinator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    # heavy: DeepSpeed (and torch), imported only to replay its coordinator
     from deepspeed.utils import nvtx
 
     cpu = CPU_Accelerator()
@@ -376,6 +389,7 @@ def _single_process(module):
 def _in_graph_task(fn) -> None:
     """Run `fn` inside autograd's backward, where DeepSpeed tells a checkpoint's recomputation from a
     forward (`torch._C._current_graph_task_id() != -1`)."""
+    # heavy: torch, only to replay DeepSpeed's coordinator
     import torch
 
     class Backward(torch.autograd.Function):
@@ -397,6 +411,7 @@ def _deepspeed():
     finds at import (its accelerator warning among the first lines); imported here it writes to stderr,
     so that `check --json` keeps stdout to its JSON."""
     with contextlib.redirect_stdout(sys.stderr):
+        # heavy: DeepSpeed (and torch), imported only to replay its coordinator
         from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     return ppc, ZeroParamStatus
@@ -551,12 +566,10 @@ class _Peaks:
 
 
 def _hook_events(spec: Zero3Spec, step) -> list:
-    """The step's hook events: as DeepSpeed's hooks fire them on the case's model (harness.predict.zero3_hooks),
+    """The step's hook events: as DeepSpeed's hooks fire them on the case's model (harness.predict.zero3.hooks),
     derived from the module tree for a layout with no model behind it."""
     if not spec.trace_spec_json:
         return step_events(step, spec.checkpointing, spec.input_requires_grad)
-    from harness.predict.step import TraceSpec
-    from harness.predict.zero3_hooks import expand
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(spec.trace_spec_json).items()}
     return expand(_hook_log(TraceSpec(**fields)), step)  # already at the hooks' shape (spec_for)
@@ -564,10 +577,8 @@ def _hook_events(spec: Zero3Spec, step) -> list:
 
 @functools.lru_cache(maxsize=32)
 def _hook_log(trace_spec):
-    """DeepSpeed's hooks recorded on the case's model (harness.predict.zero3_hooks), kept on disk beside the
+    """DeepSpeed's hooks recorded on the case's model (harness.predict.zero3.hooks), kept on disk beside the
     traces, keyed by the trace spec, the model code and its libraries."""
-    from harness.predict.trace import _code_key as model_code_key
-    from harness.predict.zero3_hooks import HookLog, record
 
     payload = model_code_key() + json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
     return _cached("hooks", payload, lambda: record(trace_spec), HookLog.to_dict, HookLog.from_dict)
@@ -578,7 +589,6 @@ def gather_pool(events: list[StreamEvent], alloc_conf: str = "") -> int:
     frees, in order), replayed through the caching allocator's model under `alloc_conf`. The first step
     gathers as the module order is recorded, the next ones prefetch along it: blocks freed in one order
     and asked for in another are what the pool keeps beyond the bytes gathered at once."""
-    from harness.predict.allocator import AllocatorConf, CachingAllocator
 
     conf = AllocatorConf.parse(alloc_conf, "PYTORCH_CUDA_ALLOC_CONF")
     if conf.backend != "native":  # CUDA's own pool allocator: not modelled
@@ -626,7 +636,6 @@ def layout_of(model) -> ModelLayout:
         for p in own:
             key = keys.setdefault(id(p), len(keys))
             specs.append((key, p.numel(), bool(p.requires_grad)))
-        from harness.predict.zero3_order import ModuleSpec, ParamSpec
 
         spec = ModuleSpec(name, tuple(ParamSpec(k, n, t) for k, n, t in specs))
         if ".layers.0." in name:
@@ -644,11 +653,10 @@ def layout_of(model) -> ModelLayout:
 
 @functools.lru_cache(maxsize=1)
 def _code_key() -> str:
-    import importlib.metadata as md
 
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent  # harness/predict/zero3
     h = hashlib.sha256()
-    for name in ("zero3.py", "zero3_order.py", "zero3_hooks.py", "zero3_hook_calls.py", "constants.py"):
+    for name in ("coordinator.py", "order.py", "hooks.py", "hook_calls.py", "../constants.py"):
         h.update((here / name).read_bytes())
     try:
         h.update(f"deepspeed={md.version('deepspeed')}".encode())
@@ -658,7 +666,6 @@ def _code_key() -> str:
 
 
 def _cache_path(kind: str, payload: str) -> Path | None:
-    from harness.predict.trace import _cache_dir
 
     folder = _cache_dir()
     if folder is None:
@@ -684,14 +691,15 @@ def _cached(kind: str, payload: str, compute, encode, decode):
 
 @functools.lru_cache(maxsize=32)
 def layout(trace_spec) -> ModelLayout:
-    """The module layout of the case's model as its stack builds it (harness.predict.fake's builder)."""
+    """The module layout of the case's model as its stack builds it (harness.predict.trace.fake's builder)."""
     def compute():
-        from harness.predict.fake import build_as_traced
+        # heavy: torch and transformers, imported only where a step is traced
+        from harness.predict.trace.fake import build_as_traced
 
         model, _ = build_as_traced(trace_spec, 1)
         return layout_of(model)
 
-    from harness.predict.trace import _code_key as model_code_key  # the builder's code and library versions
+    from harness.predict.trace.trace import _code_key as model_code_key  # the builder's code and library versions
 
     payload = model_code_key() + json.dumps(dataclasses.asdict(trace_spec), sort_keys=True)
     return _cached("layout", payload, compute, ModelLayout.to_dict, ModelLayout.from_dict)
@@ -701,7 +709,6 @@ def layout(trace_spec) -> ModelLayout:
 def gathered(spec: Zero3Spec) -> Gathered:
     payload = json.dumps(dataclasses.asdict(spec), sort_keys=True)
     if spec.trace_spec_json:  # the hooks are recorded with the installed model code and libraries
-        from harness.predict.trace import _code_key as model_code_key
 
         payload = model_code_key() + payload
 
@@ -737,10 +744,6 @@ def spec_for(case, arch, layers: int) -> Zero3Spec:
     """The replay's settings for a ZeRO-3 case at `layers` decoder layers: DeepSpeed's values as the
     harness writes its config (harness.spec.dsconfig: the case's, else transformers' 'auto' sizes,
     else DeepSpeed's defaults)."""
-    from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
-    from harness.predict.zero3_hooks import hook_spec
-    from harness.spec.dsconfig import auto_sizes
-    from harness.spec.schema import Offload
 
     ds = case.deepspeed
     hidden = int(arch.config["hidden_size"])

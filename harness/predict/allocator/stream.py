@@ -1,9 +1,9 @@
 """The allocation stream of a training run at full depth, built from the traced 1- and 2-layer steps.
 
-The allocator model (`harness.predict.allocator`) needs what the caching allocator saw: every
+The allocator model (`harness.predict.allocator.allocator`) needs what the caching allocator saw: every
 allocation and free, in order, each free naming the allocation it releases. The fake-tensor trace
 logs them for one micro-step at 1 and 2 layers, each tagged with its phase (forward, backward) and
-the decoder layer running (`harness.predict.fake.AllocationLog`; checkpointing's recompute is part of
+the decoder layer running (`harness.predict.trace.fake.AllocationLog`; checkpointing's recompute is part of
 its layer's backward). This module builds from them the stream of a run:
 
 1. **Load** (`load_stream`), in the order the stack loads the model: transformers' caching-allocator
@@ -41,7 +41,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 
-from harness.predict.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
+from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
 from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, HALF_BYTES, MAX_STEPS, TENSOR_BEFORE_LOAD, GiB
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, TraceResult, TraceSpec, fused_adamw
 from harness.spec.schema import Case
@@ -60,10 +60,10 @@ class Stream:
     sizes: list[int]
     phases: list[tuple[str, int]]  # (phase name, index of its first op), in order
     # ids of the allocations another source put in (`expand`'s `between`): DeepSpeed's gathers
-    # (harness.predict.zero3_stream), so the peak can be taken apart
+    # (harness.predict.zero3.stream), so the peak can be taken apart
     gathers: set[int] = field(default_factory=set)
     # of those, the host partition copies one-parameter gathers hand NCCL as input (`zero3.GATHER_INPUT`),
-    # freed at the gather's wait where NCCL may let them go sooner (`harness.predict.gather_release`)
+    # freed at the gather's wait where NCCL may let them go sooner (`harness.predict.zero3.gather_release`)
     gather_inputs: set[int] = field(default_factory=set)
     # of the gathers, every host partition copied to the device (the inputs and a coalesced gather's
     # copies), and the allocations after which a collective is launched: the host's time and the moments

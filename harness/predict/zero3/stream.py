@@ -1,7 +1,7 @@
 """ZeRO-3 with `overlap_comm: false`: the model's allocations and DeepSpeed's gathers in one pool.
 
 With `overlap_comm` on, DeepSpeed 0.19.8's coordinator gathers on an all-gather stream of its own, whose
-pool the caching allocator keeps apart from the model's (`harness.predict.zero3.gather_pool`). With it
+pool the caching allocator keeps apart from the model's (`harness.predict.zero3.coordinator.gather_pool`). With it
 off (`PartitionedParameterCoordinator` gets no stream: `partitioned_param_coordinator.py`,
 `stage3.py`) every gather is made on the current stream, and its buffers take and split the blocks the
 model's activations freed. The recorded rank-0 timeline of fit's LoRA config for guide 000 (32B, 2
@@ -23,8 +23,8 @@ offloaded (the dispatch table's `zero3-lora-one-pool` row), whose engine keeps l
    parameters, and the IPG bucket (`_setup_for_real_optimizer`: `reduce_bucket_size` elements in the
    half dtype, with contiguous gradients). The optimizer's fp32 partitions and gradients are on the host.
 3. **Four micro-steps** (two optimizer steps of two, as the recorded runs made): the traced step at full
-   depth (`harness.predict.stream.expand`), with the coordinator's allocations and frees of the same
-   step (`harness.predict.zero3.replay(..., every_step=[])`, one list per step: the first step
+   depth (`harness.predict.allocator.stream.expand`), with the coordinator's allocations and frees of the same
+   step (`harness.predict.zero3.coordinator.replay(..., every_step=[])`, one list per step: the first step
    records the module order, the next prefetch along it, the third on start with the persistent
    parameters gathered) put into the
    chunk of the decoder layer and pass whose module hooks made them. The forward's cuBLAS workspace
@@ -32,7 +32,7 @@ offloaded (the dispatch table's `zero3-lora-one-pool` row), whose engine keeps l
    gather had freed), the autograd thread's where the backward begins.
 
 **A full fine-tune with `overlap_comm`** (row `zero3-full-model-stream`) gathers on the coordinator's stream,
-whose pool `zero3.gather_pool` replays; its model's stream (stream 0) is `build` with `full` and no gathers:
+whose pool `coordinator.gather_pool` replays; its model's stream (stream 0) is `build` with `full` and no gathers:
 zero.Init's load (every parameter built whole, its partition kept), the engine (the partitions moved to the
 host, `empty_cache()`, `defragment()`'s flat buffer of every partition, the IPG bucket, each trainable
 parameter gathered alone and partitioned again as `create_reduce_and_remove_grad_hooks` registers its hook),
@@ -58,7 +58,7 @@ whatever stream the gathers run on; `simulate` gives its allocated peak and what
 recorded allocated peak, where the most gathered and the activations each at its own peak gave up to
 +5 % (guide 000 non-reentrant) and +11 % (Llama-3.1-8B's LoRA with parameter offload); on guide 002's
 +1.7 %, and on Qwen2.5-1.5B's full fine-tune with parameter offload +1.8 %, timed as NCCL lets a
-gather's host partition copy go before its wait (`harness.predict.gather_release`; +10.3 % with every
+gather's host partition copy go before its wait (`harness.predict.zero3.gather_release`; +10.3 % with every
 copy held to its wait, as the replay frees them).
 
 The trace tags its allocations by decoder layer and pass, not by module. Where inside a layer's chunk
@@ -83,8 +83,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from harness.predict import gather_release
-from harness.predict.allocator import AllocatorConf, CachingAllocator
+from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
+from harness.predict.allocator.stream import Stream, _chunks, expand
 from harness.predict.constants import (
     CUBLAS_HANDLE_WORKSPACE,
     DS_DEFAULTS,
@@ -95,8 +95,12 @@ from harness.predict.constants import (
 )
 from harness.predict.dispatch import row_of
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, TraceSpec
-from harness.predict.stream import Stream, expand
-from harness.predict.zero3_step import sub_groups
+from harness.predict.trace.trace import cached_on_disk, trace_pair
+from harness.predict.zero3 import coordinator, gather_release
+from harness.predict.zero3.coordinator import HookEvent, spec_for
+from harness.predict.zero3.order import EVENT_NAMES
+from harness.predict.zero3.step import sub_groups
+from harness.spec.dsconfig import auto_sizes
 from harness.spec.schema import Case, Offload
 
 EMPTY_CACHE = None  # an op of its own in `Stream.ops`: the engine's empty_cache()
@@ -109,7 +113,7 @@ PLACEMENTS = ("recorded", "spread", "start", "end", "none")
 class OnePoolShape:
     """What of a case shapes its one-pool stream beside the traces."""
 
-    zero3_spec: str  # harness.predict.zero3.Zero3Spec as sorted JSON (the module layout, the settings)
+    zero3_spec: str  # harness.predict.zero3.coordinator.Zero3Spec as sorted JSON (the module layout, the settings)
     ranks: int
     half_bytes: int
     ipg_bucket: int  # elements of the IPG bucket; 0 without contiguous gradients
@@ -123,8 +127,6 @@ class OnePoolShape:
 
     @classmethod
     def of(cls, case: Case, arch, layers: int, placement: str = "spread") -> OnePoolShape:
-        from harness.predict.zero3 import spec_for
-        from harness.spec.dsconfig import auto_sizes
 
         ds = case.deepspeed
         spec = dataclasses.replace(spec_for(case, arch, layers), pool_rounds=MICRO_STEPS)
@@ -152,7 +154,7 @@ class OnePoolRun:
     # of those, host partition copies handed to NCCL as gather inputs (`Stream.gather_inputs`) NCCL still held
     gather_inputs_at_allocated_peak: int = 0
     # the allocated peak with every gather input held to its wait: above `peak_allocated` where NCCL lets
-    # some go sooner (`harness.predict.gather_release`), the figure no host's run exceeds
+    # some go sooner (`harness.predict.zero3.gather_release`), the figure no host's run exceeds
     peak_allocated_held: int = 0
 
 
@@ -181,7 +183,6 @@ def _groups(items: list) -> list[tuple[int, int, list[list]]]:
     """One replayed step's items -> [(pass, layer, pieces)] in order: a piece is what the coordinator
     allocates and frees at one hook event (its fetch or release, logged before the event), then the
     event; a module outside the layers is LAYER_PRE or LAYER_POST by which side of them its hook fires."""
-    from harness.predict.zero3 import HookEvent
 
     out: list[tuple[int, int, list[list]]] = []
     seen = {False: False, True: False}
@@ -203,7 +204,7 @@ def _groups(items: list) -> list[tuple[int, int, list[list]]]:
 def _params(layout, layers: int) -> list[tuple[int, bool]]:
     """(elements, trainable) of every parameter in module definition order at `layers` layers, each once: a
     tied head, and a LoRA layer's `lora_A` weight that it holds as DeepSpeed discovers it
-    (`zero3.layout_of`) beside its `lora_A` module."""
+    (`coordinator.layout_of`) beside its `lora_A` module."""
     out, seen = [], set()
     for m in layout.before:
         for p in m.params:
@@ -419,9 +420,8 @@ def _recorded_marks(r2) -> dict[tuple[int, int], list[list[tuple[int, str, str]]
     groups a replayed step's hook events: (pass, layer) -> for each group of that key in order, its events
     as (position in the trace's chunk of that key, event name, module name without indices). A position
     outside that chunk is clamped to its ends; a key's k-th group takes the k-th chunk of that key."""
-    from harness.predict.fake import _layer_index
-    from harness.predict.stream import _chunks
-    from harness.predict.zero3_order import EVENT_NAMES
+    # heavy: torch and transformers, imported only where a step is traced
+    from harness.predict.trace.fake import _layer_index
 
     if not r2.hooks:
         return {}
@@ -455,7 +455,6 @@ def _positions(pieces: list[list], marks: list[tuple[int, str, str]] | None, n: 
     """The position in its chunk (events before it) of each piece's hook event, where the trace recorded the
     same hook events in the same order (`_recorded_marks`); a piece after the last hook event at the end.
     None where they differ."""
-    from harness.predict.zero3 import HookEvent
 
     hooked = [p[-1] for p in pieces if p and isinstance(p[-1], HookEvent)]
     if marks is None or len(hooked) != len(marks) or any(  # a decoder layer is named apart from its stack
@@ -474,21 +473,19 @@ def _positions(pieces: list[list], marks: list[tuple[int, str, str]] | None, n: 
 
 def step_spec(shape: OnePoolShape):
     """The replay's settings a shape's build runs the coordinator under."""
-    from harness.predict import zero3
 
-    return zero3.Zero3Spec(**json.loads(shape.zero3_spec))
+    return coordinator.Zero3Spec(**json.loads(shape.zero3_spec))
 
 
 def build(r1, r2, shape: OnePoolShape) -> Stream:
     """The one-pool stream of rank 0."""
-    from harness.predict import zero3
 
     spec = step_spec(shape)
     steps: list[list] = [[] for _ in range(shape.micro_steps)]
     if shape.placement != "none":  # the coordinator's hook events and gathers of each step
-        steps = zero3.replayed_steps(spec)
+        steps = coordinator.replayed_steps(spec)
     half, ranks, layers = shape.half_bytes, shape.ranks, spec.layers
-    params = _params(zero3.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
+    params = _params(coordinator.ModelLayout.from_dict(json.loads(spec.layout_json)), layers)
 
     stream = Stream([], [], [])
     partitions = [-(-n // ranks) for n, trainable in params if trainable]
@@ -507,16 +504,16 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
     ids: dict[int, int] = {}
 
     def put(item) -> None:
-        if shape.placement == "none" or not isinstance(item, zero3.StreamEvent):
+        if shape.placement == "none" or not isinstance(item, coordinator.StreamEvent):
             return
         if item.kind == "alloc":
             ids[item.id] = stream.alloc(item.nbytes)
             stream.gathers.add(ids[item.id])
-            if item.what == zero3.GATHER_INPUT:
+            if item.what == coordinator.GATHER_INPUT:
                 stream.gather_inputs.add(ids[item.id])
-            if item.what in (zero3.GATHER_INPUT, zero3.COALESCED_STAGING):
+            if item.what in (coordinator.GATHER_INPUT, coordinator.COALESCED_STAGING):
                 stream.host_copies.add(ids[item.id])
-            if item.what in (zero3.GATHER_INPUT, zero3.COALESCED_BUFFER):
+            if item.what in (coordinator.GATHER_INPUT, coordinator.COALESCED_BUFFER):
                 stream.launches.add(ids[item.id])
         else:
             stream.free(ids.pop(item.id))
@@ -581,7 +578,7 @@ def build(r1, r2, shape: OnePoolShape) -> Stream:
 
 def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
     """The allocator model over `stream`: its reserved peak (each gather input held to its wait), and its
-    allocated peak with the inputs let go as NCCL lets them (`harness.predict.gather_release`)."""
+    allocated peak with the inputs let go as NCCL lets them (`harness.predict.zero3.gather_release`)."""
     sim = CachingAllocator(conf)
     clock = gather_release.Clock() if stream.gather_inputs else None
     blocks: dict[int, object] = {}
@@ -592,7 +589,7 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
     peak, peak_at = -1, 0
     gathered, most, most_at, most_gathered = 0, 0, 0, 0  # the gathers' live bytes; the allocated peak's
     inputs = most_inputs = 0  # the same of the gathers' host partition copies
-    allocations = 0  # the host's time: harness.predict.gather_release
+    allocations = 0  # the host's time: harness.predict.zero3.gather_release
     for i, op in enumerate(stream.ops):
         if op is EMPTY_CACHE:
             sim.empty_cache()
@@ -642,7 +639,6 @@ def simulate(stream: Stream, conf: AllocatorConf | None = None) -> OnePoolRun:
 def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
     """`simulate(build(...))` over the traces of `spec`, cached in-process and on disk beside the traces
     (keyed by both and by the code of this module, the replay, the stream and the allocator model)."""
-    from harness.predict.trace import cached_on_disk, trace_pair
 
     def make() -> OnePoolRun:
         conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
@@ -652,9 +648,9 @@ def simulated(spec: TraceSpec, shape: OnePoolShape) -> OnePoolRun:
         d["phase_ends"] = [tuple(x) for x in d["phase_ends"]]
         return OnePoolRun(**d)
 
-    return cached_on_disk("zero3pool", spec, shape, ("zero3_stream.py", "zero3.py", "zero3_order.py", "zero3_hooks.py",
-                                                     "zero3_step.py", "stream.py", "allocator.py", "gather_release.py",
-                                                     "constants.py"), make, load)
+    code = ("zero3/stream.py", "zero3/coordinator.py", "zero3/order.py", "zero3/hooks.py", "zero3/step.py",
+            "allocator/stream.py", "allocator/allocator.py", "zero3/gather_release.py", "constants.py")
+    return cached_on_disk("zero3pool", spec, shape, code, make, load)
 
 
 def simulated_or_none(trace_spec: TraceSpec, shape: OnePoolShape, what: str, instead: str, notes: list[str],

@@ -35,16 +35,16 @@ What the stack changes, and how it is reproduced here (see harness/runtime/build
   transformers' default for the model. Where that transformers refuses the case's kernel for the
   architecture (5.24: SDPA for Gemma-2), it is set on the built model's config and the attention
   dispatches through it anyway (a prediction note says so); flash_attention_2 runs as a stand-in that
-  keeps what flash-attn's kernels keep (`harness.predict.fake._FakeFlashAttention`).
+  keeps what flash-attn's kernels keep (`harness.predict.trace.fake._FakeFlashAttention`).
 * GLA (flash-linear-attention): fla's Triton kernels have no CPU or fake implementation; the CPU
   reference path (`harness.models.fla_cpu`) stands in, with fused-kernel emulations that save what the
   Triton kernels save (`_fla_fake_kernels`).
 
 Each trace also logs the step's allocations and frees in order, tagged with phase and decoder layer,
 and the parameters in load order (`TraceResult.events`, `.layout`): the input from which
-`harness.predict.stream` builds the run's allocation stream for the allocator model.
+`harness.predict.allocator.stream` builds the run's allocation stream for the allocator model.
 
-Nothing here reads measurements. The model code runs in `harness.predict.fake` (torch, transformers,
+Nothing here reads measurements. The model code runs in `harness.predict.trace.fake` (torch, transformers,
 peft); this module holds the spec, the results and their caches (in-process, and on disk keyed by
 the spec, this code and the library versions), and the cache of the allocator model's result over
 the built stream (`simulated_run`), so a cached prediction imports none of them and replays nothing.
@@ -54,10 +54,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata as md
 import json
 import os
 from pathlib import Path
 
+from harness.predict.allocator.allocator import AllocatorConf
+from harness.predict.allocator.stream import Simulated, simulate_run
 from harness.predict.step import ParamInfo, TraceResult, TraceSpec, extrapolate, reentrant_checkpointing, zero_init
 from harness.spec.files import write_atomic
 
@@ -66,10 +69,12 @@ __all__ = ["ParamInfo", "TraceResult", "TraceSpec", "extrapolate", "keep_pair", 
 
 
 # --- the on-disk cache ------------------------------------------------------------------------------
-# A trace is a pure function of its spec, of the code here and in harness.predict.fake, and of the
+# A trace is a pure function of its spec, of the code here and in harness.predict.trace.fake, and of the
 # library versions that run the model code; the cache key holds all of them. Set
 # HARNESS_PREDICT_CACHE to a folder to move it, or to "off" to disable it.
 
+# harness/predict/: the modules whose code a cached result is keyed by are named by their path below it
+PREDICT = Path(__file__).resolve().parents[1]
 _LIBS = ("torch", "transformers", "peft", "flash-linear-attention", "fla-core")
 
 
@@ -85,12 +90,10 @@ def _cache_dir() -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _code_key() -> str:
-    import importlib.metadata as md
 
-    here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("step.py", "trace.py", "fake.py", "zero3_hook_calls.py", "constants.py"):
-        h.update((here / name).read_bytes())
+    for name in ("step.py", "trace/trace.py", "trace/fake.py", "zero3/hook_calls.py", "constants.py"):
+        h.update((PREDICT / name).read_bytes())
     for lib in _LIBS:
         try:
             h.update(f"{lib}={md.version(lib)};".encode())
@@ -144,7 +147,7 @@ def keep_pair(spec: TraceSpec, pair: tuple[TraceResult, TraceResult]) -> None:
 @functools.lru_cache(maxsize=64)
 def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
     """Traces at 1 and 2 layers: from the in-process cache, else one another process traced (`keep_pair`),
-    else the on-disk cache, else traced (harness.predict.fake, which imports torch, transformers and peft)."""
+    else the on-disk cache, else traced (harness.predict.trace.fake, which imports torch, transformers and peft)."""
     sent = _SENT.pop(spec, None)
     if sent is not None:
         return sent
@@ -153,7 +156,8 @@ def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
         for r in cached:
             r.cached = True
         return cached
-    from harness.predict.fake import trace
+    # heavy: torch and transformers, imported only where a step is traced
+    from harness.predict.trace.fake import trace
 
     pair = (trace(spec, 1), trace(spec, 2))
     _store(spec, pair)
@@ -162,9 +166,8 @@ def trace_pair(spec: TraceSpec) -> tuple[TraceResult, TraceResult]:
 
 @functools.lru_cache(maxsize=8)
 def _files_key(names: tuple[str, ...]) -> str:
-    """A digest of these modules of harness.predict, in order."""
-    here = Path(__file__).resolve().parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
+    """A digest of these modules of harness.predict (paths below its folder), in order."""
+    return hashlib.sha256(b"".join((PREDICT / name).read_bytes() for name in names)).hexdigest()
 
 
 def cached_on_disk(prefix: str, spec: TraceSpec, shape, code: tuple[str, ...], make, load):
@@ -192,15 +195,13 @@ def cached_on_disk(prefix: str, spec: TraceSpec, shape, code: tuple[str, ...], m
 
 @functools.lru_cache(maxsize=64)
 def simulated_run(spec: TraceSpec, shape):
-    """The allocator model's figures over the run `shape` (a `harness.predict.stream.RunShape`) builds
+    """The allocator model's figures over the run `shape` (a `harness.predict.allocator.stream.RunShape`) builds
     from the traces of `spec`: cached in-process and on disk beside the traces (keyed by both, and by
     the code of the stream and the allocator model), so a warm prediction replays nothing."""
-    from harness.predict.allocator import AllocatorConf
-    from harness.predict.stream import Simulated, simulate_run
 
     def make():
         conf = AllocatorConf.parse(shape.alloc_conf, "launch.env.PYTORCH_CUDA_ALLOC_CONF")
         return simulate_run(*trace_pair(spec), shape, conf)
 
-    return cached_on_disk("sim", spec, shape, ("stream.py", "allocator.py", "constants.py"), make,
+    return cached_on_disk("sim", spec, shape, ("allocator/stream.py", "allocator/allocator.py", "constants.py"), make,
                           lambda d: Simulated(**d))

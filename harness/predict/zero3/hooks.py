@@ -7,7 +7,7 @@ outputs fetches them again when the gradient reaches them, one applied to its po
 releases them when the gradient has passed. Which of these fire, and in what order, is decided by the
 model code, peft, transformers' checkpointing and autograd, so `record` does not derive it: it registers
 DeepSpeed's own hooks (that method, from the installed DeepSpeed) on the model as the trace builds it,
-two decoder layers on fake tensors (`harness.predict.fake.fake_step`), with a coordinator that only
+two decoder layers on fake tensors (`harness.predict.trace.fake.fake_step`), with a coordinator that only
 writes each call down, and runs one forward and backward as the case's stack does. What the recording
 holds that a derivation from the module tree would have to guess:
 
@@ -24,23 +24,23 @@ holds that a derivation from the module tree would have to guess:
   5.17, `forward` in later versions).
 
 `expand` lays the two recorded layers out at the case's depth (layer 0 as recorded, every later layer as
-layer 1) for `harness.predict.zero3.replay`. The recording is cached on disk beside the layout, keyed by
-the trace spec, this code and the libraries' versions (`harness.predict.zero3`).
+layer 1) for `harness.predict.zero3.coordinator.replay`. The recording is cached on disk beside the layout, keyed by
+the trace spec, this code and the libraries' versions (`harness.predict.zero3.coordinator`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from harness.predict.constants import RECORDED_LAYERS, RECORDED_TOKENS
-from harness.predict.zero3_hook_calls import Recorder, hooked, module_stack_kept
-from harness.predict.zero3_order import BACKWARD_START, BWD_POST, BWD_PRE, Module, Step
+from harness.predict.zero3.hook_calls import Recorder, hooked, module_stack_kept
+from harness.predict.zero3.order import BACKWARD_START, BWD_POST, BWD_PRE, Module, Step
 
 
 def hook_spec(trace_spec):
     """The trace spec the hooks are recorded under: the case's, at one sequence of `RECORDED_TOKENS`."""
-    import dataclasses
 
     return dataclasses.replace(trace_spec, seq_len=RECORDED_TOKENS, micro_batch=1, accumulated_grads=False)
 
@@ -48,7 +48,7 @@ def hook_spec(trace_spec):
 @dataclass(frozen=True)
 class HookLog:
     """One training step's hook events of a model with `RECORDED_LAYERS` decoder layers: (event, module
-    name), the events of `harness.predict.zero3_order`, `BACKWARD_START` where backward begins."""
+    name), the events of `harness.predict.zero3.order`, `BACKWARD_START` where backward begins."""
 
     events: tuple[tuple[int, str], ...]
     stack: str  # the name of the module list that holds the decoder layers
@@ -63,8 +63,12 @@ class HookLog:
 
 def record(trace_spec) -> HookLog:
     """The hook events of one training step of the case's model (two decoder layers), as DeepSpeed's hooks
-    fire them (`harness.predict.zero3` keeps them on disk)."""
-    from harness.predict.fake import _decoder_stack, fake_step
+    fire them (`harness.predict.zero3.coordinator` keeps them on disk)."""
+    # heavy: torch and transformers, imported only where a step is traced
+    from harness.predict.trace.fake import (
+        _decoder_stack,
+        fake_step,
+    )
 
     recorder = Recorder({})
     stack = [""]
@@ -88,7 +92,8 @@ def expand(log: HookLog, step: Step) -> list[tuple[int, Module]]:
     """The recorded events at the step's depth, each with the step's module of that name (its parameters at
     that layer; a module that holds none, a new one): layer 0 as recorded, each later layer as layer 1.
     A ValueError where a recorded layer's events are not one run in forward and one in backward."""
-    from harness.predict.fake import _layer_index
+    # heavy: torch and transformers, imported only where a step is traced
+    from harness.predict.trace.fake import _layer_index
 
     depth = len(step.layers)
     split = next(i for i, (e, _) in enumerate(log.events) if e == BACKWARD_START)

@@ -4,7 +4,7 @@ With `offload_param` each one-parameter gather hands NCCL a copy of the rank's h
 device (`param.ds_tensor.to(device)`, `_all_gather_sequential`). The process group keeps a collective's
 input until its watchdog thread, waking every 100 ms, has seen the collective done and the main thread
 then launches another one, or until the gather is waited on. The replay of DeepSpeed's coordinator has
-no clock and frees each copy at its wait (`harness.predict.zero3.GATHER_INPUT`), so where the
+no clock and frees each copy at its wait (`harness.predict.zero3.coordinator.GATHER_INPUT`), so where the
 coordinator prefetches many gathers ahead of their waits it holds copies the run had let go: on
 Qwen2.5-1.5B's full fine-tune at 512 tokens, 709 MiB of copies at the built peak where the recorded run
 held 334 (+10 % on allocated). The recorded copies went in batches 100 ms apart, each a few

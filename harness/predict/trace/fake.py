@@ -1,9 +1,9 @@
-"""Fake-tensor execution of one training micro-step (the heavy half of `harness.predict.trace`).
+"""Fake-tensor execution of one training micro-step (the heavy half of `harness.predict.trace.trace`).
 
 Builds the truncated model on `meta` as the case's stack does, moves it to fake `cpu` storage
 inside `FakeTensorMode` and runs forward + backward under `AllocationLog` (the live-tensor tracker of
 `harness.measure.trackers`, logging each allocation and free with its decoder layer).
-See `harness.predict.trace` for what is reproduced and why.
+See `harness.predict.trace.trace` for what is reproduced and why.
 """
 
 from __future__ import annotations
@@ -12,14 +12,21 @@ import contextlib
 import gc
 import json
 import sys
+import time
+import types
 import warnings
 
 import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoModelForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
 from harness.predict.constants import SMS, THREADS_PER_SM
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
+from harness.predict.zero3.hook_calls import positions
 from harness.spec.schema import Precision, Stack
 
 DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16, Precision.fp32: torch.float32}
@@ -32,8 +39,6 @@ def _hf_model(config: dict, dtype: torch.dtype, attn: str | None = None, notes: 
     built with its default and `attn` set on its config, so its attention and its masks dispatch through
     that interface anyway; lines in `notes` say so where the architecture itself is refused, and that
     flash_attention_2 runs as a stand-in (`_attention_interfaces`)."""
-    import transformers
-    from transformers import AutoModelForCausalLM
 
     kwargs = {} if attn is None else {"attn_implementation": attn}
     refusal = None
@@ -113,6 +118,7 @@ def _attention_interfaces():
     `_fake_flash_attention`; SDPA without `softcap`, which the local SDPA interface refuses (5.24) and
     which changes no tensor SDPA keeps (a Gemma-2 model whose config names sdpa). Restored afterwards."""
     try:
+        # optional: a transformers without the interface table is traced as it is
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     except ImportError:
         yield
@@ -617,6 +623,7 @@ def _unpacked_rows():
     instead of passing `enable_gqa` (`use_gqa_in_sdpa` requires no mask), which on CUDA decides the
     kernel and what it keeps. The function still runs, so its allocations stay in the trace."""
     try:
+        # optional: a transformers without masking_utils is traced as it is
         from transformers import masking_utils
     except ImportError:
         yield
@@ -723,7 +730,10 @@ def _build(spec: TraceSpec, layers: int, notes: list[str] | None = None):
     embedding = model.get_input_embeddings()
     info.tied_head = head is not None and embedding is not None and head.weight is embedding.weight
     if spec.kind in ("lora", "qlora"):
+        # here, under the callers' `_without_bitsandbytes`: imported at the top, peft would import
+        # bitsandbytes (torch's compiler stack, seconds of CPU) in every process that traces
         import peft
+
         targets = "all-linear" if spec.lora_targets == "all" else list(spec.lora_targets)
         config = peft.LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=spec.lora_dropout,
                                  target_modules=targets, task_type="CAUSAL_LM")
@@ -788,9 +798,7 @@ def _liger_loss(model) -> None:
     """The causal LM's forward as Liger's `lce_forward` makes it in training: the decoder, then the fused
     linear cross-entropy over the last hidden states (`_FakeLigerFLCE`); no logits are returned. The labels
     shift by padding, not by copying the hidden states (LigerForCausalLMLoss)."""
-    import types
 
-    from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -804,7 +812,6 @@ def _liger_loss(model) -> None:
 
 
 def trace(spec: TraceSpec, layers: int) -> TraceResult:
-    import time
 
     t0 = time.perf_counter()
     config = json.loads(spec.config_json)
@@ -825,7 +832,6 @@ def fake_step(spec: TraceSpec, layers: int, prepare) -> None:
     """One forward and backward of the model as `trace` builds and runs it, on fake tensors, with no
     allocation log: `prepare(model)` is called once the model has its (fake) storage, before the step
     (hooks to attach)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = json.loads(spec.config_json)
     with _step_patches(spec, config):
@@ -841,9 +847,7 @@ def fake_step(spec: TraceSpec, layers: int, prepare) -> None:
 
 
 def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> TraceResult:
-    import time
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     notes: list[str] = []
     model, info = _build(spec, layers, notes)
@@ -870,7 +874,6 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
         hooks: list[list] = []
         placed = contextlib.nullcontext()
         if spec.zero3_hook_positions and layers == 2:  # where DeepSpeed's hooks fire among the step's events
-            from harness.predict.zero3_hook_calls import positions
             placed = positions(model, lambda: (len(tracker._log or ()), int(tracker.backward)), hooks)
         try:
             with tracker, _layer_tags(model, tracker, layers), placed:
@@ -889,7 +892,7 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
                 peak = tracker.peak_bytes() - base
                 # what the training loop drops once the backward has returned (the loss, the logits): a chunk
                 # of its own after every layer's backward, so hooks that fire inside the backward after the
-                # last layer's (the embedding's) go into a stream before it (harness.predict.stream.expand)
+                # last layer's (the embedding's) go into a stream before it (harness.predict.allocator.stream.expand)
                 tracker.tag = (BACKWARD, LAYER_PRE)
                 del out
                 gc.collect()  # the step's last frees (loss, logits) belong to it
@@ -1203,9 +1206,17 @@ def _fla_fake_kernels(active: bool):
     if not active:
         yield
         return
+    # optional: the gla extra (flash-linear-attention), only for its models
     import fla.layers.gla as gla_layer
+
+    # optional: the gla extra (flash-linear-attention), only for its models
     import fla.modules.mlp as mlp
-    from fla.modules import FusedRMSNormGated, RMSNorm
+
+    # optional: the gla extra (flash-linear-attention), only for its models
+    from fla.modules import (
+        FusedRMSNormGated,
+        RMSNorm,
+    )
 
     class ChunkGLA(torch.autograd.Function):
         @staticmethod
@@ -1274,6 +1285,7 @@ def _fla_fake_kernels(active: bool):
     def swiglu_linear(x, y, weight, bias):
         return torch.nn.functional.linear(SwiGLU.apply(x, y), weight, bias)
 
+    # optional: the gla extra (flash-linear-attention), only for its models
     import fla.models.modeling_utils as modeling_utils
 
     patches = [(gla_layer, "chunk_gla", chunk_gla), (gla_layer, "fused_chunk_gla", chunk_gla),

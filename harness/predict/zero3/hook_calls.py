@@ -3,8 +3,8 @@
 DeepSpeed drives its parameter coordinator from hooks on every module (`DeepSpeedZeRoOffload.
 setup_zero_stage3_hooks`, runtime/zero/parameter_offload.py). `hooked` registers exactly those, from the
 installed DeepSpeed, on a model with a `Recorder` standing in for the coordinator: nothing is gathered or
-partitioned. `harness.predict.zero3_hooks.record` writes the order the hooks fire in over a step;
-`positions`, used by the trace (`harness.predict.fake`), writes where among the step's allocations each
+partitioned. `harness.predict.zero3.hooks.record` writes the order the hooks fire in over a step;
+`positions`, used by the trace (`harness.predict.trace.fake`), writes where among the step's allocations each
 fires.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from harness.predict.zero3_order import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE
+from harness.predict.zero3.order import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE
 
 
 class Recorder:
@@ -63,6 +63,7 @@ def module_stack_kept():
     """DeepSpeed keeps the modules whose forward runs in a global list (`FWD_MODULE_STACK`): a step run with
     its hooks leaves it as it was."""
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time logging (see zero3._deepspeed)
+        # heavy: DeepSpeed (and torch), imported only to replay its coordinator
         from deepspeed.runtime.zero import parameter_offload
     saved = list(parameter_offload.FWD_MODULE_STACK)
     try:
@@ -77,7 +78,7 @@ def positions(model, where, out: list):
     module name]` to `out` for every event, `position, backward` what `where()` gives then (the allocation
     log's length, whether the backward has begun):
     where among the step's allocations and frees each hook fires, which the coordinator's gathers of a
-    replayed step are placed by (`harness.predict.zero3_stream`, placement "recorded")."""
+    replayed step are placed by (`harness.predict.zero3.stream`, placement "recorded")."""
     with module_stack_kept():
         handles = hooked(model, _Positions({id(m): name or "root" for name, m in model.named_modules()}, where, out))
         try:
@@ -89,6 +90,7 @@ def positions(model, where, out: list):
 
 def hooked(model, recorder: Recorder) -> list:
     """DeepSpeed's own ZeRO-3 hook registration on `model`, driving `recorder`."""
+    # heavy: DeepSpeed (and torch), imported only to replay its coordinator
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     offload = object.__new__(DeepSpeedZeRoOffload)  # only the hook methods are used: no partitioning

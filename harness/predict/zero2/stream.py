@@ -1,7 +1,7 @@
 """ZeRO-2: the run's allocation stream with DeepSpeed's own buffers in it.
 
-The allocator model (`harness.predict.allocator`) needs every allocation of the run; the traced step
-(`harness.predict.stream`) has the model's, and what DeepSpeed 0.19.8's ZeRO-2 engine adds on the device
+The allocator model (`harness.predict.allocator.allocator`) needs every allocation of the run; the traced step
+(`harness.predict.allocator.stream`) has the model's, and what DeepSpeed 0.19.8's ZeRO-2 engine adds on the device
 (runtime/zero/stage_1_and_2.py, `DeepSpeedZeroOptimizer`) is few enough to put in by name. Both builds share
 the load, the flat buffer, the micro-steps and the norms' fp64 casts; they differ in where the optimizer
 and the gradient partition live.
@@ -17,7 +17,7 @@ and the gradient partition live.
    storage freed (they become views of it), the rank's partition cloned on the device and moved to
    the host as its fp32 master (`weights_partition`), and `temp_grad_buffer_for_gpu_offload`, the
    largest trainable parameter, kept.
-3. **The micro-steps** from the traced step at full depth (`harness.predict.stream.expand`), each
+3. **The micro-steps** from the traced step at full depth (`harness.predict.allocator.stream.expand`), each
    gradient freed as it is accumulated (DeepSpeed copies it into its bucket at once), with the
    cuBLAS workspaces (below).
 4. **The gradient-accumulation boundary**: `copy_grads_in_partition`, run on DeepSpeed's
@@ -36,7 +36,7 @@ bytes (norms, overflow flags).
 **With the optimizer on the device** (LoRA, QLoRA or a full fine-tune, `offload=False`), each allocation
 as the recorded timelines show it (`results/fitted/timelines/`, `results/architectures/timelines/`):
 
-1. **The load** as the case's stack loads it (`harness.predict.stream.load_stream`), peft's adapters (and,
+1. **The load** as the case's stack loads it (`harness.predict.allocator.stream.load_stream`), peft's adapters (and,
    through peft's k-bit preparation, a 4-bit model's unquantized parameters) in fp32.
 2. **The engine**: `_cast_module_mixed_precision` (runtime/engine.py) casts every fp32 parameter to the
    half dtype in module order (the fp32 copy freed); `empty_cache()`; the flat buffer as above; the
@@ -74,10 +74,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from harness.predict.allocator import AllocatorConf, CachingAllocator
-from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, FP32_BYTES, HALF_BYTES, NCCL_START_ALIGNMENT, NORM_BYTES
-from harness.predict.step import TraceResult, TraceSpec
-from harness.predict.stream import (
+from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
+from harness.predict.allocator.stream import (
     BACKWARD,
     RunShape,
     Stream,
@@ -88,6 +86,10 @@ from harness.predict.stream import (
     load_stream,
     module_order,
 )
+from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, FP32_BYTES, HALF_BYTES, NCCL_START_ALIGNMENT, NORM_BYTES
+from harness.predict.step import TraceResult, TraceSpec
+from harness.predict.trace.trace import cached_on_disk, trace_pair
+from harness.spec.dsconfig import auto_sizes
 from harness.spec.schema import Case, Offload
 
 DEFAULT_STREAM, REDUCTION_STREAM = 0, 1
@@ -109,11 +111,11 @@ class Zero2Shape:
     model_source: str = "config"
     double_quant: bool = False
     kbit_fp32: bool = False  # peft's k-bit preparation held the unquantized parameters in fp32 before the engine
-    held_before_load: int = 0  # bytes on the device when the load begins (harness.predict.stream.start_states)
+    # bytes on the device when the load begins (harness.predict.allocator.stream.start_states)
+    held_before_load: int = 0
 
     @classmethod
     def of(cls, case: Case, layers: int, hidden: int = 0) -> Zero2Shape:
-        from harness.spec.dsconfig import auto_sizes
 
         ds = case.deepspeed
         q = case.method.quantization
@@ -571,7 +573,7 @@ def zero2_run(r1: TraceResult, r2: TraceResult, shape: Zero2Shape) -> Zero2Run:
 def simulated(spec: TraceSpec, shape: Zero2Shape) -> Zero2Run:
     """`zero2_run` over the traces of `spec`, cached in-process and on disk beside the traces
     (keyed by both and by the code of this module, the stream and the allocator model)."""
-    from harness.predict.trace import cached_on_disk, trace_pair
 
-    return cached_on_disk("zero2", spec, shape, ("zero2_stream.py", "stream.py", "allocator.py", "constants.py"),
+    return cached_on_disk("zero2", spec, shape,
+                          ("zero2/stream.py", "allocator/stream.py", "allocator/allocator.py", "constants.py"),
                           lambda: zero2_run(*trace_pair(spec), shape), lambda d: Zero2Run(**d))

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
 from harness.predict.constants import DS_DEFAULTS, NORM_BYTES, NORM_CHUNK, ROUND_LARGE
 from harness.spec.schema import Case, Offload
 
@@ -126,8 +127,7 @@ def reduce_stream_reserve(case: Case, partitions: list[int], conf=None) -> int |
     offload, over one optimizer step's micro-steps (the last at the accumulation boundary);
     `partitions`: the trainable parameters' partition elements in the order backward reduces them
     (reverse module order). None where the case is not ZeRO-3 with optimizer offload. `conf`: the
-    case's `harness.predict.allocator.AllocatorConf`."""
-    from harness.predict.allocator import AllocatorConf, CachingAllocator
+    case's `harness.predict.allocator.allocator.AllocatorConf`."""
 
     ds = case.deepspeed
     if ds is None or ds.stage != 3 or ds.offload_optimizer == Offload.none or not partitions:

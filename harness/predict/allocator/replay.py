@@ -1,7 +1,7 @@
 """A recorded memory timeline replayed through the allocator model: the check that the model is the allocator.
 
 `replay(timeline)` feeds a rank's recorded allocations and frees (`harness.measure.timeline`), in
-order, with their sizes and streams, to `harness.predict.allocator.CachingAllocator` under the run's
+order, with their sizes and streams, to `harness.predict.allocator.allocator.CachingAllocator` under the run's
 PYTORCH_CUDA_ALLOC_CONF and memory cap, and gives the simulated reserved memory after each action.
 The recorded `segment_*` actions are the truth the simulation is compared with
 (`MemoryTimeline.curve()`), and recorded addresses serve only to pair a free with its allocation.
@@ -29,7 +29,14 @@ from harness.measure.timeline import (
     SEGMENT_UNMAP,
     MemoryTimeline,
 )
-from harness.predict.allocator import AllocatorConf, CachingAllocator, Segment, Stats, round_size, segment_size
+from harness.predict.allocator.allocator import (
+    AllocatorConf,
+    CachingAllocator,
+    Segment,
+    Stats,
+    round_size,
+    segment_size,
+)
 
 
 @dataclass
