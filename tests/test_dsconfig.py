@@ -32,8 +32,19 @@ def test_tiny_mode_scales_element_thresholds_with_the_parameter_size():
     cfg = deepspeed_config(AGGRESSIVE, shape.ranks, shape.grad_accum, shape.hidden_size, True, shape.ds_size_scale)
     scale = (shape.hidden_size / 5120) ** 2
     zero = cfg["zero_optimization"]
-    assert zero["stage3_param_persistence_threshold"] == max(1, int(10_000 * scale))
+    assert abs(zero["stage3_param_persistence_threshold"] - 10_000 * scale) <= 2
     # the tiny model's attention projections stay above the threshold, so ZeRO-3 still partitions them
     assert shape.hidden_size * shape.hidden_size > zero["stage3_param_persistence_threshold"]
     assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
     assert zero["offload_optimizer"]["pin_memory"] is False  # no pinned memory without an accelerator
+
+
+def test_tiny_buckets_stay_a_multiple_of_deepspeeds_alignment():
+    """ZeRO-2 asserts `allgather_bucket_size % 2 == 0`; a scaled odd count crashed DeepSpeed's engine."""
+    case = AGGRESSIVE.model_copy(update={"deepspeed": AGGRESSIVE.deepspeed.model_copy(
+        update={"stage": 2, "allgather_bucket_size": 500_000_000, "reduce_bucket_size": 50_000_001})})
+    for scale in (1.3e-5, 7.7e-7, 0.333):
+        zero = deepspeed_config(case, 1, 2, 64, True, scale)["zero_optimization"]
+        for key in ("allgather_bucket_size", "reduce_bucket_size"):
+            assert zero[key] % 2 == 0 and zero[key] >= 2, (scale, key, zero[key])
+            assert abs(zero[key] - case.deepspeed.model_dump()[key] * scale) <= 2

@@ -29,7 +29,10 @@ def deepspeed_config(case: Case, world_size: int, grad_accum: int, hidden_size: 
         base = value if value is not None else auto.get(name)
         if base is None:
             return None
-        return max(1, int(base * size_scale)) if base > 0 else 0
+        if base <= 0 or size_scale == 1.0:
+            return base
+        # DeepSpeed's ZeRO-1/2 asserts that buckets are a multiple of its NCCL start alignment (2 elements)
+        return max(2, 2 * round(base * size_scale / 2))
 
     zero: dict = {
         "stage": ds.stage,
