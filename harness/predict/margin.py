@@ -10,10 +10,13 @@ out of sample, on the benchmark's runs of the same kind of config:
   lower bound; it counts where the prediction is below that bound.
 * The kind of a config (`ConfigKind`): the method (LoRA, QLoRA, full), the ZeRO stage (0: no
   DeepSpeed), what is offloaded, and the checkpointing (off, reentrant, non-reentrant).
-* The margin of a kind: its runs' worst under-prediction (measured / predicted - 1), at least the
-  run-to-run noise of a peak (`MARGIN_FLOOR`), as a share of the prediction. A kind whose runs come
-  from fewer than `MIN_CASES` cases borrows from the next coarser group that has enough: the same
-  method, stage and offload; then method and stage; then the method; then every run (`LEVELS`).
+* The margin of a kind measured on at least `MIN_CASES` cases: its runs' worst under-prediction
+  (measured / predicted - 1), at least the run-to-run noise of a peak (`MARGIN_FLOOR`), as a share of
+  the prediction. A kind measured on fewer is *not measured*, and says so: its margin is the largest of
+  its own runs' worst, the nearest coarser group's that has enough cases (the same method, stage and
+  offload; then method and stage; then the method; then every run: `LEVELS`), and the spread of
+  errors across the measured kinds (`cross_kind_spread`), so a kind nobody measured never gets the
+  floor because its few neighbours happened to be close.
   With no table at all (a folder without one), `PRIOR_MARGIN` stands in and the notes say so.
 * The table records the digest of what it was computed from (the baselines, the cases, the
   predictor's code, the device records); a table computed from something else is stale, and the
@@ -29,6 +32,7 @@ import functools
 import hashlib
 import json
 import math
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,23 +179,66 @@ class Margin:
 
 def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozenset(),
                 min_cases: int = MIN_CASES) -> Margin:
-    """The margin of `kind` from `records`, the cases in `exclude` left out (a leave-one-out margin),
-    from the narrowest group with errors of at least `min_cases` cases."""
-    pool = [r for r in records if r.case_id not in exclude]
-    for level, key in LEVELS:
-        group = [r for r in pool if key(r.kind) == key(kind)]
-        cases = sorted({r.case_id for r in group if r.outcome == "ok"})
-        if len(cases) >= min_cases or (level == LEVELS[-1][0] and group):
-            worst = max(group, key=lambda r: r.shortfall)
-            fraction = max(MARGIN_FLOOR, worst.shortfall)
-            basis = f"{level}, {len(group)} runs of {len(cases)} cases"
-            if level != LEVELS[0][0]:
-                basis += f" (this kind has fewer than {min_cases} measured cases)"
-            return Margin(fraction=fraction, kind=kind, basis=basis, cases=tuple(cases),
-                          worst=(f"{worst.name} measured {worst.shortfall:.1%} above its prediction"
-                                 if worst.shortfall > MARGIN_FLOOR else None))
-    return Margin(fraction=PRIOR_MARGIN, kind=kind, basis="no benchmark error to draw on; a cautious prior",
-                  notes=("no predictor error table: the margin is a prior",))
+    """The margin of `kind` from `records`, the cases in `exclude` left out (a leave-one-out margin).
+
+    A kind measured on at least `min_cases` cases: its runs' worst shortfall. A kind measured on fewer is
+    not measured: its margin is the largest of its own runs' worst shortfall, the nearest coarser group's
+    that has enough cases (`LEVELS`), and the spread of errors across the measured kinds
+    (`cross_kind_spread`): how far a kind nobody measured may sit from its prediction."""
+    pool = [r for r in records if r.case_id not in exclude and r.kind.triton == kind.triton]
+    if not pool:
+        return Margin(fraction=PRIOR_MARGIN, kind=kind, basis="no benchmark error to draw on; a cautious prior",
+                      notes=("no predictor error table: the margin is a prior",))
+    mine = [r for r in pool if LEVELS[0][1](r.kind) == LEVELS[0][1](kind)]
+    mine_cases = _ok_cases(mine)
+    if len(mine_cases) >= min_cases:
+        worst = max(mine, key=lambda r: r.shortfall)
+        return Margin(fraction=max(MARGIN_FLOOR, worst.shortfall), kind=kind, cases=tuple(mine_cases),
+                      basis=f"{LEVELS[0][0]}, {len(mine)} runs of {len(mine_cases)} cases", worst=_worst_text(worst))
+    level, group = next(((name, g) for name, key in LEVELS[1:]
+                         if len(_ok_cases(g := [r for r in pool if key(r.kind) == key(kind)])) >= min_cases),
+                        (LEVELS[-1][0], pool))
+    spread = cross_kind_spread(pool)
+    worst = max(mine + group, key=lambda r: r.shortfall)
+    fraction = max(MARGIN_FLOOR, worst.shortfall, spread)
+    measured = f"{len(mine_cases)} measured case{'s' * (len(mine_cases) != 1)}, fewer than {min_cases}"
+    basis = (f"margin not measured for this kind ({measured}): the largest of the spread of errors across "
+             f"{len(_kinds(pool))} measured kinds ({spread:.1%}) and the worst run of {level} "
+             f"({len(group)} runs of {len(_ok_cases(group))} cases, {worst.shortfall:+.1%})")
+    return Margin(fraction=fraction, kind=kind, basis=basis, cases=tuple(_ok_cases(group)),
+                  worst=_worst_text(worst) if worst.shortfall >= spread else None)
+
+
+def cross_kind_spread(records: list[ErrorRecord]) -> float:
+    """How far a kind of config nobody measured may fall short of its prediction, from the kinds that were
+    measured: the largest bias of a kind (the median shortfall of its finished runs, either sign: kinds
+    differ from one another by that much) plus the most a run fell short beyond its own kind's bias.
+    Over-predicting kinds count as much as under-predicting ones: an unmeasured kind can sit on either
+    side of the spread."""
+    bias = {k: statistics.median(r.shortfall for r in rs) for k, rs in _kinds(records).items()}
+    if not bias:
+        return 0.0
+    scatter = max((r.shortfall - bias[LEVELS[0][1](r.kind)] for r in records
+                   if LEVELS[0][1](r.kind) in bias), default=0.0)
+    return max(abs(b) for b in bias.values()) + max(scatter, 0.0)
+
+
+def _kinds(records: Iterable[ErrorRecord]) -> dict[tuple, list[ErrorRecord]]:
+    """The finished runs by kind (the narrowest level of `LEVELS`)."""
+    out: dict[tuple, list[ErrorRecord]] = {}
+    for r in records:
+        if r.outcome == "ok":
+            out.setdefault(LEVELS[0][1](r.kind), []).append(r)
+    return out
+
+
+def _ok_cases(records: Iterable[ErrorRecord]) -> list[str]:
+    return sorted({r.case_id for r in records if r.outcome == "ok"})
+
+
+def _worst_text(worst: ErrorRecord) -> str | None:
+    return (f"{worst.name} measured {worst.shortfall:.1%} above its prediction"
+            if worst.shortfall > MARGIN_FLOOR else None)
 
 
 # --- the stored table and its freshness -----------------------------------------------------------
@@ -209,7 +256,7 @@ def source_files(root: Path = ROOT) -> list[Path]:
     files += sorted((root / "benchmarks" / "fitted" / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "device").glob("*.json"))
     files += sorted(p for p in PREDICTOR_CODE.glob("*.py") if p.name not in _NOT_PREDICTOR)
-    return files
+    return [p for p in files if p.is_file()]  # a folder named like a case file is not an input
 
 
 def inputs_digest(root: Path = ROOT) -> str:

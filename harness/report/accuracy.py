@@ -31,6 +31,7 @@ class Row:
     median_abs: float | None
     worst: float | None
     margins: tuple[float, ...]  # the margin of every kind of the group the benchmark holds
+    unmeasured: int = 0  # of those kinds, the ones measured on too few cases for a margin of their own
 
 
 def _group(kind: ConfigKind) -> tuple:
@@ -56,11 +57,13 @@ def rows(table: ErrorTable) -> list[Row]:
         records = groups[key]
         done = [r.measured / r.predicted - 1 for r in records if r.outcome == "ok"]
         kinds = sorted({r.kind for r in records}, key=lambda k: k.label())
+        margins = [margin_from(table.records, k) for k in kinds]
         out.append(Row(kind=_label(records[0].kind), runs=len(done), cases=len({r.case_id for r in records}),
                        oom=sum(r.outcome == "oom" for r in records),
                        median_abs=statistics.median(abs(e) for e in done) if done else None,
                        worst=max(done, key=abs) if done else None,
-                       margins=tuple(margin_from(table.records, k).fraction for k in kinds)))
+                       margins=tuple(m.fraction for m in margins),
+                       unmeasured=sum(m.basis.startswith("margin not measured") for m in margins)))
     return out
 
 
@@ -75,6 +78,9 @@ def markdown(table: ErrorTable) -> str:
     for r in rows(table):
         low, high = min(r.margins), max(r.margins)
         margin = f"{low:.1%}" if low == high else f"{low:.1%} to {high:.1%}"
+        if r.unmeasured:
+            margin += (" (not measured)" if r.unmeasured == len(r.margins)
+                       else f" ({r.unmeasured} of {len(r.margins)} kinds not measured)")
         lines.append(f"| {r.kind} | {r.runs} ({r.cases}) | {r.oom or '-'} | {_pct(r.median_abs)} "
                      f"| {_pct(r.worst, signed=True)} | {margin} |")
     return "\n".join(lines)
