@@ -73,6 +73,19 @@ NORM_CHUNK = 250_000_000
 # DeepSpeedZeroOptimizer.nccl_start_alignment_factor (stage_1_and_2.py)
 NCCL_START_ALIGNMENT = 2
 
+# --- copied: bitsandbytes' 4-bit storage (bitsandbytes/functional.py quantize_4bit, bitsandbytes 0.50.2) ------
+
+BNB_BLOCKSIZE = 64  # one fp32 absmax per 64 elements (quantize_4bit's default block)
+# double quantization (compress_statistics): the absmax itself quantized in blocks of 256
+# (`quantize_blockwise(absmax - offset, blocksize=256)`), one fp32 absmax per block
+BNB_NESTED_BLOCKSIZE = 256
+
+# --- copied: transformers' load (transformers/modeling_utils.py caching_allocator_warmup, transformers 5.17) ----
+
+# the warm-up block is made only where it would take more than this beyond the cache already held unused
+# ("If we only need to reallocate less than 1.5 GiB of what is already allocated, then don't allocate more")
+WARMUP_MIN_NEW = 1.5 * GiB
+
 # --- copied: the card (NVIDIA's H100 SXM and H200 specifications, compute capability 9.0) ---------------------
 
 # streaming multiprocessors, and the threads each holds: how `gpu_reduce_kernel` (aten/src/ATen/native/cuda/

@@ -32,7 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.predict.constants import CUBLAS_WORKSPACES_STATES, DS_DEFAULTS, HALF_BYTES, GiB
+from harness.predict.constants import (
+    BNB_BLOCKSIZE,
+    BNB_NESTED_BLOCKSIZE,
+    CUBLAS_WORKSPACES_STATES,
+    DS_DEFAULTS,
+    FP32_BYTES,
+    HALF_BYTES,
+    GiB,
+)
 from harness.predict.step import fp32_trainable_parameters, fused_adamw, reentrant_checkpointing, zero_init
 from harness.predict.zero3.coordinator import Gathered
 from harness.spec.dsconfig import auto_sizes
@@ -71,8 +79,8 @@ class States:
 
 
 def quant_bytes(numel: int, double_quant: bool) -> int:
-    blocks = numel / 64
-    absmax = blocks * 1 + blocks / 256 * 4 if double_quant else blocks * 4
+    blocks = numel / BNB_BLOCKSIZE
+    absmax = blocks * 1 + blocks / BNB_NESTED_BLOCKSIZE * FP32_BYTES if double_quant else blocks * FP32_BYTES
     return int(numel / 2 + absmax)
 
 
@@ -188,7 +196,7 @@ def _deepspeed_optimizer(case: Case, inv: Inventory, hidden: int, half: int, gat
     elif kind in ("lora", "qlora"):
         dev["lora_params"] = T * tbytes  # small; under ZeRO-3 mostly below the persistence threshold
     shard = W if ds.stage >= 1 else 1
-    opt = 12 * T // shard
+    opt = 3 * FP32_BYTES * T // shard  # the fp32 master and Adam's two moments
     if ds.offload_optimizer == Offload.cpu:
         host["optimizer_fp32_master_adam"] = opt
         host["fp32_grad_partition"] = 4 * T // shard

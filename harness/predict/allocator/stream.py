@@ -42,7 +42,16 @@ import difflib
 from dataclasses import dataclass, field
 
 from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator, round_size, segment_size
-from harness.predict.constants import CUBLAS_HANDLE_WORKSPACE, HALF_BYTES, MAX_STEPS, TENSOR_BEFORE_LOAD, GiB
+from harness.predict.constants import (
+    BNB_BLOCKSIZE,
+    BNB_NESTED_BLOCKSIZE,
+    CUBLAS_HANDLE_WORKSPACE,
+    FP32_BYTES,
+    HALF_BYTES,
+    MAX_STEPS,
+    TENSOR_BEFORE_LOAD,
+    WARMUP_MIN_NEW,
+)
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, TraceResult, TraceSpec, fused_adamw
 from harness.spec.schema import Case
 
@@ -381,12 +390,12 @@ def _loaded_from_checkpoint(base: list[list[int]], shape: RunShape, stream: Stre
             kept_half.append((stream.alloc(n * half), n, layer, size))
             continue
         weight = stream.alloc(n * half)  # the half weight, then bitsandbytes' quantize_4bit
-        absmax = stream.alloc(-(-n // 64) * 4)
+        absmax = stream.alloc(-(-n // BNB_BLOCKSIZE) * FP32_BYTES)
         stream.alloc(-(-n // 2))  # the packed 4-bit weight, kept
         if shape.double_quant:
-            offset = stream.alloc(-(-n // 64) * 4)
-            stream.alloc(-(-n // (64 * 256)) * 4)  # the absmax's own absmax, kept
-            stream.alloc(-(-n // 64))  # the quantized absmax, kept
+            offset = stream.alloc(-(-n // BNB_BLOCKSIZE) * FP32_BYTES)
+            stream.alloc(-(-n // (BNB_BLOCKSIZE * BNB_NESTED_BLOCKSIZE)) * FP32_BYTES)  # the absmax's own absmax, kept
+            stream.alloc(-(-n // BNB_BLOCKSIZE))  # the quantized absmax, kept
             stream.free(offset)
             stream.free(absmax)
         stream.free(weight)
@@ -411,7 +420,7 @@ def _warmup_bytes(model_bytes: int, held: int) -> int:
     unused = segment_size(round_size(held)) - round_size(held) if held else 0
     if model_bytes - unused > unused:
         model_bytes -= unused
-    elif model_bytes - unused > 1.5 * GiB:
+    elif model_bytes - unused > WARMUP_MIN_NEW:
         model_bytes = unused + 1  # the least that still takes a new segment
     else:
         model_bytes = 0

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
-from harness.predict.constants import SMS, THREADS_PER_SM
+from harness.predict.constants import BNB_BLOCKSIZE, SMS, THREADS_PER_SM
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.predict.zero3.hook_calls import positions
 from harness.spec.schema import Precision, Stack
@@ -148,7 +148,7 @@ def _dequantize(shape, dtype, device, steps: int = 2):
     as locals, until the `F.linear` it returns has made its output; the backward's
     `functional.dequantize_4bit` makes one (`absmax += quant_state.offset`, in place), freed when it
     returns the weight, before the matmul."""
-    blocks = -(-shape[0] * shape[1] // 64)
+    blocks = -(-shape[0] * shape[1] // BNB_BLOCKSIZE)
     absmax = [torch.empty(blocks, dtype=torch.float32, device=device) for _ in range(steps)]
     w = torch.empty(shape, dtype=dtype, device=device)
     return w, absmax

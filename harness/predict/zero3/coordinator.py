@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
-from harness.predict.constants import DS_DEFAULTS, POOL_ROUNDS, ROUNDS
+from harness.predict.constants import DS_DEFAULTS, POOL_ROUNDS, ROUNDS, GiB
 from harness.predict.dispatch import replays_gather_pool
 from harness.predict.step import TraceSpec, reentrant_checkpointing, zero_init
 from harness.predict.trace.trace import _cache_dir
@@ -166,7 +166,7 @@ class Gathered:
     outside_peak: int = 0  # the most gathered at once in the forward and in the backward before the layers'
     pool_bytes: int = 0  # what the gather stream's pool reserves over the replayed steps (`gather_pool`)
 
-    def describe(self, gib: int = 2**30) -> str:
+    def describe(self, gib: int = GiB) -> str:
         return (f"ZeRO-3 gathered parameters (DeepSpeed's coordinator replayed over the step): peak "
                 f"{self.peak_bytes / gib:.2f} GiB at {self.peak_where}; {self.backward_start_bytes / gib:.2f} GiB "
                 "when backward starts")

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.predict.allocator.allocator import AllocatorConf, CachingAllocator
-from harness.predict.constants import DS_DEFAULTS, NORM_BYTES, NORM_CHUNK, ROUND_LARGE
+from harness.predict.constants import DS_DEFAULTS, NORM_BYTES, NORM_CHUNK, ROUND_LARGE, GiB
 from harness.spec.schema import Case, Offload
 
 
@@ -112,14 +112,14 @@ def fp32_grad_segment(case: Case, trainable_sizes: list[int] | None, trainable: 
     fp32 = 4 * largest  # the master weights' dtype (fp32) whatever the training precision
     segment = -(-fp32 // ROUND_LARGE) * ROUND_LARGE
     where = (f"ZeRO-3 optimizer step: {len(groups)} sub-group(s) of sub_group_size {size:.3g}, the largest "
-             f"{largest / 1e6:.1f}M elements per rank; its fp32 gradient ({segment / 2**30:.2f} GiB, "
+             f"{largest / 1e6:.1f}M elements per rank; its fp32 gradient ({segment / GiB:.2f} GiB, "
              "stage3.py _prepare_fp32_grad_for_sub_group)")
     if segment <= largest_step_block:
         return Fp32GradSegment(0, groups, largest_step_block,
                                where + " fits a block the forward and backward free: nothing added")
     return Fp32GradSegment(segment, groups, largest_step_block,
                            where + " takes a segment of its own beyond the forward and backward's reserve "
-                           f"(their largest block {largest_step_block / 2**30:.2f} GiB)")
+                           f"(their largest block {largest_step_block / GiB:.2f} GiB)")
 
 
 def reduce_stream_reserve(case: Case, partitions: list[int], conf=None) -> int | None:
