@@ -4,6 +4,7 @@ test finds a card held by an earlier one), waiting for processes a test expects 
 session the bundled cases' items are judged on (a test that needs a bundled case's run shares it,
 except under pytest-xdist)."""
 
+import contextlib
 import os
 import time
 
@@ -12,6 +13,15 @@ import pytest
 
 from harness.runtime import card_lock
 from harness.spec.cases import CASES_DIR
+
+with contextlib.suppress(ImportError):  # hypothesis comes with the test extra
+    from hypothesis import settings as hypothesis_settings
+
+    # Examples per property test where the test does not set its own: the default tier's profile tries
+    # 30 (derandomized: the same 30 each run); `pytest --hypothesis-profile deep` searches further.
+    hypothesis_settings.register_profile("tier", max_examples=30)
+    hypothesis_settings.register_profile("deep", max_examples=600)
+    hypothesis_settings.load_profile("tier")
 
 
 @pytest.fixture(autouse=True)

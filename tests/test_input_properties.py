@@ -25,7 +25,8 @@ from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.units import GIB
 
-PROPERTY = settings(max_examples=60, deadline=timedelta(seconds=5), derandomize=True, database=None,
+# examples per test: the profile's (tests/conftest.py: 30 in the default tier, `--hypothesis-profile deep` for more)
+PROPERTY = settings(deadline=timedelta(seconds=5), derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 TRAINING_CONFIGS = sorted(p for p in EXAMPLES.iterdir() if p.suffix in (".yaml", ".json")
                           and not p.name.startswith("ds_") and p.name != "premerge.yaml")
