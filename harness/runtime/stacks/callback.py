@@ -7,15 +7,23 @@ reports, with the same meaning as in the harness's own loop (`harness.runtime.tr
 * `on_train_begin`, after the trainer has built its engine and optimizer: the step phase starts
   (peaks reset, as the harness's loop resets them once the engine is ready);
 * `on_step_begin` / `on_step_end`: each optimizer step (all its micro-steps) timed from a synchronised
-  start; the clocks restart after the warm-up steps;
+  start, on a GPU also by CUDA events (`step_device_s`, as the harness's loop times it); the clocks
+  restart after the warm-up steps;
+* `on_substep_end` / `on_pre_optimizer_step`: where `HARNESS_INJECT_DELAY` is set, each micro-step's
+  share of the delay, spent after its backward as the harness's loop spends it (`harness.runtime.train.Delay`),
+  and the optimizer's share at the step's end;
 * `on_log`: the step's loss as the trainer logs it (logging every step).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
+import torch
 from transformers import TrainerCallback
+
+from harness.runtime.train import INJECT_ENV, Delay
 
 
 class MeasuringCallback(TrainerCallback):
@@ -28,6 +36,11 @@ class MeasuringCallback(TrainerCallback):
         self.history = history
         self.steps = steps
         self.t0: float | None = None
+        self.delay = Delay(os.environ.get(INJECT_ENV))
+        if self.delay.active:
+            report.injected_delay = os.environ[INJECT_ENV].strip()
+        self.events: tuple | None = None
+        self.micro_share = 1.0
 
     def _phase(self, name: str) -> None:
         if self.history is not None:
@@ -41,18 +54,33 @@ class MeasuringCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.meas.sync()
+        self.micro_share = 1 / max(1, args.gradient_accumulation_steps)
+        if torch.cuda.is_available() and not args.use_cpu:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
         self.t0 = time.perf_counter()
+        self.delay.start()
         self._phase("forward")
 
     def on_substep_end(self, args, state, control, **kwargs):
+        if self.delay.active:
+            self.delay.spend(self.micro_share, self.meas.sync)
         self.meas.check_cpu_limit()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.delay.active:  # the last micro-step's backward is done
+            self.delay.spend(self.micro_share, self.meas.sync)
         self._phase("optimizer")
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.delay.active:
+            self.delay.spend(0.0, self.meas.sync)  # the share of the optimizer's time
+        if self.events is not None:
+            self.events[1].record()
         self.meas.sync()
         self.report.step_times_s.append(time.perf_counter() - self.t0)
+        if self.events is not None:
+            self.report.step_device_s.append(self.events[0].elapsed_time(self.events[1]) / 1000)
         self.meas.check_cpu_limit()
         done = len(self.report.step_times_s)
         self.progress(f"step {done}/{self.steps or state.max_steps} in {self.report.step_times_s[-1]:.2f} s")
