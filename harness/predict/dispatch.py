@@ -5,8 +5,9 @@
 
 A config's kind is read off the case (`Kind`): the method, the ZeRO stage, where DeepSpeed keeps the
 parameters and the optimizer, `overlap_comm`, whether the model is built under zero.Init, contiguous
-gradients, and the allocator (`PYTORCH_CUDA_ALLOC_CONF`). The first row of `TABLE` whose columns all match
-names the method of each part:
+gradients, and the allocator (`PYTORCH_CUDA_ALLOC_CONF`). Checkpointing and the stack are not columns: they
+change what the trace holds (the trace runs them), not which method sizes a part. The first row of `TABLE`
+whose columns all match names the method of each part:
 
 * allocated: `terms` (the closed-form states beside the trace's peaks, harness.predict.states) or
   `zero3_step_stream` (the step built as one stream with DeepSpeed's gathers among the model's allocations,
