@@ -9,9 +9,10 @@ gradients, and the allocator (`PYTORCH_CUDA_ALLOC_CONF`). Checkpointing and the 
 change what the trace holds (the trace runs them), not which method sizes a part. The first row of `TABLE`
 whose columns all match names the method of each part:
 
-* allocated: `terms` (the closed-form states beside the trace's peaks, harness.predict.states) or
+* allocated: `terms` (the closed-form states beside the trace's peaks, harness.predict.states),
   `zero3_step_stream` (the step built as one stream with DeepSpeed's gathers among the model's allocations,
-  harness.predict.zero3.stream);
+  harness.predict.zero3.stream) or `zero2_stream` (the terms, or the ZeRO-2 stream's allocated peak where it
+  is higher, harness.predict.zero2.stream);
 * reserved: one of `RESERVED` below; a method that follows the allocator model needs the allocator it
   models (`RESERVED[...].allocators`), and on another one the row's `fallback` sizes it;
 * device: the device's own parts beside the allocator (harness.predict.device), the same for every row.
@@ -47,6 +48,8 @@ ALLOCATED = {m.name: m for m in (
            "harness.predict.states"),
     Method("zero3_step_stream", "the allocator model's allocated peak over the step built as one stream with "
            "DeepSpeed's gathers among the model's allocations", "harness.predict.zero3.stream"),
+    Method("zero2_stream", "the larger of the terms' peak and the allocator model's allocated peak over the ZeRO-2 "
+           "stream (DeepSpeed's flat copy of the parameters, the gradient partition)", "harness.predict.zero2.stream"),
 )}
 RESERVED = {m.name: m for m in (
     Method("stream", "the allocator model over the traced load and optimizer steps", "harness.predict.allocator.stream",
@@ -137,7 +140,7 @@ TABLE = (
     Row("no-deepspeed", zero="none",
         allocated="terms", reserved="stream", fallback="ratio"),
     Row("zero2-stream", zero="2", params="device", grads="contiguous",
-        allocated="terms", reserved="zero2_stream", fallback="ratio"),
+        allocated="zero2_stream", reserved="zero2_stream", fallback="ratio"),
     Row("zero3-lora-one-pool", method="lora", zero="3", params="device", optimizer="host", overlap="off",
         allocated="zero3_step_stream", reserved="zero3_one_pool", fallback="zero3_ratio"),
     Row("zero3-lora-offload-one-pool", method="lora", zero="3", params="host", optimizer="host", overlap="off",
