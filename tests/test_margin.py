@@ -115,7 +115,7 @@ def test_a_stale_table_is_used_and_named_stale(tmp_path):
     case = load_case(CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml")
     m = margin_for(case, path=old)
     assert m.fraction == margin_for(case).fraction
-    assert any("rewrite it with `python -m harness.predict.errors`" in n for n in m.notes)
+    assert any("rewrite it with `python benchmarks/predictor_errors.py`" in n for n in m.notes)
 
 
 def test_kind_of_the_bundled_cases():

@@ -6,7 +6,7 @@ out of sample, on the benchmark's runs of the same kind of config:
 
 * The errors: every blessed baseline predicted leave-one-out (its own case left out of the
   calibration), its device figure against the measured one, kept in `results/predictor/errors.json`
-  by `python -m harness.predict.errors` (`ErrorTable`). A run that ran out of memory gives only a
+  by `python benchmarks/predictor_errors.py` (`ErrorTable`). A run that ran out of memory gives only a
   lower bound; it counts where the prediction is below that bound.
 * The kind of a config (`ConfigKind`): the method (LoRA, QLoRA, full), the ZeRO stage (0: no
   DeepSpeed), what is offloaded, and the checkpointing (off, reentrant, non-reentrant).
@@ -44,8 +44,8 @@ from harness.spec.units import fmt_gib
 
 ERRORS_FILE = ROOT / "results" / "predictor" / "errors.json"
 PREDICTOR_CODE = Path(__file__).resolve().parent
-# Files of harness/predict/ whose change does not change a prediction (the margin itself, the table's writer).
-_NOT_PREDICTOR = {"margin.py", "errors.py", "__init__.py"}
+# Files of harness/predict/ whose change does not change a prediction (the margin itself).
+_NOT_PREDICTOR = {"margin.py", "__init__.py"}
 
 MARGIN_FLOOR = 0.02  # run-to-run noise of a peak (harness.baselines.store.MEMORY_FLOOR)
 MIN_CASES = 4  # a group's margin needs the errors of at least this many cases
@@ -148,7 +148,7 @@ class ErrorTable:
     records: tuple[ErrorRecord, ...]
 
     def to_json(self) -> str:
-        return json.dumps({"digest": self.digest, "written_by": "python -m harness.predict.errors",
+        return json.dumps({"digest": self.digest, "written_by": "python benchmarks/predictor_errors.py",
                            "records": [r.as_dict() for r in self.records]}, indent=1) + "\n"
 
     @classmethod
@@ -255,14 +255,18 @@ def source_files(root: Path = ROOT) -> list[Path]:
     files += sorted((root / "results" / "fitted" / "baselines").glob("*/*.json"))
     files += sorted((root / "benchmarks" / "fitted" / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "device").glob("*.json"))
-    files += sorted(p for p in PREDICTOR_CODE.glob("*.py") if p.name not in _NOT_PREDICTOR)
+    # the package and its subpackages (trace/, allocator/, zero2/, zero3/); `reference/` holds other tools' estimates
+    files += sorted(p for p in PREDICTOR_CODE.rglob("*.py")
+                    if p.name not in _NOT_PREDICTOR and "reference" not in p.relative_to(PREDICTOR_CODE).parts)
     return [p for p in files if p.is_file()]  # a folder named like a case file is not an input
 
 
 def inputs_digest(root: Path = ROOT) -> str:
     h = hashlib.sha256()
     for p in source_files(root):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        # by path: allocator/ and zero2/ each hold a stream.py
+        name = p.relative_to(root).as_posix() if p.is_relative_to(root) else p.name
+        h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:32]
 
 
@@ -275,10 +279,10 @@ def _table(path: str) -> tuple[ErrorTable | None, str | None]:
         return None, f"{path}: no predictor error table; the margin is a prior ({PRIOR_MARGIN:.0%})"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return None, (f"{path}: unreadable predictor error table ({exc}); the margin is a prior ({PRIOR_MARGIN:.0%}). "
-                      "Rewrite it with `python -m harness.predict.errors`")
+                      "Rewrite it with `python benchmarks/predictor_errors.py`")
     if table.digest != inputs_digest():
         return table, (f"{path} was computed before the baselines, cases or predictor last changed; rewrite it "
-                       "with `python -m harness.predict.errors`")
+                       "with `python benchmarks/predictor_errors.py`")
     return table, None
 
 
