@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 CASES = [("004-gla-plan-c-1proc", "LoRA"), ("003-qlora-fix-r16-seq512-gc", "QLoRA"),
          ("001-ladder-rung3-zero3", "ZeRO-3 LoRA")]
 SLOWDOWNS = ("3%", "5%", "10%")
+ONE_HOST_RUNS = ROOT / "results" / "runs" / "2026-11-29-h200-throughput-injected-slowdowns.json"
 
 
 # --- on the GPU ----------------------------------------------------------------------------------
@@ -163,8 +164,17 @@ def measured_noise() -> dict:
                 groups.setdefault(key, []).append(r.tokens_per_s_per_gpu)
     noise = pooled_noise(list(groups.values()))
     quiet = min((statistics.stdev([math.log(v) for v in vs]), k) for k, vs in groups.items() if len(vs) >= 3)
-    return {"pooled_sigma": noise.sigma, "df": noise.df, "groups": noise.groups,
-            "quietest_sigma": quiet[0], "quietest": f"{quiet[1][1]} on {quiet[1][0]} at {quiet[1][3]} thread(s)"}
+    out = {"pooled_sigma": noise.sigma, "df": noise.df, "groups": noise.groups,
+           "quietest_sigma": quiet[0], "quietest": f"{quiet[1][1]} on {quiet[1][0]} at {quiet[1][3]} thread(s)"}
+    # the clean runs of one host in one sitting, in blocks between slowed ones (the GPU measurement above)
+    if ONE_HOST_RUNS.is_file():
+        data = json.loads(ONE_HOST_RUNS.read_text())
+        clean = [b["tokens_per_s_per_gpu"] for b in data["blocks"] if not b["delay"]]
+        host = pooled_noise(clean)
+        out.update(one_host_sigma=host.sigma, one_host_df=host.df,
+                   one_host=f"{data['what'].split(' ')[0]} on one {data['platform']['device_name']}, "
+                            f"{sum(map(len, clean))} clean runs in {len(clean)} blocks")
+    return out
 
 
 def simulate(sigma: float, per_night: int, trials: int, seed: int, step: float = 0.05, clean: int = 30,
@@ -210,7 +220,8 @@ def main() -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if args.simulate:
         noise = measured_noise()
-        levels = [noise["pooled_sigma"], noise["quietest_sigma"], 0.02, 0.01]
+        levels = [noise["pooled_sigma"], noise["quietest_sigma"]] + (
+            [noise["one_host_sigma"]] if "one_host_sigma" in noise else []) + [0.02, 0.01]
         rows = [simulate(s, r, args.trials, seed=11) for s in levels for r in (1, 5)]
         result = {"when": stamp, "measured_noise": noise, "simulations": rows}
         (out / "changepoint-power.json").write_text(json.dumps(result, indent=1) + "\n")
