@@ -196,8 +196,10 @@ def test_a_team_case_is_blessed_from_its_own_folder(team, capsys):
     assert blessed["runs"][0]["per_card_peak"] == int(20.8 * GIB)
 
 
-def test_the_written_case_runs_green_at_tiny_size(team, shared_zygote):
-    """The whole path a team's CI takes: case-from, then `oom-harness run --case-dir DIR --fidelity tiny`."""
+def test_the_written_case_runs_green_at_tiny_size(team):
+    """The whole path a team's CI takes: case-from, then `oom-harness run --case-dir DIR --fidelity tiny`.
+    (Its worker runs on LLaMA-Factory's interpreter, forked from a zygote of that interpreter the command
+    starts: this process's zygote, of another interpreter, would not serve it.)"""
     assert _case_from(team, "--gpu-memory", "24GiB", "--gpus", "1") == 0
     reason = unavailable(load_case(team / "cases" / "llama3_lora_sft.yaml"))
     if reason is not None:  # a LLaMA-Factory config runs through LLaMA-Factory (harness.runtime.stacks)
