@@ -55,6 +55,7 @@ from harness.baselines.store import RESULTS_DIR, load_baselines
 from harness.fit.platforms import THREADS_WHEN_UNRECORDED, Host, host, nearest
 from harness.fit.shape import ModelShape
 from harness.measure.flops import flops_per_token, peak_flops
+from harness.predict.constants import HALF_BYTES
 from harness.predict.step import liger_applies, reentrant_checkpointing
 from harness.spec.cases import CASES_DIR
 from harness.spec.schema import Case, Offload
@@ -77,11 +78,10 @@ GROUPS = (COMPUTE, ("launch_s_per_linear_pass", "launch_s_per_4bit_linear_pass",
                     "deepspeed_s_per_micro_step", "offload_s_per_step"), ("fla_s_per_layer_pass",),
           ("pcie_bytes_per_s", "pageable_bytes_per_s"), ("host_memory_bytes_per_s",), ("network_bytes_per_s",),
           ("cpu_adam_params_per_s_per_thread",))
-PRIOR_WEIGHT = 0.3  # weight of a prior pseudo-observation against one baseline's relative error (pooled fit)
-PLATFORM_PRIOR_WEIGHT = 0.3  # the same for a platform's fit, whose priors are the pooled values
+PRIOR_WEIGHT = float(_DATA["fit"]["prior_weight"]["value"])  # pooled fit: a prior against one baseline's error
+PLATFORM_PRIOR_WEIGHT = float(_DATA["fit"]["platform_prior_weight"]["value"])  # a platform's fit, pooled priors
 CPU_ADAM_BYTES = float(CONSTANTS["cpu_adam_bytes_per_param"]["prior"])
 LIGER_COMPUTE_FACTOR = float(CONSTANTS["liger_compute_factor"]["prior"])
-HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def step_work(case: Case, config: dict, shape: ModelShape | None = None, threads
     passes = (4 if gc else 3) * ga  # forward 1, backward 2, recomputed forward 1, per micro step
     linear_passes = shape.layers * shape.layer_linears * passes
     four_bit = linear_passes if case.method.kind == "qlora" else 0
-    half = HALF[case.precision.value]
+    half = HALF_BYTES[case.precision.value]
     world = case.launch.ranks
     trainable = _trainable(case, shape)
     fla = shape.layers * passes if config.get("model_type") == "gla" else 0
