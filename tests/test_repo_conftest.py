@@ -37,3 +37,21 @@ def test_a_cache_the_environment_names_wins_and_the_traces_follow_it(monkeypatch
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "one").write_text("x")
     assert "checkpoints warm" in conftest.pytest_report_header(None)
+
+
+def test_the_files_that_mostly_wait_are_collected_first_each_in_its_order():
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    conftest = _repo_conftest()
+    names = ["tests/test_allocator.py::test_a", "tests/test_launcher.py::test_b", "cases/x.yaml::x-tiny",
+             "tests/test_faults.py::test_c[torchrun]", "tests/test_faults.py::test_c[forked]",
+             "tests/test_zygote.py::t"]
+    items = [Item(n) for n in names]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == [
+        "tests/test_launcher.py::test_b", "tests/test_faults.py::test_c[torchrun]",
+        "tests/test_faults.py::test_c[forked]", "tests/test_zygote.py::t", "tests/test_allocator.py::test_a",
+        "cases/x.yaml::x-tiny"]
+    assert all((ROOT / f).is_file() for f in conftest.WAITING_FIRST)
