@@ -15,8 +15,9 @@ out of sample, on the benchmark's runs of the same kind of config:
   the prediction. A kind measured on fewer is *not measured*, and says so: its margin is the largest of
   its own runs' worst, the nearest coarser group's that has enough cases (the same method, stage and
   offload; then method and stage; then the method; then every run: `LEVELS`), and the spread of
-  errors across the measured kinds (`cross_kind_spread`), so a kind nobody measured never gets the
-  floor because its few neighbours happened to be close.
+  errors across the measured kinds (`cross_kind_spread`: the most under-predicted kind's bias plus the
+  scatter of runs within a kind), so a kind nobody measured never gets the floor because its few
+  neighbours happened to be close.
   With no table at all (a folder without one), `PRIOR_MARGIN` stands in and the notes say so.
 * The table records the digest of what it was computed from (the baselines, the cases, the
   predictor's code, the device records); a table computed from something else is stale, and the
@@ -211,16 +212,17 @@ def margin_from(records: Iterable[ErrorRecord], kind: ConfigKind, exclude=frozen
 
 def cross_kind_spread(records: list[ErrorRecord]) -> float:
     """How far a kind of config nobody measured may fall short of its prediction, from the kinds that were
-    measured: the largest bias of a kind (the median shortfall of its finished runs, either sign: kinds
-    differ from one another by that much) plus the most a run fell short beyond its own kind's bias.
-    Over-predicting kinds count as much as under-predicting ones: an unmeasured kind can sit on either
-    side of the spread."""
+    measured, taken as draws of the same predictor: the largest bias of a kind (the median shortfall of its
+    finished runs; 0 where every kind is over-predicted) plus the most a run fell short beyond its own
+    kind's bias (the scatter of runs of one kind: platforms, variants, repetitions). The kinds' biases are
+    used as measured, not mirrored: the predictor errs on the high side by design, and a kind it
+    over-predicts says nothing of one it would under-predict beyond what the other kinds show."""
     bias = {k: statistics.median(r.shortfall for r in rs) for k, rs in _kinds(records).items()}
     if not bias:
         return 0.0
     scatter = max((r.shortfall - bias[LEVELS[0][1](r.kind)] for r in records
                    if LEVELS[0][1](r.kind) in bias), default=0.0)
-    return max(abs(b) for b in bias.values()) + max(scatter, 0.0)
+    return max(max(bias.values()), 0.0) + max(scatter, 0.0)
 
 
 def _kinds(records: Iterable[ErrorRecord]) -> dict[tuple, list[ErrorRecord]]:
