@@ -157,3 +157,13 @@ def test_a_one_rank_zero2_offload_takes_the_streams_allocated_peak():
     assert allocated.method == "zero2_stream"
     assert allocated.figures["allocated"] == p.allocated > p.terms["allocated_by_terms"]
     assert any(n.startswith("allocated: the ZeRO-2 stream's peak") for n in p.notes)
+
+
+def test_explain_describes_each_stage_by_its_own_methods(capsys):
+    """`zero2_stream` sizes allocated and reserved, each its own way: each stage line says its own."""
+    main(["check", str(CASES_DIR / "001-ladder-rung2-zero2-offload.yaml"), "--explain"])
+    out, _ = capsys.readouterr()
+    allocated = next(line for line in out.splitlines() if line.startswith("  allocated: `"))
+    reserved = next(line for line in out.splitlines() if line.startswith("  reserved: `"))
+    assert allocated == f"  allocated: `zero2_stream` ({ALLOCATED['zero2_stream'].what}; harness.predict.zero2.stream)"
+    assert reserved == f"  reserved: `zero2_stream` ({RESERVED['zero2_stream'].what}; harness.predict.zero2.stream)"

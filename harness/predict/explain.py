@@ -8,7 +8,9 @@ from dataclasses import asdict
 from harness.predict.dispatch import ALLOCATED, DEVICE, RESERVED, TABLE, describe
 from harness.spec.units import fmt_gib
 
-_METHODS = {**ALLOCATED, **RESERVED, **DEVICE}
+# a stage's methods by its name: a method name can size more than one part (`zero2_stream` sizes both
+# allocated and reserved, each with its own description)
+_METHODS = {"allocated": ALLOCATED, "reserved": RESERVED, "device": DEVICE}
 # figures that are not bytes: ratios, and counts of elements
 _RATIOS = {"reserved_over_allocated", "zero3_cached_gathers"}
 _COUNTS = {"parameters"}
@@ -37,7 +39,7 @@ def explain_lines(prediction) -> list[str]:
              f"(on another allocator `{row.fallback}`), device by `{row.device}`",
              "stages, in the order they ran:"]
     for stage in prediction.stages:
-        what = _METHODS.get(stage.method)
+        what = _METHODS.get(stage.name, {}).get(stage.method)
         lines.append(f"  {stage.name}: `{stage.method}`" + (f" ({what.what}; {what.module})" if what else ""))
         lines += [f"      {name:<36} {_figure(name, value)}" for name, value in stage.figures.items()]
     return lines

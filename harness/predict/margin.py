@@ -45,8 +45,8 @@ from harness.spec.units import fmt_gib
 
 ERRORS_FILE = ROOT / "results" / "predictor" / "errors.json"
 PREDICTOR_CODE = Path(__file__).resolve().parent
-# Files of harness/predict/ whose change does not change a prediction (the margin itself).
-_NOT_PREDICTOR = {"margin.py", "__init__.py"}
+# Files of harness/predict/ whose change does not change a prediction (the margin itself, what --explain prints).
+_NOT_PREDICTOR = {"margin.py", "explain.py", "__init__.py"}
 
 MARGIN_FLOOR = 0.02  # run-to-run noise of a peak (harness.baselines.store.MEMORY_FLOOR)
 MIN_CASES = 4  # a group's margin needs the errors of at least this many cases
