@@ -38,6 +38,8 @@ class Allocated:
     gather_peak: int  # the most ZeRO-3 parameters gathered at once beside the activations; 0 elsewhere
     gathered_above: int  # of those, the bytes above what is gathered when backward starts
     stepped: zero3_stream.OnePoolRun | None  # the step's stream, where the route built it
+    # the ZeRO-2 stream's run from each device state the load can begin from, where the route built them
+    zero2: tuple[zero2_stream.Zero2Run, ...] = ()
 
 
 def step_stream(job: Job, notes: list[str]) -> zero3_stream.OnePoolRun | None:
@@ -118,24 +120,25 @@ def allocated(job: Job, t: Traced) -> Allocated:
              retention_peak: "a parameter gather with every layer's frozen weights retained (reentrant checkpointing)",
              gather_peak: "the most ZeRO-3 parameters gathered at once"}
     by_terms = peak
-    method = "terms"
+    method, zero2 = "terms", ()
     if t.stepped is not None:
         peak, method = _stepped_peak(job, t.stepped, by_terms, where[by_terms]), "zero3_step_stream"
     elif job.route.allocated == "zero2_stream":
-        peak, method = _zero2_peak(job, by_terms, where[by_terms])
+        shape = zero2_stream.Zero2Shape.of(job.case, job.layers, job.hidden)
+        zero2 = tuple(zero2_stream.simulated(job.trace_spec, s) for s in start_states(shape))
+        peak, method = _zero2_peak(job, zero2, by_terms, where[by_terms])
     else:
         notes.append("peak during " + where[by_terms])
     job.record("allocated", method, allocated=peak,
                by_terms=by_terms, forward_backward=backward_peak, optimizer_step=optimizer_peak,
                reentrant_retention=retention_peak, zero3_gathers=gather_peak)
-    return Allocated(peak, backward_peak, retention_peak, gather_peak, gathered_above, t.stepped)
+    return Allocated(peak, backward_peak, retention_peak, gather_peak, gathered_above, t.stepped, zero2)
 
 
-def _zero2_peak(job: Job, by_terms: int, where: str) -> tuple[int, str]:
-    """The ZeRO-2 stream's allocated peak where it is above the terms' (the stream of each device state the
-    load can begin from, `start_states`: the higher)."""
-    shape = zero2_stream.Zero2Shape.of(job.case, job.layers, job.hidden)
-    stream_peak = max(zero2_stream.simulated(job.trace_spec, s).peak_allocated for s in start_states(shape))
+def _zero2_peak(job: Job, runs: tuple[zero2_stream.Zero2Run, ...], by_terms: int, where: str) -> tuple[int, str]:
+    """The ZeRO-2 stream's allocated peak where it is above the terms' (of the runs from each device state
+    the load can begin from, `start_states`: the higher)."""
+    stream_peak = max(run.peak_allocated for run in runs)
     if stream_peak <= by_terms:
         job.notes.append("peak during " + where)
         return by_terms, "terms"

@@ -31,9 +31,9 @@ from harness.predict.dispatch import alloc_conf
 from harness.predict.job import Job
 from harness.predict.trace.trace import extrapolate, simulated_run
 from harness.predict.traced import Traced, trainable_sizes
-from harness.predict.zero2 import stream as zero2_stream
 from harness.predict.zero3 import stream as zero3_stream
 from harness.predict.zero3.step import fp32_grad_segment, reduce_stream_reserve
+from harness.spec.schema import Offload
 
 
 @dataclass
@@ -96,12 +96,12 @@ def _stream(job: Job, t: Traced, a: Allocated, values: dict[str, float]) -> tupl
 def _zero2_stream(job: Job, t: Traced, a: Allocated, values: dict[str, float]) -> tuple[Reserved, str]:
     """ZeRO-2: the allocator model over the run's stream with DeepSpeed's buffers in it."""
     ratio = values["reserved_over_allocated"]
-    shape = zero2_stream.Zero2Shape.of(job.case, job.layers, job.hidden)
-    # one run per device state the load can begin from (stream.start_states): the larger reserve
-    run = max((zero2_stream.simulated(job.trace_spec, s) for s in start_states(shape)), key=lambda r: r.peak_reserved)
+    # the allocated stage's runs (the same row sizes both), one per device state the load can begin from
+    # (stream.start_states): the larger reserve
+    run = max(a.zero2, key=lambda r: r.peak_reserved)
     job.terms["reserved_by_ratio"] = int(a.peak * ratio)
     job.terms["zero2_reduction_stream_segments"] = run.reduction_stream_reserved
-    what = ("the boundary's fp64/fp32 gradient casts" if shape.offload else
+    what = ("the boundary's fp64/fp32 gradient casts" if job.case.deepspeed.offload_optimizer == Offload.cpu else
             "the IPG buckets, the gradient partition, the fp32 master partition and its moments")
     job.notes.append(f"reserved: the allocator model over the load, DeepSpeed's flat buffer and two optimizer steps "
                      f"with {what} (rank {run.rank}: {run.reduction_stream_reserved / GiB:.2f} GiB in segments "
