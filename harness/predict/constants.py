@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import sys
 
+# DeepSpeed's ZeRO-1/2 alignment is defined beside the DeepSpeed config the runs build, below this layer
+from harness.spec.dsconfig import NCCL_START_ALIGNMENT  # noqa: F401  (re-exported: the predictor's one home)
+
 KiB = 2**10
 MiB = 2**20
 GiB = 2**30
@@ -70,8 +73,6 @@ DS_DEFAULTS = {
 }
 # stage3.py _constant_buffered_norm2(buffer_size=250000000): the gradient norm's chunk
 NORM_CHUNK = 250_000_000
-# DeepSpeedZeroOptimizer.nccl_start_alignment_factor (stage_1_and_2.py)
-NCCL_START_ALIGNMENT = 2
 
 # --- copied: bitsandbytes' 4-bit storage (bitsandbytes/functional.py quantize_4bit, bitsandbytes 0.50.2) ------
 

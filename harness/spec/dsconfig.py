@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from harness.spec.schema import Case, Offload, Precision
 
+# DeepSpeedZeroOptimizer.nccl_start_alignment_factor (deepspeed/runtime/zero/stage_1_and_2.py, 0.19.8): ZeRO-1/2
+# pad partitions to it and assert that allgather_bucket_size is a multiple of it
+NCCL_START_ALIGNMENT = 2
+
 
 def auto_sizes(hidden_size: int) -> dict[str, int]:
     """What transformers' HfTrainerDeepSpeedConfig puts for 'auto' buckets and thresholds
@@ -31,8 +35,8 @@ def deepspeed_config(case: Case, world_size: int, grad_accum: int, hidden_size: 
             return None
         if base <= 0 or size_scale == 1.0:
             return base
-        # DeepSpeed's ZeRO-1/2 asserts that buckets are a multiple of its NCCL start alignment (2 elements)
-        return max(2, 2 * round(base * size_scale / 2))
+        # a scaled bucket stays a multiple of ZeRO-1/2's alignment, which DeepSpeed asserts
+        return max(NCCL_START_ALIGNMENT, NCCL_START_ALIGNMENT * round(base * size_scale / NCCL_START_ALIGNMENT))
 
     zero: dict = {
         "stage": ds.stage,
