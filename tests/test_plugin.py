@@ -49,11 +49,11 @@ def test_the_plugin_is_registered_through_the_pytest11_entry_point():
 def test_the_plugin_is_inert_in_a_project_that_did_not_ask_for_it(pytester):
     _case_dir(pytester)
     pytester.makepyfile(test_own="def test_own():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["plugins: *oom-harness*", "collected 1 item"])  # loaded, and adds nothing
     assert "oom-harness cases" not in result.stdout.str()
-    result = pytester.runpytest_subprocess("--help")
+    result = pytester.runpytest_inprocess("--help")
     result.stdout.fnmatch_lines(["*--case-dir*", "*--baselines-dir*", "*--premerge-dir*", "*harness_case_dir*"])
 
 
@@ -66,15 +66,15 @@ def test_a_project_asks_in_its_ini_and_pytest_collects_the_cases_outside_its_tes
         testpaths = ["tests"]
         harness_case_dir = "mycases"
     """)
-    result = pytester.runpytest_subprocess("--collect-only", "-q", "-m", "gpu")
+    result = pytester.runpytest_inprocess("--collect-only", "-q", "-m", "gpu")
     result.stdout.fnmatch_lines([f"mycases/{GOOD}.yaml::{GOOD}-real"])
     assert f"{GOOD}-tiny" not in result.stdout.str()
-    result = pytester.runpytest_subprocess("--collect-only", "-q", "tests")  # paths given: only those
+    result = pytester.runpytest_inprocess("--collect-only", "-q", "tests")  # paths given: only those
     result.stdout.fnmatch_lines(["tests/test_own.py::test_own", "1 test collected*"])
 
 
 def test_the_bundled_suite_on_request(pytester):
-    result = pytester.runpytest_subprocess("--harness", "--collect-only", "-q", "-m", "tiny")
+    result = pytester.runpytest_inprocess("--harness", "--collect-only", "-q", "-m", "tiny")
     collected = {line.rsplit("::", 1)[-1] for line in result.stdout.lines if "::" in line}
     assert collected == {f"{p.stem}-tiny" for p in suite.CASES_DIR.glob("*.yaml")}
 
@@ -104,7 +104,7 @@ def test_the_bundled_baselines_are_the_default(pytester):
 
 
 def test_a_missing_folder_is_a_usage_error_naming_the_option(pytester):
-    result = pytester.runpytest_subprocess("--case-dir", "nowhere")
+    result = pytester.runpytest_inprocess("--case-dir", "nowhere")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--case-dir / harness_case_dir: no such folder: *nowhere*"])
 
@@ -124,16 +124,16 @@ def test_premerge_items_come_from_the_folders_configs_and_its_sidecar(pytester):
 
 def test_every_case_is_collected_at_each_fidelity_with_its_markers(pytester):
     cases = _case_dir(pytester)
-    result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "gpu")
+    result = pytester.runpytest_inprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "gpu")
     result.stdout.fnmatch_lines([f"mycases/{GOOD}.yaml::{GOOD}-real"])
     assert f"{GOOD}-tiny" not in result.stdout.str()
-    result = pytester.runpytest_subprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "tiny")
+    result = pytester.runpytest_inprocess("--case-dir", str(cases), "--collect-only", "-q", "-m", "tiny")
     result.stdout.fnmatch_lines(["mycases/003-broken.yaml::invalid-003-broken", f"mycases/{GOOD}.yaml::{GOOD}-tiny"])
 
 
 def test_a_malformed_case_fails_alone_naming_file_field_and_allowed_values(pytester):
     cases = _case_dir(pytester)
-    result = pytester.runpytest_subprocess("--case-dir", str(cases), "-k", "invalid", "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("--case-dir", str(cases), "-k", "invalid", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "003-broken.yaml: invalid case file" in out
