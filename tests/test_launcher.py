@@ -122,7 +122,14 @@ def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, mo
     assert job.env["OMP_NUM_THREADS"] == "3"
 
 
-def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path):
+# Runs these tests in the worker of the case items under `-n 2 --dist loadgroup`, where
+# `bundled_session` is theirs and so are the worker zygotes (a zygote's imports are 6-7 CPU-s, once
+# per process): the parameter id is harness.pytest_plugin.xdist_groups.GROUP.
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
+@BESIDE_THE_CASES
+def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path, _beside):
     """End to end: the worker runs a case on an emulated card far too small and reports an OOM
     with the phase and the bytes, and the launcher keeps going."""
     path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
@@ -277,11 +284,6 @@ def test_a_jit_build_lock_nobody_holds_is_removed_before_a_run(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-
-
-# Runs these tests in the worker of the case items under `-n 2 --dist loadgroup`, where
-# `bundled_session` is theirs: the parameter id is harness.pytest_plugin.xdist_groups.GROUP.
-BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,12 @@ pytest_plugins = ["pytester"]
 GOOD = "003-qlora-fix-r16-seq512-gc"
 
 
+# The two tests that run cases fork their workers from this process's zygote (`shared_zygote`), 6-7
+# CPU-s of imports once per process: under `-n 2 --dist loadgroup` this id puts them in the worker of
+# the case items, whose zygote is started already (harness.pytest_plugin.xdist_groups.GROUP).
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
 def _case_dir(pytester):
     """A team's folder of case files: no test file, no conftest.py (the entry point loads the plugin)."""
     cases = pytester.mkdir("mycases")
@@ -156,8 +162,9 @@ def test_full_size_cases_skip_with_a_reason_and_deselected_tiny_cases_are_not_st
     assert not (runs / "tiny").exists()
 
 
+@BESIDE_THE_CASES
 def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_only(pytester, tmp_path,
-                                                                                    shared_zygote):
+                                                                                    shared_zygote, _beside):
     """Fix 3 claims a lower peak than fix 1: selecting fix 3 alone runs fix 1 too (on a GPU, guide
     004's plan A so ran its failing case, minutes of cold compilation), and the summary names it.
     --harness-selected-only runs nothing unselected and leaves the claim unchecked, saying why."""
@@ -181,7 +188,8 @@ def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_on
     assert f"needs a run of {fix_1}, which was not selected" in lower.detail
 
 
-def test_under_xdist_the_cases_run_in_one_worker_and_are_summed_up_once(pytester, tmp_path, shared_zygote):
+@BESIDE_THE_CASES
+def test_under_xdist_the_cases_run_in_one_worker_and_are_summed_up_once(pytester, tmp_path, shared_zygote, _beside):
     """`pytest -n 2 --dist loadgroup`: every case item goes to one worker (whose session runs each
     case once, and lends a case's run to another case's claim), and the controller prints the
     table that worker sends."""

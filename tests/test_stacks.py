@@ -24,6 +24,13 @@ CASE = {
 }
 
 
+# The tiny runs below fork their workers from a zygote of their interpreter (this one's, or
+# LLaMA-Factory's), 6-7 CPU-s of imports once per process: under `-n 2 --dist loadgroup` this id puts
+# them in the worker of the case items, whose zygotes are started already
+# (harness.pytest_plugin.xdist_groups.GROUP).
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
 def _case(tmp_path: Path, config: dict | None = None, suffix: str = ".yaml", **changes):
     data = {**CASE, **changes}
     if config is not None:
@@ -125,7 +132,8 @@ def _tiny_run(tmp_path: Path, case):
     return rank
 
 
-def test_an_hf_trainer_case_trains_through_transformers_trainer(tmp_path):
+@BESIDE_THE_CASES
+def test_an_hf_trainer_case_trains_through_transformers_trainer(tmp_path, _beside):
     case = _case(tmp_path, stack="hf_trainer", id="stack-hf")
     rank = _tiny_run(tmp_path, case)
     assert rank.stack.name == "hf_trainer" and rank.stack.trainer == "Trainer"
@@ -135,7 +143,8 @@ def test_an_hf_trainer_case_trains_through_transformers_trainer(tmp_path):
     assert rank.probes.checkpointing_effective  # the Trainer turned checkpointing on, and it recomputes
 
 
-def test_a_llamafactory_full_fine_tune_keeps_its_upcast(tmp_path):
+@BESIDE_THE_CASES
+def test_a_llamafactory_full_fine_tune_keeps_its_upcast(tmp_path, _beside):
     """LLaMA-Factory's init_adapter casts a full fine-tune's trainable parameters to fp32 (no pure_bf16, no
     ZeRO-3): the run holds 4 bytes a parameter, which the harness's own bf16 loop never did."""
     case = _case(tmp_path, id="stack-lf-full", method={"kind": "full"})

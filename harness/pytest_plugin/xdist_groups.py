@@ -7,7 +7,9 @@ item's node id; pytest 9.2 keeps node ids where xdist 3.8 no longer writes, so t
 and the groups with them. This scheduler puts every item collected from the case folder into one
 group from its node id alone, and keeps xdist's groups for the other items. A test that takes a
 case's run from the cases' session (the repository's own tests, through `BESIDE_THE_CASES`) joins
-the group by its parameter id, so it shares the case item's run instead of making its own.
+the group by its parameter id, so it shares the case item's run instead of making its own; so does a
+test that runs a case of its own on the CPU, whose workers then fork from the zygotes that worker
+has started already (harness.runtime.zygote: 6-7 CPU-s of imports each, once per process).
 """
 
 from __future__ import annotations
