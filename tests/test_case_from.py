@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-import harness
 from harness.cli.main import main
 from harness.measure.records import CaseRun, Memory, RankReport
 from harness.runtime.stacks import unavailable
@@ -22,7 +19,6 @@ from harness.spec.cases import load_case
 from harness.spec.units import GIB
 
 DATA = Path(__file__).parent / "data"
-REPO = Path(harness.__file__).resolve().parents[1]
 
 LLAMAFACTORY_LORA = """\
 ### model
@@ -196,20 +192,25 @@ def test_a_team_case_is_blessed_from_its_own_folder(team, capsys):
     assert blessed["runs"][0]["per_card_peak"] == int(20.8 * GIB)
 
 
-def test_the_written_case_runs_green_at_tiny_size(team):
+# Under `-n 2 --dist loadgroup` this id runs the test in the worker of the case items
+# (harness.pytest_plugin.xdist_groups.GROUP), whose zygote of LLaMA-Factory's interpreter is started
+# already: the tiny run below forks its worker from it instead of paying that zygote's imports again.
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
+@BESIDE_THE_CASES
+def test_the_written_case_runs_green_at_tiny_size(team, capsys, _beside):
     """The whole path a team's CI takes: case-from, then `oom-harness run --case-dir DIR --fidelity tiny`.
-    (Its worker runs on LLaMA-Factory's interpreter, forked from a zygote of that interpreter the command
-    starts: this process's zygote, of another interpreter, would not serve it.)"""
+    (Its worker runs on LLaMA-Factory's interpreter, forked from this process's zygote of that interpreter.)"""
     assert _case_from(team, "--gpu-memory", "24GiB", "--gpus", "1") == 0
     reason = unavailable(load_case(team / "cases" / "llama3_lora_sft.yaml"))
     if reason is not None:  # a LLaMA-Factory config runs through LLaMA-Factory (harness.runtime.stacks)
         pytest.skip(reason)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     out = team / "run.json"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--case-dir", str(team / "cases"),
-                           "--fidelity", "tiny", "--out", str(team / "runs"), "--json", str(out)],
-                          cwd=team, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code = main(["run", "--case-dir", str(team / "cases"), "--fidelity", "tiny", "--out", str(team / "runs"),
+                 "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
     (entry,) = json.loads(out.read_text())
     assert entry["case"] == "llama3_lora_sft" and entry["run"]["returncode"] == 0
     verdicts = {v["what"]: v["status"] for v in entry["verdicts"]}
