@@ -25,6 +25,10 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 # the kinds of figure the report draws: each must appear at least once on the committed baselines
 KINDS = ("peaks-", "accuracy", "timeline-", "trend-", "depth", "claims")
 SCREENSHOT_WIDTH = 900  # pixels: small enough for docs/
+# One worker runs these tests under `-n 2 --dist loadgroup`: the worker of the case items, the one group
+# this repository's scheduler keeps together (harness.pytest_plugin.xdist_groups.GROUP). Split over two
+# workers, each built the report and started Chromium (its module fixtures): 21 s of setup in each.
+IN_ONE_WORKER = pytest.mark.parametrize("_one_worker", [pytest.param(None, id="oom-harness-cases")])
 
 
 def _missing(reason: str):
@@ -125,7 +129,8 @@ def _requests(driver, page_url: str) -> list[str]:
     return urls
 
 
-def test_every_figure_is_drawn_and_nothing_is_fetched(page, browser):
+@IN_ONE_WORKER
+def test_every_figure_is_drawn_and_nothing_is_fetched(page, browser, _one_worker):
     from selenium.webdriver.common.by import By
 
     url = page.resolve().as_uri()
@@ -157,7 +162,8 @@ def test_every_figure_is_drawn_and_nothing_is_fetched(page, browser):
     assert not errors, errors
 
 
-def test_screenshots_of_each_kind_of_figure(page, browser, tmp_path):
+@IN_ONE_WORKER
+def test_screenshots_of_each_kind_of_figure(page, browser, tmp_path, _one_worker):
     from PIL import Image
     from selenium.webdriver.common.by import By
 
@@ -177,7 +183,8 @@ def test_screenshots_of_each_kind_of_figure(page, browser, tmp_path):
             small.save(Path(keep) / name, optimize=True)
 
 
-def test_the_first_screen_is_the_verdict_table_with_the_failures(night_page, browser):
+@IN_ONE_WORKER
+def test_the_first_screen_is_the_verdict_table_with_the_failures(night_page, browser, _one_worker):
     """The first screen of the nightly: the verdict table, failures first, the regressed run and the
     refuted outcome among them, on a laptop's window and on a phone's 390 px."""
     from selenium.webdriver.common.by import By

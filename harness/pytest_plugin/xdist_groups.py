@@ -9,7 +9,9 @@ group from its node id alone, and keeps xdist's groups for the other items. A te
 case's run from the cases' session (the repository's own tests, through `BESIDE_THE_CASES`) joins
 the group by its parameter id, so it shares the case item's run instead of making its own; so does a
 test that runs a case of its own on the CPU, whose workers then fork from the zygotes that worker
-has started already (harness.runtime.zygote: 6-7 CPU-s of imports each, once per process).
+has started already (harness.runtime.zygote: 6-7 CPU-s of imports each, once per process), and so do
+the tests of a file whose module fixtures are too costly to set up in both workers (the repository's
+browser test builds a report and starts Chromium).
 """
 
 from __future__ import annotations
