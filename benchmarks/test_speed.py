@@ -115,6 +115,8 @@ def test_default_tier(benchmark, request, cache, tmp_path):
         for name in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR"):
             env.pop(name, None)
     cpu = []
+    # the load average as the tier starts: what else the machine was running (at the end it is mostly the tier's own)
+    load_at_start = os.getloadavg()[0]
 
     def one():
         before = _children_cpu_s()
@@ -128,15 +130,19 @@ def test_default_tier(benchmark, request, cache, tmp_path):
     summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " passed" in ln), "")
     cores = len(os.sched_getaffinity(0))
     by_file = _durations_by_file(proc.stdout)
+    slowest = _slowest_tests(proc.stdout)
     benchmark.extra_info.update(cache=cache, target_s=DEFAULT_TIER_TARGET_S if cache == "warm" else None,
                                 cpu_s=round(cpu[0], 1), cpus=os.cpu_count(), affinity=cores,
-                                load_average=os.getloadavg()[0], summary=summary.strip("= "),
-                                test_s_by_file=dict(list(by_file.items())[:20]))
+                                load_average_at_start=load_at_start, load_average=os.getloadavg()[0],
+                                summary=summary.strip("= "), test_s_by_file=dict(list(by_file.items())[:20]),
+                                slowest_tests=slowest)
     target = (f" ({'within' if wall <= DEFAULT_TIER_TARGET_S else 'over'} the {DEFAULT_TIER_TARGET_S:.0f} s target)"
               if cache == "warm" else "")
-    _say(request, f"\ndefault tier, {cache} caches: {wall:.0f} s and {cpu[0]:.0f} CPU-s on {cores} cores{target}: "
+    _say(request, f"\ndefault tier, {cache} caches: {wall:.0f} s and {cpu[0]:.0f} CPU-s on {cores} cores{target}, "
+                  f"load average {load_at_start:.2f} at the start: "
                   f"{summary.strip('= ')}; the two workers' test time {sum(by_file.values()):.0f} s, most in "
-                  + ", ".join(f"{name} {secs:.0f} s" for name, secs in list(by_file.items())[:6]))
+                  + ", ".join(f"{name} {secs:.0f} s" for name, secs in list(by_file.items())[:6])
+                  + "; slowest tests: " + ", ".join(f"{name} {secs:.0f} s" for name, secs in list(slowest.items())[:5]))
     if proc.returncode != 0:  # timed and said all the same: a failing tier's time is still a figure to read
         pytest.fail(f"the default tier failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
 
@@ -153,6 +159,17 @@ def _durations_by_file(output: str) -> dict[str, float]:
                 file = "cases/" if file.startswith("cases/") else file
                 total[file] = total.get(file, 0.0) + float(parts[0][:-1])
     return {k: round(v, 1) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
+def _slowest_tests(output: str, count: int = 15) -> dict[str, float]:
+    """The `count` slowest phases of pytest's `--durations` lines, as "phase node id": seconds, slowest first."""
+    found = []
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0].endswith("s") and parts[1] in ("setup", "call", "teardown"):
+            with contextlib.suppress(ValueError):
+                found.append((float(parts[0][:-1]), f"{parts[1]} {parts[2]}"))
+    return {name: secs for secs, name in sorted(found, reverse=True)[:count]}
 
 
 # what a worker imports before it builds anything; it then writes the CPU seconds it used
