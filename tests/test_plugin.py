@@ -192,20 +192,37 @@ def test_a_claim_about_an_unselected_case_runs_it_and_says_so_unless_selected_on
 def test_under_xdist_the_cases_run_in_one_worker_and_are_summed_up_once(pytester, tmp_path, shared_zygote, _beside):
     """`pytest -n 2 --dist loadgroup`: every case item goes to one worker (whose session runs each
     case once, and lends a case's run to another case's claim), and the controller prints the
-    table that worker sends."""
+    table that worker sends. A test scheduled with them (its parameter id) runs in that worker, ahead
+    of the case items, and their runs are under way while it runs."""
     pytest.importorskip("xdist")
-    cases = pytester.mkdir("mycases")
+    cases = pytester.mkdir("tiny_cases")  # collected after test_beside.py: the group's test comes first
     fix_1, failing = "003-qlora-fix-r32-seq1024-gc", "003-qlora-failing-bs2-seq2048-r64"
     for name in (GOOD, fix_1, failing):  # GOOD claims a lower peak than fix 1
         shutil.copy(CASES_DIR / f"{name}.yaml", cases)
     pytester.makepyfile(test_own="import pytest\n\n@pytest.mark.parametrize('n', range(4))\ndef test_own(n):\n"
                                  "    pass\n")
     runs = tmp_path / "runs"
+    pytester.makepyfile(test_beside=f"""
+        import time
+        from pathlib import Path
+
+        import pytest
+
+
+        @pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+        def test_the_case_runs_go_on_meanwhile(_beside):
+            started = Path({str(runs / "tiny")!r})
+            deadline = time.monotonic() + 120
+            while not (started.is_dir() and any(started.iterdir())):
+                assert time.monotonic() < deadline, "no case run started while a test beside them ran"
+                time.sleep(0.05)
+        """)
     result = pytester.runpytest_subprocess("--case-dir", str(cases), "-n", "2", "--dist", "loadgroup", "-m", "not gpu",
                                            "-v", "-p", "no:cacheprovider", "--harness-run-dir", str(runs))
-    result.assert_outcomes(passed=7)
-    workers = {line.split()[0] for line in result.stdout.lines if "PASSED mycases/" in line}
-    assert len(workers) == 1, result.stdout.str()
+    result.assert_outcomes(passed=8)
+    grouped = [line for line in result.stdout.lines if "PASSED tiny_cases/" in line or "PASSED test_beside" in line]
+    assert len({line.split()[0] for line in grouped}) == 1, result.stdout.str()  # one worker
+    assert "test_beside" in grouped[0], result.stdout.str()  # ahead of the case items
     out = result.stdout.str()
     assert out.count("oom-harness cases") == 1
     result.stdout.fnmatch_lines([f"{name} *tiny*" for name in sorted((GOOD, fix_1, failing))])

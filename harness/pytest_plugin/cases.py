@@ -209,6 +209,17 @@ def _started(config) -> Session:
     return config.stash[_STARTED]
 
 
+def start_beside(item) -> None:
+    """Start the selected tiny runs at a test scheduled with the case items (its parameter id is
+    `XDIST_GROUP`, harness.pytest_plugin.xdist_groups) in the pytest-xdist worker that has them: those
+    tests come first in the group, and the runs then go on while they do, instead of after them. Only
+    there: without xdist such a test runs among every other test of the session, some of which stop
+    this process's jobs or replace its zygote."""
+    if (_xdist_worker(item.config) and _one_worker_runs_the_cases(item.config)
+            and item.nodeid.endswith(f"[{XDIST_GROUP}]") and item.config.stash.get(_PLANNED, None)):
+        _started(item.config)
+
+
 def check_case(param: CaseParam, session: Session) -> None:
     """Run one case at one fidelity and fail the test with the findings if any verdict is refuted."""
     if param.error is not None:

@@ -114,6 +114,14 @@ def pytest_collect_file(file_path: Path, parent):
     return None
 
 
+def pytest_runtest_setup(item):
+    """Under `-n 2 --dist loadgroup`, a test scheduled with the case items starts their tiny runs."""
+    if settings(item.config).case_dir is not None:
+        from harness.pytest_plugin.cases import start_beside
+
+        start_beside(item)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A full-size case's progress (harness.report.progress) while it runs: they take minutes each."""
