@@ -32,6 +32,13 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
+# Under `-n 2 --dist loadgroup` this parameter id runs a test in the worker of the case items
+# (harness.pytest_plugin.xdist_groups.GROUP): a test that mostly waits (on a timeout, on a fresh
+# worker's imports) then waits while their tiny runs go on in the background. Only tests that leave
+# the process's zygote and its jobs alone go there.
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
+
 def _torchrun(script: Path, *args: str) -> Job:
     return Job([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args])
@@ -122,7 +129,8 @@ def test_a_rank_killed_mid_step_fails_the_case_naming_the_rank_and_its_signal(tm
     assert still_running([int((out / f"pid{r}").read_text()) for r in (0, 1)], 10) == []
 
 
-def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path):
+@BESIDE_THE_CASES
+def test_a_worker_stopped_by_its_launcher_keeps_what_it_measured(tmp_path, _beside):
     """The real worker, sent SIGTERM mid-step (as torchrun and DeepSpeed's launcher stop the other
     ranks once one has died), writes its report with the figures so far and why it stopped."""
     import threading
@@ -269,7 +277,8 @@ def test_an_exit_without_a_report_quotes_the_end_of_the_log(tmp_path):
     assert "the log ends: loading the model | giving up quietly" in run.error.message
 
 
-def test_a_worker_hanging_silently_times_out_saying_it_printed_nothing(tmp_path):
+@BESIDE_THE_CASES
+def test_a_worker_hanging_silently_times_out_saying_it_printed_nothing(tmp_path, _beside):
     started = time.monotonic()
     run = run_jobs([_job("import time; time.sleep(600)")], tmp_path, 3, "x", "tiny", 1)
     assert time.monotonic() - started < 20
@@ -405,7 +414,8 @@ def test_a_full_disk_for_a_workers_report_is_a_write_error_naming_the_file(tmp_p
     assert not list(tmp_path.glob("rank0.*"))
 
 
-def test_a_real_worker_on_a_full_disk_exits_with_its_own_code(tmp_path):
+@BESIDE_THE_CASES
+def test_a_real_worker_on_a_full_disk_exits_with_its_own_code(tmp_path, _beside):
     """End to end through worker.main: a run that fails at load on a tiny emulated card, whose
     report then meets a full disk, is classified as the disk, not as the worker's crash."""
     from harness.spec.cases import CASES_DIR

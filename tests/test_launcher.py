@@ -16,6 +16,12 @@ from harness.runtime.platform import Platform
 from harness.spec.cases import CASES_DIR, load_case
 from harness.spec.units import GIB
 
+# Runs these tests in the worker of the case items under `-n 2 --dist loadgroup` (the parameter id is
+# harness.pytest_plugin.xdist_groups.GROUP): there `bundled_session` is theirs and so are the worker
+# zygotes (a zygote's imports are 6-7 CPU-s, once per process), and a test that mostly waits on a
+# timeout it provokes waits while their tiny runs go on in the background.
+BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
+
 
 def _job(code: str) -> Job:
     return Job([sys.executable, "-c", textwrap.dedent(code)])
@@ -40,7 +46,8 @@ def test_an_out_of_memory_is_classified_with_the_requested_size(tmp_path):
     assert run.error.tried_to_allocate == int(2.32 * GIB)
 
 
-def test_a_hang_past_the_timeout_is_killed_with_its_children(tmp_path):
+@BESIDE_THE_CASES
+def test_a_hang_past_the_timeout_is_killed_with_its_children(tmp_path, _beside):
     code = """
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
@@ -122,12 +129,6 @@ def test_full_size_processes_share_the_cores_and_tiny_ones_take_one(tmp_path, mo
     assert job.env["OMP_NUM_THREADS"] == "3"
 
 
-# Runs these tests in the worker of the case items under `-n 2 --dist loadgroup`, where
-# `bundled_session` is theirs and so are the worker zygotes (a zygote's imports are 6-7 CPU-s, once
-# per process): the parameter id is harness.pytest_plugin.xdist_groups.GROUP.
-BESIDE_THE_CASES = pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
-
-
 @BESIDE_THE_CASES
 def test_a_real_worker_out_of_memory_becomes_a_report_with_numbers(tmp_path, _beside):
     """End to end: the worker runs a case on an emulated card far too small and reports an OOM
@@ -197,7 +198,8 @@ def test_stopping_the_harness_kills_the_running_case(tmp_path, still_running):
     assert len(pids) == 1 and still_running(pids, 5) == []
 
 
-def test_a_timeout_kills_torchruns_ranks_too(tmp_path, still_running):
+@BESIDE_THE_CASES
+def test_a_timeout_kills_torchruns_ranks_too(tmp_path, still_running, _beside):
     """torchrun starts each rank in a session of its own; killing torchrun's group used to leave
     the ranks running (on a GPU: holding the card the next case measures)."""
     script = tmp_path / "rank.py"
@@ -214,7 +216,8 @@ def test_a_timeout_kills_torchruns_ranks_too(tmp_path, still_running):
     assert still_running(pids, 5) == [], "torchrun's ranks outlived the timeout"
 
 
-def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path):
+@BESIDE_THE_CASES
+def test_a_timeout_names_the_line_the_worker_hung_on(tmp_path, _beside):
     """The worker arms a stack dump for shortly before the launcher's deadline; on a timeout the
     error says where the main thread was and what the worker last reported."""
     case_path = CASES_DIR / "003-qlora-fix-r16-seq512-gc.yaml"
