@@ -754,3 +754,36 @@ def test_a_reduction_split_across_blocks_stages_its_partial_sums():
 
     events, _ = _logged(norm, backward_too=False)
     assert [e[2] for e in events if e[0] == 1][-1] == 4 * 1024 * 4
+
+
+def test_a_trainers_step_frees_the_logits_before_its_backward():
+    """The HF Trainer's `compute_loss` returns the loss alone, so the model's outputs, the half-precision
+    logits among them, are gone before the backward; the harness's own loop holds them through it. Where
+    the step peaks in the loss's backward (a vocabulary far wider than the model), the trainer's trace
+    peaks lower by exactly the logits, and the forward leaves them out of what it holds."""
+    import dataclasses
+
+    from harness.predict.trace.fake import trace
+    from harness.predict.trace.trace import _key
+
+    spec, config = _attention_spec("llama-3.1-8b", None)
+    own, trainer = trace(spec, 1), trace(dataclasses.replace(spec, loss_only=True), 1)
+    logits = 2 * 128 * config["vocab_size"] * 2  # micro-batch 2 x 128 tokens, bf16
+    assert own.logits == trainer.logits == logits
+    assert own.held_after_forward - trainer.held_after_forward == logits
+    assert own.peak - trainer.peak == logits
+    assert _key(spec) != _key(dataclasses.replace(spec, loss_only=True))
+
+
+def test_the_frameworks_cases_are_traced_with_the_trainers_loss():
+    """Which cases take the Trainer's step: LLaMA-Factory's and the HF Trainer's, not the harness's own loop."""
+    from harness.models.source import load_model
+    from harness.predict.step import TraceSpec
+    from harness.spec.cases import load_case
+
+    cases = Path(__file__).resolve().parent.parent / "benchmarks/architectures/cases"
+    arch = load_model(str(ARCH_MODELS / "llama-3.1-8b"))
+    assert TraceSpec.of(load_case(cases / "llama3-8b-qlora-s4096-lf.yaml"), arch).loss_only
+    assert not TraceSpec.of(load_case(cases / "llama3-8b-qlora-r16-mb1-s2048-gc.yaml"), arch).loss_only
+    mistral = load_model(str(ARCH_MODELS / "mistral-7b-v0.3"))
+    assert TraceSpec.of(load_case(cases / "mistral-7b-lora-hf.yaml"), mistral).loss_only

@@ -44,6 +44,9 @@ class TraceSpec:
     liger: bool = False
     # the forward under the HF Trainer's mixed-precision autocast (`trainer_autocast`)
     autocast: bool = False
+    # the training loop keeps the loss alone before backward (the HF Trainer's `compute_loss`): the model's
+    # outputs, its logits with them, are freed when the forward returns (`framework_trains`)
+    loss_only: bool = False
 
     @classmethod
     def of(cls, case: Case, arch: Architecture) -> TraceSpec:
@@ -76,6 +79,7 @@ class TraceSpec:
             fp32_trainable=ds is None and case.method.kind == "full" and fp32_trainable_parameters(case),
             liger=liger_applies(case, arch.model_type),
             autocast=trainer_autocast(case),
+            loss_only=framework_trains(case),
         )
 
 
@@ -108,7 +112,12 @@ def liger_applies(case: Case, model_type: str) -> bool:
 
 def framework_trains(case: Case) -> bool:
     """Whether a framework trains the case (LLaMA-Factory, the HF Trainer: `harness.runtime.stacks`), not the
-    harness's own loop (`launch.runtime`, which baselines measured before the frameworks ran keep)."""
+    harness's own loop (`launch.runtime`, which baselines measured before the frameworks ran keep).
+
+    The Trainer's `training_step` calls `compute_loss` (transformers 5.6 and 5.17, trainer.py), which takes
+    the loss out of the model's outputs and returns it alone, and LLaMA-Factory's trainers keep that
+    (train/sft/trainer.py, 0.9.5): the outputs, the half-precision logits among them, are freed before
+    `accelerator.backward`. The harness's own loop holds them until its backward has returned."""
     return case.stack in (Stack.llamafactory, Stack.hf_trainer) and case.launch.runtime == "framework"
 
 

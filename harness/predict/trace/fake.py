@@ -882,19 +882,25 @@ def _trace_patched(spec: TraceSpec, layers: int, config: dict, t0: float) -> Tra
                 base = tracker.current()
                 with _trainer_autocast(spec):
                     out = model(input_ids=ids, labels=ids)
-                held = tracker.current() - base
                 logits = out.logits.numel() * out.logits.element_size() if out.logits is not None else 0
+                loss = out.loss
+                if spec.loss_only:  # the Trainer's compute_loss returns the loss alone (step.framework_trains)
+                    del out
+                    gc.collect()
+                held = tracker.current() - base
                 tracker.backward = True
                 tracker.tag = (BACKWARD, tracker.tag[1])
                 with warnings.catch_warnings():  # the layer tags' backward hooks on a layer whose input needs no grad
                     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                    out.loss.backward()
+                    loss.backward()
                 peak = tracker.peak_bytes() - base
                 # what the training loop drops once the backward has returned (the loss, the logits): a chunk
                 # of its own after every layer's backward, so hooks that fire inside the backward after the
                 # last layer's (the embedding's) go into a stream before it (harness.predict.allocator.stream.expand)
                 tracker.tag = (BACKWARD, LAYER_PRE)
-                del out
+                del loss
+                if not spec.loss_only:
+                    del out
                 gc.collect()  # the step's last frees (loss, logits) belong to it
                 events = tracker.stop_log()
         finally:
