@@ -94,6 +94,15 @@ WARMUP_MIN_NEW = 1.5 * GiB
 SMS = 132  # streaming multiprocessors of an H100 SXM and of an H200
 THREADS_PER_SM = 2048  # resident threads per multiprocessor, compute capability 9.0
 
+# --- copied: cuDNN attention's admission rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch 2.11) --
+
+CUDNN_MAX_BATCH_OR_HEADS = 65535  # check_cudnn_tensor_shapes: batch and heads at most this
+CUDNN_MAX_HEAD_DIM = 256  # check_cudnn_tensor_shapes: query/key and value head dims at most this ...
+CUDNN_HEAD_DIM_MULTIPLE = 8  # ... and multiples of this
+CUDNN_BACKWARD_HEAD_DIM = 128  # check_cudnn_d256_bprop_head_dim: a backward takes d <= this, or one of:
+CUDNN_BACKWARD_HEAD_DIMS = ((192, 128), (256, 256))  # (query/key, value) head dims a backward takes beyond it
+CUDNN_DROPOUT_STEPS = 16  # dropout a whole multiple of 1/16 (cuDNN's dropout granularity)
+
 # --- copied: NCCL's watchdog (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) -----------------------------
 
 WATCHDOG_POLL_S = 0.1  # ProcessGroupNCCL's watchdog sleeps 100 ms between its checks of the work list

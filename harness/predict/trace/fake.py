@@ -24,7 +24,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness.measure.trackers import LiveTensorTracker
 from harness.models.registry import Architecture, hf_config, truncated_config
-from harness.predict.constants import BNB_BLOCKSIZE, SMS, THREADS_PER_SM
+from harness.predict.constants import (
+    BNB_BLOCKSIZE,
+    CUDNN_BACKWARD_HEAD_DIM,
+    CUDNN_BACKWARD_HEAD_DIMS,
+    CUDNN_DROPOUT_STEPS,
+    CUDNN_HEAD_DIM_MULTIPLE,
+    CUDNN_MAX_BATCH_OR_HEADS,
+    CUDNN_MAX_HEAD_DIM,
+    SMS,
+    THREADS_PER_SM,
+)
 from harness.predict.step import BACKWARD, FORWARD, LAYER_POST, LAYER_PRE, ParamInfo, TraceResult, TraceSpec
 from harness.predict.zero3.hook_calls import positions
 from harness.spec.schema import Precision, Stack
@@ -437,16 +447,17 @@ def _cudnn_takes(query, key, value, attn_mask, dropout_p, enable_gqa, grad) -> b
         return False
     b, h_q, _, d_qk = query.shape
     s_kv, d_v = key.shape[2], value.shape[3]
-    if b > 65535 or h_q > 65535 or s_kv == 1 or key.shape[3] != d_qk:
+    if b > CUDNN_MAX_BATCH_OR_HEADS or h_q > CUDNN_MAX_BATCH_OR_HEADS or s_kv == 1 or key.shape[3] != d_qk:
         return False
-    if d_qk > 256 or d_v > 256 or d_qk % 8 or d_v % 8:
+    if max(d_qk, d_v) > CUDNN_MAX_HEAD_DIM or d_qk % CUDNN_HEAD_DIM_MULTIPLE or d_v % CUDNN_HEAD_DIM_MULTIPLE:
         return False
-    if grad and not ((d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))):
+    if grad and not ((d_qk <= CUDNN_BACKWARD_HEAD_DIM and d_v <= CUDNN_BACKWARD_HEAD_DIM)
+                     or (d_qk, d_v) in CUDNN_BACKWARD_HEAD_DIMS):
         return False
     if key.shape[1] != h_q or value.shape[1] != h_q:
         if not enable_gqa or h_q % key.shape[1] or h_q % value.shape[1]:
             return False
-    return dropout_p * 16 == int(dropout_p * 16)
+    return dropout_p * CUDNN_DROPOUT_STEPS == int(dropout_p * CUDNN_DROPOUT_STEPS)
 
 
 @contextlib.contextmanager
