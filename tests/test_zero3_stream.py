@@ -13,6 +13,16 @@ TIMELINE = ROOT / "results/fitted/timelines/nvidia-h200-x2/000-ds32b-failing.fit
 GiB = 2**30
 
 
+def load_case(path):
+    """A case as the recorded timelines here ran it: through the harness's own loop (`launch.runtime:
+    harness`; every one was recorded before the frameworks trained their cases), which holds the logits
+    through the backward where a framework's Trainer frees them before it (harness.predict.step)."""
+    from harness.spec.cases import load_case as load
+
+    case = load(path)
+    return case.model_copy(update={"launch": case.launch.model_copy(update={"runtime": "harness"})})
+
+
 def test_every_step_interleaves_each_steps_hook_events_with_its_gathers():
     from test_zero3 import _spec  # a sibling test module: pytest puts tests/ on the path
 
@@ -49,7 +59,6 @@ def test_expand_calls_between_around_every_chunk_event():
 
 def test_the_one_pool_row_takes_only_the_configs_whose_gathers_share_the_models_pool():
     from harness.predict.dispatch import route_for
-    from harness.spec.cases import load_case
 
     case = load_case(CASE)
     assert route_for(case).row.name == "zero3-lora-one-pool"
@@ -68,7 +77,6 @@ def test_the_built_pool_against_the_recorded_timeline():
     from harness.predict.allocator.allocator import AllocatorConf
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3.stream import OnePoolShape, build, simulate
-    from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     case = parse_variant("2r4L").apply(load_case(CASE))
@@ -101,7 +109,6 @@ def test_the_full_fine_tunes_model_stream_against_its_recorded_stream(name, load
     from harness.predict.dispatch import route_for
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3.stream import OnePoolShape, build, simulate
-    from harness.spec.cases import load_case
     from harness.spec.suite import ARCH_BASELINES_DIR, ARCH_CASES_DIR
 
     baseline = next(b for b in load_baselines(ARCH_BASELINES_DIR) if b.case_id == name)
@@ -167,7 +174,6 @@ def test_the_lora_offload_model_stream_against_its_recorded_stream(timeline_path
     from harness.predict.allocator.allocator import AllocatorConf
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3.stream import OnePoolShape, build, simulate
-    from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     timeline = MemoryTimeline.load(ROOT / timeline_path)
@@ -228,7 +234,6 @@ def test_the_step_stream_with_its_gathers_reaches_the_recorded_allocated_peak(ti
     from harness.models.source import load_model
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3.stream import OnePoolShape, build, simulate
-    from harness.spec.cases import load_case
     from harness.spec.schema import Offload
     from harness.spec.variants import parse_variant
 
@@ -258,7 +263,6 @@ def test_nccl_lets_a_prefetched_gathers_host_copy_go_before_its_wait():
     from harness.models.source import load_model
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3.stream import OnePoolShape, build, simulate
-    from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     timeline = MemoryTimeline.load(
@@ -282,7 +286,6 @@ def test_the_predictor_takes_the_allocated_peak_from_the_step_stream():
     """`predict` gives the step stream's allocated peak where one is built, says so, and keeps the terms'
     figure beside it: guide 000 non-reentrant at 4 layers, recorded 5.438 GiB."""
     from harness.predict.predictor import predict
-    from harness.spec.cases import load_case
 
     p = predict(load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant.yaml"), variant="2r4L2ga")
     assert abs(p.allocated / (5.438 * GiB) - 1) < 0.01
@@ -305,7 +308,6 @@ def test_a_full_fine_tune_with_offloaded_parameters_takes_allocated_from_its_ste
     the backward's start beside the trace's whole peak, gave 11.62), reserved still from the ratio."""
     from harness.predict.dispatch import route_for
     from harness.predict.predictor import predict
-    from harness.spec.cases import load_case
 
     case = load_case(ROOT / "cases/002-gemma27b-full-z3-offload-len2048.yaml")
     assert route_for(case).row.name == "zero3-full-offload"
@@ -325,7 +327,6 @@ def test_offloaded_parameters_without_overlap_comm_take_both_figures_from_one_po
     +27 / +32 %), within the margin's reach of every rank measured."""
     from harness.predict.dispatch import route_for
     from harness.predict.predictor import predict
-    from harness.spec.cases import load_case
 
     case = load_case(ROOT / "cases/000-lora-z3-offload-cutoff1024-ga16-nonreentrant-no-overlap.yaml")
     assert route_for(case).row.name == "zero3-lora-offload-one-pool"
@@ -351,7 +352,6 @@ def test_the_gathers_go_where_the_trace_recorded_the_hooks_firing():
     from harness.predict.allocator.allocator import AllocatorConf
     from harness.predict.trace.trace import TraceSpec, trace_pair
     from harness.predict.zero3 import stream as zero3_stream
-    from harness.spec.cases import load_case
     from harness.spec.variants import parse_variant
 
     found = []
@@ -459,7 +459,6 @@ def test_lora_with_parameter_offload_reserves_its_streams_pools():
     reduce stream's, no ratio or cached gathers, under reentrant checkpointing (Mistral-7B, 2 ranks) and
     non-reentrant (guide 000 at 4 layers, 2 ranks): each pool the recorded one."""
     from harness.predict.predictor import predict
-    from harness.spec.cases import load_case
 
     mistral = predict(load_case(ROOT / "benchmarks/architectures/cases/mistral-7b-lora-z3-offload-mb2-s1024-gc.yaml"),
                       variant="2ga")
