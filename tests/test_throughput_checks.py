@@ -171,9 +171,34 @@ def test_compare_flags_an_injected_slowdown_and_passes_a_clean_pair(tmp_path, st
     assert rows["tokens_per_s"]["low"] < rows["tokens_per_s"]["change"] < rows["tokens_per_s"]["high"]
     assert rows["device_step_s"]["verdict"] == "worse" and rows["per_card_peak"]["verdict"] == "same"
     assert "WORSE" in capsys.readouterr().out
-    assert main([*common, "--repeats", "2", "--json", str(out)]) == 0
+    assert main([*common, "--repeats", "2", "--json", str(out), "--force"]) == 0
     rows = {r["metric"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["tokens_per_s"]["verdict"] in ("same", "inconclusive")
+
+
+def test_compare_refuses_what_it_would_write_over_before_any_run(tmp_path, stand_in, monkeypatch, capsys):
+    """An existing --json, or an --out holding an earlier compare's runs, is refused before any arm runs
+    (without it, the first arm's `run` refused its own JSON after starting); --force replaces both."""
+    from harness.cli.main import main
+
+    log = tmp_path / "arms.log"
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    common = ["compare", "-k", "003-qlora-fix-r16", "--base-python", str(stand_in), "--python", str(stand_in),
+              "--repeats", "2"]
+    out, runs = tmp_path / "compare.json", tmp_path / "runs"
+    assert main([*common, "--json", str(out), "--out", str(runs)]) == 0
+    first = out.read_text()
+    assert sorted(p.name for p in runs.glob("pair*.json")) == ["pair1-A.json", "pair1-B.json", "pair2-A.json",
+                                                                "pair2-B.json"]
+    log.unlink()
+    assert main([*common, "--json", str(out)]) == 2
+    assert "--json" in capsys.readouterr().err and not log.exists() and out.read_text() == first
+    assert main([*common, "--json", str(tmp_path / "other.json"), "--out", str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier compare's runs (pair1-A.json, pair1-A.log" in err and "--force" in err
+    assert not log.exists()
+    assert main([*common, "--json", str(out), "--out", str(runs), "--force"]) == 0
+    assert log.read_text().split() == ["?", "?", "?", "?"]
 
 
 def test_compare_refuses_a_missing_base(tmp_path, capsys):

@@ -61,6 +61,9 @@ def add_parser(subparsers) -> None:
                    help="the smallest change that counts, as a fraction (default 0.02: 2%%)")
     p.add_argument("--out", help="keep each run's folder and JSON here (default: a temporary folder, removed)")
     p.add_argument("--json", help="write the comparison to this JSON file")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --json, and an earlier compare's runs in --out (without it, both are "
+                        "refused before any run)")
     p.set_defaults(func=run)
 
 
@@ -92,6 +95,8 @@ class Arm:
             cmd += ["--variant", v]
         if args.case_dir:
             cmd += ["--case-dir", str(Path(args.case_dir).resolve())]
+        if args.force:  # an earlier compare's run of this pair in --out, which `check_outputs` let through
+            cmd.append("--force")
         return cmd
 
 
@@ -205,10 +210,33 @@ def table(rows: list[dict]) -> str:
     return aligned(cells)
 
 
+def check_outputs(args) -> None:
+    """Refuse, before any run, what the command would write over or could not write: an existing --json
+    without --force (or one that cannot be written), an --out that is a file, or an --out holding an
+    earlier compare's runs without --force (each arm's `run` would refuse its JSON after the pairs before
+    it had run)."""
+    from harness.spec.files import RefusedOutput, check_writable
+    from harness.spec.outputs import check_name, check_output
+
+    if args.json is not None:
+        check_writable(check_output(args.json, "--json", force=args.force), "--json")
+    if args.out is None:
+        return
+    folder = check_name(args.out, "--out")
+    if folder.exists() and not folder.is_dir():
+        raise RefusedOutput(f"--out {folder}: a file; name a folder for the runs")
+    earlier = sorted(p.name for p in folder.glob("pair*-[AB]*")) if folder.is_dir() else []
+    if earlier and not args.force:
+        raise RefusedOutput(f"--out {folder}: holds an earlier compare's runs ({', '.join(earlier[:3])}"
+                            f"{', ...' if len(earlier) > 3 else ''}); name an empty folder, or pass --force to "
+                            "replace them")
+
+
 def run(args) -> int:
     from harness.spec.files import write_atomic
 
     arm_a, arm_b = arms(args)
+    check_outputs(args)
     if args.out:
         folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
         folder.mkdir(parents=True, exist_ok=True)
