@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import sys
 
-# the translation itself sits below every layer, so that a line printed past these streams (a wait for a
-# card, harness.judge.session) is made printable the same way
-from harness.spec.printable import sanitize
+_KEPT = {"\t", "\n", "\r"}
+_BIDI = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_CONTROLS = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0))] + list(_BIDI) + ["\u2028", "\u2029"]
+TABLE = str.maketrans({c: ascii(c)[1:-1] for c in _CONTROLS if c not in _KEPT})
+
+
+def sanitize(text: str) -> str:
+    """`text` with every control character but newline, tab and carriage return written as its escape."""
+    return text.translate(TABLE)
 
 
 class Sanitized:

@@ -36,9 +36,8 @@ from harness.runtime import platform as plat
 from harness.runtime.launcher import DEFAULT_TIMEOUT_S, run_case
 from harness.runtime.stacks import unavailable
 from harness.spec.cases import CaseError, load_cases
-from harness.spec.files import inside, os_reason, write_atomic
+from harness.spec.files import inside, os_reason, printable, write_atomic
 from harness.spec.identity import case_digest, model_name
-from harness.spec.printable import sanitize
 from harness.spec.schema import Case
 from harness.spec.variants import Variant, parse_variant
 
@@ -102,7 +101,7 @@ def plan(case: Case, fidelity: str, accelerators: int, full_depth: bool = False,
 def _say(line: str) -> None:
     """A line for the person waiting (past pytest's capture: a wait for a card can be long), made
     printable: it names the card's holder as another process wrote it in the shared lock folder."""
-    print(f"[oom-harness] {sanitize(line)}", file=sys.__stderr__ or sys.stderr, flush=True)
+    print(f"[oom-harness] {printable(line)}", file=sys.__stderr__ or sys.stderr, flush=True)
 
 
 def _keep_record(run: CaseRun, path: Path) -> None:
