@@ -17,6 +17,12 @@ harness that finds it taken. Cards are named by NVML's UUID where it is installe
 index (CUDA_VISIBLE_DEVICES may renumber them; its indices are read in PCI bus order, which is
 CUDA's order among identical cards).
 
+A harness may run under another that holds its cards for it: `oom-harness compare --resident` takes the
+cards, then starts its two arms' harnesses at once, each training only while the other waits
+(harness.runtime.turns). It passes them the descriptors that hold the locks, named in `INHERITED_ENV`
+(`key=fd,...`); a harness counts a card as its own where such a descriptor is open on that card's lock
+file (the same open file holds the same `flock`), and takes it as usual otherwise.
+
 A harness that finds a card taken refuses at once: each full-size run is a `card_busy` failure
 that names the holder. `--wait-for-card SECONDS` (pytest: `--harness-wait-for-card`) waits that
 long instead, saying once whom it waits for. Harnesses in containers that share a GPU but not /tmp
@@ -35,6 +41,7 @@ import time
 from pathlib import Path
 
 LOCK_DIR_ENV = "HARNESS_LOCK_DIR"
+INHERITED_ENV = "HARNESS_CARD_LOCK_FDS"
 POLL_S = 0.5
 
 
@@ -91,7 +98,7 @@ _GUARD = threading.Lock()  # the session's threads take cards one at a time: two
 
 def _try(key: str) -> str | None:
     """Take one card's lock: None when taken, else who holds it."""
-    path = lock_dir() / f"card-{key}.lock"
+    path = _lock_path(key)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     with contextlib.suppress(OSError):  # another user's harness must be able to open it too
         os.fchmod(fd, 0o666)
@@ -118,7 +125,32 @@ def take(keys: list[str], wait_s: float = 0.0, say=None) -> None:
         _take(keys, wait_s, say)
 
 
+def _lock_path(key: str) -> Path:
+    return lock_dir() / f"card-{key}.lock"
+
+
+def _inherited() -> None:
+    """Count as held the cards whose lock a parent harness passed down open (`INHERITED_ENV`)."""
+    for item in filter(None, os.environ.get(INHERITED_ENV, "").split(",")):
+        key, _, fd_text = item.rpartition("=")
+        if not key or key in _HELD or not fd_text.isdigit():
+            continue
+        fd = int(fd_text)
+        try:
+            opened, on_disk = os.fstat(fd), _lock_path(key).stat()
+        except OSError:  # not open in this process, or no such lock file: take the card as usual
+            continue
+        if (opened.st_dev, opened.st_ino) == (on_disk.st_dev, on_disk.st_ino):
+            _HELD[key] = fd
+
+
+def pass_down() -> tuple[dict[str, str], tuple[int, ...]]:
+    """The environment and descriptors that let a child harness use the cards this process holds."""
+    return {INHERITED_ENV: ",".join(f"{key}={fd}" for key, fd in sorted(_HELD.items()))}, tuple(_HELD.values())
+
+
 def _take(keys: list[str], wait_s: float, say) -> None:
+    _inherited()
     deadline = time.monotonic() + wait_s
     said = False
     for key in sorted(set(keys) - set(_HELD)):

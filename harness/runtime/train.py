@@ -66,10 +66,11 @@ class Delay:
         self.mark = time.perf_counter()
 
 
-def train_steps(trainer, shape, batches, device, meas, report, progress, history=None) -> None:
+def train_steps(trainer, shape, batches, device, meas, report, progress, history=None, turns=None) -> None:
     """Run `shape.steps` optimizer steps; append each step's seconds and mean loss to `report`, and
     on a GPU each step's device seconds (`report.step_device_s`).
-    `history` (harness.runtime.memory_history), where recording, labels each phase of the step."""
+    `history` (harness.runtime.memory_history), where recording, labels each phase of the step;
+    `turns` (harness.runtime.turns), where a compare takes turns on the card, stops at its gates."""
     import torch
 
     def phase(name: str) -> None:
@@ -82,6 +83,8 @@ def train_steps(trainer, shape, batches, device, meas, report, progress, history
     on_gpu = device.type == "cuda"
     engine, model = trainer.engine, trainer.model
     for _ in range(shape.steps):
+        if turns is not None:
+            turns.before_step(len(report.step_times_s))
         meas.sync()
         if on_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

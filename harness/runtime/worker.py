@@ -69,6 +69,7 @@ def run(args) -> int:
     from harness.runtime.probe import card_to_itself, run_probes
     from harness.runtime.stacks import through_trainer
     from harness.runtime.train import train_steps
+    from harness.runtime.turns import Turns
     from harness.spec.cases import load_case
     from harness.spec.dsconfig import deepspeed_config
     from harness.spec.shape import run_shape
@@ -105,6 +106,7 @@ def run(args) -> int:
         cpu_threads=torch.get_num_threads(),
         host_cpu=host_cpu(),
     )
+    turns = None
     out_path = Path(args.out_dir) / (f"rank{rank}" + (f"-slot{args.slot}" if args.slot else "") + ".json")
     t_start = time.perf_counter()
 
@@ -129,6 +131,7 @@ def run(args) -> int:
                  f"{args.emulate_card_bytes / 2**30:.2f} GiB card: another process holds memory on it")
     try:
         with meas:
+            turns = Turns.from_env(rank, args.slot, shape.ranks * case.launch.procs_per_card)
             engine = None
             ds_config = deepspeed_config(
                 case, world, shape.grad_accum, shape.hidden_size, platform == Platform.cpu, shape.ds_size_scale
@@ -169,7 +172,8 @@ def run(args) -> int:
             history.phase("engine")
             vocab = int(built.config_dict["vocab_size"])
             if job is not None:  # the trainer builds its engine, then the callback starts the step phase
-                job.train(examples(shape, vocab), MeasuringCallback(meas, report, progress, history, shape.steps))
+                job.train(examples(shape, vocab),
+                          MeasuringCallback(meas, report, progress, history, shape.steps, turns))
                 phase = "step"
                 if not job.checkpointing_as_asked():
                     raise RuntimeError(f"{case.id}: activation checkpointing is not as the case asks "
@@ -187,8 +191,10 @@ def run(args) -> int:
                 batches = iter(loader(case, shape, vocab, platform == Platform.cpu, shape.steps * shape.grad_accum))
                 meas.sync()
                 meas.reset()
-                train_steps(trainer, shape, batches, device, meas, report, progress, history)
+                train_steps(trainer, shape, batches, device, meas, report, progress, history, turns)
             report.step = meas.figures()
+            if turns is not None:  # the last gate: no probe runs while the other arm of a compare trains
+                turns.before_step(len(report.step_times_s))
             history.finish()  # before the probes, whose allocations are not the step's
             report.clocks = meas.sampler.clocks()
             report.weights = weights(model)

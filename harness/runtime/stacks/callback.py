@@ -29,8 +29,9 @@ from harness.runtime.train import INJECT_ENV, Delay
 class MeasuringCallback(TrainerCallback):
     """Times and measures a trainer's steps into a `RankReport` (`harness.measure.records`)."""
 
-    def __init__(self, meas, report, progress, history=None, steps: int | None = None):
+    def __init__(self, meas, report, progress, history=None, steps: int | None = None, turns=None):
         self.meas = meas
+        self.turns = turns  # harness.runtime.turns: a compare's gates between bursts of steps
         self.report = report
         self.progress = progress
         self.history = history
@@ -53,6 +54,8 @@ class MeasuringCallback(TrainerCallback):
         self.meas.reset()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.turns is not None:
+            self.turns.before_step(len(self.report.step_times_s))
         self.meas.sync()
         self.micro_share = 1 / max(1, args.gradient_accumulation_steps)
         if torch.cuda.is_available() and not args.use_cpu:
