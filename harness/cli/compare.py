@@ -51,8 +51,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable of arm B only (repeatable), e.g. HARNESS_INJECT_DELAY=5%%")
     p.add_argument("--repeats", type=positive_int, default=5, help="pairs of runs (default 5)")
+    p.add_argument("--resident", action="store_true",
+                   help="one run per arm for all the pairs: each arm's process stays on the card and the arms "
+                        "train in turns, a burst of --steps steps each (default 4); one case and variant, and both "
+                        "arms' peaks must fit on the card together")
     p.add_argument("--fidelity", choices=["tiny", "real"], default="real")
-    p.add_argument("--steps", type=positive_int, help="optimizer steps of each run (the cases' own by default)")
+    p.add_argument("--steps", type=positive_int,
+                   help="optimizer steps of each run (the cases' own by default); with --resident, of each turn")
     p.add_argument("--variant", action="append", default=[],
                    help="measure under this variant, as `run --variant` does ('u': the whole card; repeatable)")
     p.add_argument("--case-dir", help="the folder of the case files, for both arms (default: each arm's bundled "
@@ -84,13 +89,13 @@ class Arm:
     env: dict[str, str]
     cwd: str | None = None
 
-    def command(self, args, out: Path, json_path: Path) -> list[str]:
+    def command(self, args, out: Path, json_path: Path, steps: int | None = None) -> list[str]:
         cmd = [self.python, "-m", "harness.cli", "run", "--fidelity", args.fidelity, "--out", str(out),
                "--json", str(json_path), "--selected-only"]
         for k in args.k:
             cmd += ["-k", k]
-        if args.steps:
-            cmd += ["--steps", str(args.steps)]
+        if steps or args.steps:
+            cmd += ["--steps", str(steps or args.steps)]
         for v in args.variant:
             cmd += ["--variant", v]
         if args.case_dir:
@@ -131,23 +136,9 @@ def arms(args) -> tuple[Arm, Arm]:
 
 def _figures(json_path: Path) -> dict[str, dict[str, float]]:
     """case[@variant] -> metric -> value, of each finished run in a `run --json` file."""
-    from harness.measure.records import CaseRun
+    from harness.cli.compare_figures import figures, finished_runs
 
-    out: dict[str, dict[str, float]] = {}
-    for entry in json.loads(json_path.read_text()):
-        run = CaseRun.model_validate(entry["run"])
-        if not run.ok:
-            continue
-        procs = max(1, len({r.process_slot for r in run.ranks}))
-        name = run.case_id + (f"@{run.variant}" if run.variant else "")
-        walls = [statistics.median(r.step_times_s[r.warmup_steps:]) for r in run.ranks
-                 if r.step_times_s[r.warmup_steps:]]
-        values = {"tokens_per_s": run.per_card_rate(procs),
-                  "device_step_s": max((r.device_step_s for r in run.ranks if r.device_step_s), default=None),
-                  "wall_step_s": max(walls, default=None),
-                  "per_card_peak": run.per_card_peak(procs)}
-        out[name] = {k: float(v) for k, v in values.items() if v}
-    return out
+    return dict(figures(run) for run in finished_runs(json_path))
 
 
 def _run_arm(arm: Arm, args, folder: Path, label: str) -> dict[str, dict[str, float]]:
@@ -225,7 +216,8 @@ def check_outputs(args) -> None:
     folder = check_name(args.out, "--out")
     if folder.exists() and not folder.is_dir():
         raise RefusedOutput(f"--out {folder}: a file; name a folder for the runs")
-    earlier = sorted(p.name for p in folder.glob("pair*-[AB]*")) if folder.is_dir() else []
+    earlier = sorted(p.name for pattern in ("pair*-[AB]*", "resident-[AB]*")
+                     for p in folder.glob(pattern)) if folder.is_dir() else []
     if earlier and not args.force:
         raise RefusedOutput(f"--out {folder}: holds an earlier compare's runs ({', '.join(earlier[:3])}"
                             f"{', ...' if len(earlier) > 3 else ''}); name an empty folder, or pass --force to "
@@ -237,21 +229,29 @@ def run(args) -> int:
 
     arm_a, arm_b = arms(args)
     check_outputs(args)
+    if args.resident:
+        from harness.cli.compare_resident import check_resident
+        from harness.cli.compare_resident import measure_resident as how
+
+        check_resident(args)
+    else:
+        how = measure
     if args.out:
         folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
         folder.mkdir(parents=True, exist_ok=True)
-        pairs = measure(args, arm_a, arm_b, folder)
+        pairs = how(args, arm_a, arm_b, folder)
     else:
         with tempfile.TemporaryDirectory(prefix="oom-harness-compare-") as tmp:
-            pairs = measure(args, arm_a, arm_b, Path(tmp))
+            pairs = how(args, arm_a, arm_b, Path(tmp))
     rows = summarise(pairs, args.threshold)
     if not rows:
         print("compare: no case finished in both arms; see each run's log (--out keeps them)", file=sys.stderr)
         return 1
-    print(f"{args.repeats} pairs, in turns (A B, B A, ...); worse/better: beyond {args.threshold:.0%} and "
+    kind = ("turns of one process per arm" if args.resident else "in turns") + " (A B, B A, ...)"
+    print(f"{args.repeats} pairs, {kind}; worse/better: beyond {args.threshold:.0%} and "
           "a paired t test at p < 0.05; same: the interval lies within the threshold\n")
     print(table(rows))
     if args.json:
         write_atomic(Path(args.json), json.dumps({"threshold": args.threshold, "repeats": args.repeats,
-                                                  "rows": rows}, indent=1) + "\n")
+                                                  "resident": args.resident, "rows": rows}, indent=1) + "\n")
     return 1 if any(r["verdict"] == "worse" for r in rows) else 0
