@@ -29,6 +29,7 @@ import ctypes
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -190,6 +191,7 @@ class Hooks:
     def __init__(self, probe):
         self.probe, self.kernels, self.tunes, self.status, self.benched = probe, [], [], {}, 0
         self._call: dict | None = None
+        self._tuning: dict | None = None  # the autotuning under way, if any
         self._undo: list = []
 
     def snap(self) -> dict:
@@ -242,6 +244,9 @@ class Hooks:
             call["load_jump"] = deltas(call["before_load"], call["after_load"])
             call["launch_jump"] = deltas(call["after_load"], call["after"])
         self.kernels.append(call)
+        say(f"kernel {len(self.kernels)} {call.get('name')} {call.get('config') or ''}: compile "
+            f"{call.get('compile_s', 0)} s, outside the allocator {_mib(call['after'], first)}, stack "
+            f"{call['after'].get('stack')}")
 
     def _run(self, orig):
         def run(fn, *args, **kwargs):
@@ -285,29 +290,49 @@ class Hooks:
         return init_handles
 
     def _tune(self, orig):
+        # A multi-config autotuner's `run` is every launch of its kernel; it benchmarks (and compiles the
+        # candidates) only on a key it has not tuned. The reading before is taken at the first benchmark,
+        # so the launches of tuned keys cost nothing here (a reading synchronises and asks NVML).
         def run(tuner, *args, **kwargs):
-            cache = getattr(tuner, "cache", None)
-            if len(getattr(tuner, "configs", ()) or ()) <= 1 or not isinstance(cache, dict):
+            if len(getattr(tuner, "configs", ()) or ()) <= 1:
                 return orig(tuner, *args, **kwargs)
-            size, benched, new = len(cache), self.benched, len(self.kernels)
-            before = self.snap()
+            outer, tuning = self._tuning, {"before": None, "benched": self.benched, "new": len(self.kernels)}
+            self._tuning = tuning
             try:
                 return orig(tuner, *args, **kwargs)
             finally:
-                if len(cache) > size:
+                self._tuning = outer
+                if tuning["before"] is not None:
                     after = self.snap()
                     self.tunes.append({"name": fn_name(tuner), "configs": len(tuner.configs),
-                                       "benchmarked": self.benched - benched, "new_kernels": len(self.kernels) - new,
+                                       "benchmarked": self.benched - tuning["benched"],
+                                       "new_kernels": len(self.kernels) - tuning["new"],
                                        "best": str(getattr(tuner, "best_config", None)),
-                                       "bench_s": getattr(tuner, "bench_time", None), "before": before,
-                                       "after": after, "jump": deltas(before, after)})
+                                       "bench_s": getattr(tuner, "bench_time", None), "before": tuning["before"],
+                                       "after": after, "jump": deltas(tuning["before"], after)})
+                    say(f"tuned {fn_name(tuner)}: {self.benched - tuning['benched']} of {len(tuner.configs)} "
+                        f"configs, outside the allocator {_mib(after, tuning['before'])}")
         return run
 
     def _bench(self, orig):
         def bench(tuner, *args, **kwargs):
             self.benched += 1
+            if self._tuning is not None and self._tuning["before"] is None:
+                self._tuning["before"] = self.snap()
             return orig(tuner, *args, **kwargs)
         return bench
+
+
+def _mib(after: dict, before: dict) -> str:
+    try:
+        return f"{(after['outside'] - before['outside']) / 2**20:+.0f} MiB"
+    except (KeyError, TypeError):
+        return "unknown"
+
+
+def say(line: str) -> None:
+    """Progress on stderr, at once: a cold first step compiles for minutes."""
+    print(f"[triton_cold_memory {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 def versions() -> dict:
@@ -361,8 +386,10 @@ def measure(case, shape, result: dict) -> None:
         trainer = start_engine(case, built.model, None)
         vocab = int(built.config_dict["vocab_size"])
         batches = iter(loader(case, shape, vocab, False, shape.steps * shape.grad_accum))
+        say(f"loaded; training {shape.steps} steps of {shape.grad_accum} micro-batches")
         for step in range(1, shape.steps + 1):
             timeline.append({**probe.snap(f"step {step} start"), "new_kernels": len(hooks.kernels)})
+            say(f"step {step} starts")
             for _ in range(shape.grad_accum):
                 batch = next(batches).to(device, non_blocking=True)
                 loss = trainer.runner(input_ids=batch, labels=batch).loss
@@ -423,6 +450,11 @@ def main(argv=None) -> int:
               "cache": "cold" if files == 0 else "warm", "env": {k: os.environ.get(k) for k in env_keys},
               "timeline": [], "losses": [], "errors": {}}
     code = 0
+
+    def stopped(signum, frame):  # `timeout` sends SIGTERM: stop as an exception, so the JSON is still written
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         measure(case, shape, result)
     except BaseException as exc:  # the JSON still says what was measured up to the failure

@@ -145,18 +145,26 @@ def test_a_child_harness_uses_the_card_its_parent_holds_for_it(tmp_path, monkeyp
         card_lock.release()
 
 
-def test_resident_compare_refuses_more_than_one_case(capsys):
+def test_resident_compare_refuses_more_than_one_case(capsys, tmp_path):
     from harness.cli.main import main
 
     assert main(["compare", "-k", "003", "--base-python", sys.executable, "--resident"]) == 2
     err = capsys.readouterr().err
     assert "--resident compares one case" in err and "leave out --resident" in err
+    # processes sharing an emulated card: the ballast leaves no room for the second arm
+    assert main(["compare", "-k", "004-gla-failing-bs4", "--base-python", sys.executable, "--resident"]) == 2
+    err = capsys.readouterr().err
+    assert "004-gla-failing-bs4-2procs.yaml: launch.procs_per_card: 2 processes share an emulated 24 GiB card" in err
+    assert "add --variant u" in err
+    # an older checkout's runs would train straight through the turns
+    old = tmp_path / "old"
+    (old / "harness" / "cli").mkdir(parents=True)
+    (old / "harness" / "cli" / "main.py").write_text("")
+    assert main(["compare", "-k", "003-qlora-fix-r16-seq512", "--base-checkout", str(old), "--resident"]) == 2
+    assert "predates --resident (no harness/runtime/turns.py)" in capsys.readouterr().err
 
 
-# Runs in the case items' worker (harness.pytest_plugin.xdist_groups): it mostly waits on two fresh
-# harnesses' imports.
-@pytest.mark.parametrize("_beside", [pytest.param(None, id="oom-harness-cases")])
-def test_resident_compare_flags_a_slowed_arm_from_one_run_each(tmp_path, capsys, monkeypatch, _beside):
+def test_resident_compare_flags_a_slowed_arm_from_one_run_each(tmp_path, capsys, monkeypatch):
     from harness.cli.main import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

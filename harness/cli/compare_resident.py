@@ -38,14 +38,34 @@ def check_resident(args) -> None:
     if len(args.variant) > 1:
         raise InputError(None, "--variant", "--resident measures one variant",
                          "give one --variant, or run one compare per variant")
+    from harness.spec.variants import parse_variant
+
     folder = Path(args.case_dir) if args.case_dir else CASES_DIR
     cases, _ = load_cases(folder)
-    matched = sorted(c.id for c in cases if any(k in c.id for k in args.k))
+    matched = sorted((c for c in cases if any(k in c.id for k in args.k)), key=lambda c: c.id)
     if len(matched) != 1:
-        found = ", ".join(matched[:5]) + (", ..." if len(matched) > 5 else "") if matched else "none"
+        ids = [c.id for c in matched]
+        found = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "") if ids else "none"
         raise InputError(folder, "-k", f"--resident compares one case; -k {' -k '.join(args.k)} matches "
-                                       f"{len(matched)} ({found})",
+                                       f"{len(ids)} ({found})",
                          "name one case with -k, or leave out --resident")
+    case = matched[0]
+    if args.base_checkout and not (Path(args.base_checkout) / "harness" / "runtime" / "turns.py").is_file():
+        raise InputError(Path(args.base_checkout), "--base-checkout", "this checkout's harness predates --resident "
+                         "(no harness/runtime/turns.py): its runs would not stop between turns",
+                         "leave out --resident")
+    try:
+        variant = parse_variant(args.variant[0] if args.variant else "")
+    except ValueError as exc:
+        raise InputError(None, "--variant", str(exc), "give a variant `oom-harness run --variant` takes") from None
+    if args.fidelity == "real" and case.launch.procs_per_card > 1 and not variant.uncapped:
+        # the launcher emulates the target card for processes that share one with a ballast that takes
+        # the rest of the card (harness.runtime.launcher): a second arm would find nothing left
+        raise InputError(folder / f"{case.id}.yaml", "launch.procs_per_card",
+                         f"{case.launch.procs_per_card} processes share an emulated "
+                         f"{case.target.card.memory / 2**30:.0f} GiB card: a ballast takes the rest of the real "
+                         "card, so a second arm would find none of it",
+                         "add --variant u (the whole card, no ballast), or leave out --resident")
 
 
 def _card_locks(fidelity: str) -> tuple[dict[str, str], tuple[int, ...]]:
@@ -118,7 +138,9 @@ def measure_resident(args, arm_a, arm_b, folder: Path) -> list[tuple[dict, dict]
                 raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} ({_tail(log)})",
                                  f"see {log}")
     except turns.TurnsError as exc:
-        raise InputError(None, None, str(exc), "see each arm's log with --out") from None
+        raise InputError(None, None, str(exc), "see each arm's log with --out; an arm whose harness predates "
+                                               "--resident (no harness/runtime/turns.py) trains without stopping: "
+                                               "leave out --resident for it") from None
     finally:
         _stop(procs)
     per_arm = []
