@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,10 +102,10 @@ class Turns:
 
 
 def _meet() -> None:
-    """The ranks of one job start the step together: each left the gate on its own poll."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    """The ranks of one job start the step together: each left the gate on its own poll. A process that
+    has not imported torch.distributed has no process group (and is spared importing torch for nothing)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
