@@ -138,9 +138,9 @@ def measure_resident(args, arm_a, arm_b, folder: Path) -> list[tuple[dict, dict]
                 raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} ({_tail(log)})",
                                  f"see {log}")
     except turns.TurnsError as exc:
-        raise InputError(None, None, str(exc), "see each arm's log with --out; an arm whose harness predates "
-                                               "--resident (no harness/runtime/turns.py) trains without stopping: "
-                                               "leave out --resident for it") from None
+        raise InputError(None, None, str(exc), "see the arm's log (--out keeps it): an arm ends before its turns "
+                                               "where it skipped the case or failed, or where its harness predates "
+                                               "--resident (no harness/runtime/turns.py)") from None
     finally:
         _stop(procs)
     per_arm = []
