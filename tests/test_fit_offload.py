@@ -109,8 +109,17 @@ def test_the_hosts_ram_rules_out_offload_that_does_not_fit_it(tmp_path, capsys):
 
 
 def test_a_job_that_fits_unchanged_gets_no_deepspeed(tmp_path, capsys):
+    """... and an earlier fit's offload JSON in the folder, which --force replaces the answer of, goes with it:
+    left, it would read as part of this answer."""
     config = _lf_full(tmp_path / "in")
-    code, out = _fit(capsys, config, "--gpu-memory", "80GiB", "--gpus", "1", "--out", tmp_path / "out")
+    stale = tmp_path / "out" / "full.ds_offload.fitted.json"
+    stale.parent.mkdir()
+    stale.write_text('{"zero_optimization": {"stage": 3}}\n')
+    job = ["--gpu-memory", "80GiB", "--gpus", "1", "--out", tmp_path / "out"]
+    assert main(["fit", *map(str, [config, *job]), "--json"]) == 2  # refused without --force
+    assert "full.ds_offload.fitted.json: exists; pass --force" in capsys.readouterr().err and stale.exists()
+    code, out = _fit(capsys, config, *job, "--force")
+    assert out["removed"] == [str(stale)] and not stale.exists()
     assert code == 0 and out["input"]["fits"]
     assert "no DeepSpeed" in out["predicted"]["knobs"]
     fitted = next(Path(f) for f in out["files"] if f.endswith(".yaml"))

@@ -101,6 +101,22 @@ def test_a_failed_command_leaves_nothing_and_puts_back_what_it_replaced(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]  # no folder, no copy, no temporary
 
 
+def test_an_earlier_output_removed_comes_back_when_the_command_fails_and_goes_when_it_ends(tmp_path):
+    earlier = tmp_path / "x.ds_offload.fitted.json"
+    earlier.write_text("earlier")
+    with pytest.raises(RuntimeError, match="the work failed"):
+        with Outputs(force=True) as out:
+            assert out.remove(out.file(earlier, "--out")) and not earlier.exists()
+            raise RuntimeError("the work failed")
+    assert earlier.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == [earlier.name]
+    with Outputs(force=True) as out:
+        assert out.remove(out.file(earlier, "--out"))
+        assert not out.remove(out.file(earlier, "--out"))  # gone already
+    assert list(tmp_path.iterdir()) == []  # nothing kept aside either
+    with pytest.raises(ValueError, match=r"not named with Outputs\.file"):
+        Outputs().remove(earlier)
+
+
 def test_a_full_disk_while_keeping_the_replaced_file_aside_leaves_it_unchanged(tmp_path, monkeypatch):
     from harness.spec.files import WriteError
 

@@ -213,6 +213,7 @@ def _as_json(found: Search, written: Written, recheck: CheckResult) -> dict:
         "input": {"fits": found.base.fits, "card_peak_gib": gib_rounded(found.base.card_peak),
                   "predicted_tokens_per_s": round(found.base_tokens_per_s, 1)},
         "files": [str(f) for f in written.files],
+        "removed": [str(f) for f in written.removed],
         "runners_up": [_candidate_json(c) for c in found.runners_up],
         "check": as_json(recheck),
         "search": _search_json(found),
@@ -251,6 +252,8 @@ def _table(found: Search, written: Written) -> str:
         lines.append(f"  {c.key:<{width}}  {c.old!s} -> {c.new!s}")
         lines.append(f"  {'':<{width}}  why: {c.why}")
     lines += ["", "written:"] + [f"  {f}" for f in written.files]
+    if written.removed:
+        lines += ["removed (an earlier fit's, which this config does not name):"] + [f"  {f}" for f in written.removed]
     lines += _runners_table(found)
     lines += ["", f"searched {found.considered} candidates, predicted {found.predicted}, passed over "
               f"{found.screened_out} on a bound, in {found.seconds:.1f} s"

@@ -48,6 +48,8 @@ class Written:
     config: Path  # the training config to run
     deepspeed: Path | None  # its DeepSpeed JSON, where one was written
     changes: tuple[Change, ...]
+    # an earlier fit's file in the folder that this answer has no place for (replaced under --force)
+    removed: tuple[Path, ...] = ()
 
 
 class OverwriteError(ValueError):
@@ -285,9 +287,12 @@ def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *
         if deepspeed_arg is None:  # the config names its DeepSpeed file: name the fitted one, beside it
             ed.set("deepspeed", plan.deepspeed.name, "the fitted DeepSpeed JSON, written beside this config")
     added = None
+    removed = []
     if ds is None and k.stage is not None:
         added = _add_deepspeed(ed, k, plan, outputs)
         files.append(added)
+    elif plan.added_deepspeed is not None and outputs.remove(plan.added_deepspeed):
+        removed.append(plan.added_deepspeed)  # an earlier fit's offload, which this config does not name
     model = imported.case.model
     if Path(model).is_absolute() and data.get("model_name_or_path") not in (None, model):
         ed.set("model_name_or_path", model, "the model's folder as an absolute path, found from the output folder")
@@ -311,7 +316,8 @@ def write_fitted(imported: ImportedConfig, k0: Knobs, k: Knobs, out_dir: Path, *
                               "DeepSpeed runs in a distributed process, which a one-GPU job starts as one rank"))
     outputs.write(plan.launch, launch, root=plan.folder)
     files.append(plan.launch)
-    return Written(files=tuple(files), config=plan.config, deepspeed=added or plan.deepspeed, changes=tuple(changes))
+    return Written(files=tuple(files), config=plan.config, deepspeed=added or plan.deepspeed, changes=tuple(changes),
+                   removed=tuple(removed))
 
 
 def _add_deepspeed(ed: _Editor, k: Knobs, plan: Plan, outputs: Outputs) -> Path:

@@ -134,6 +134,7 @@ class Outputs:
         self._claimed: dict[Path, str] = {}  # the path (`_key`) -> what named it
         self._created: list[Path] = []  # folders this command created, outermost first
         self._written: list[tuple[Path, Path | None]] = []  # each file written, and the copy of what it replaced
+        self._removed: list[tuple[Path, Path]] = []  # each file removed, and where it waits until the command ends
 
     def __enter__(self) -> Outputs:
         return self
@@ -217,14 +218,30 @@ class Outputs:
         self._written.append((Path(path), None))
         return Path(path)
 
+    def remove(self, path: Path) -> bool:
+        """Remove an output named with `file` that an earlier run of the command wrote and this one's answer
+        has no place for (replaced under --force, a file left would read as part of the answer): moved aside
+        until the command ends, put back if it fails. False where there is none."""
+        path = Path(path)
+        if _key(path) not in self._claimed:
+            raise ValueError(f"{path}: not named with Outputs.file before it was removed")
+        if not path.exists():
+            return False
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")
+        os.close(fd)
+        os.replace(path, tmp)
+        self._removed.append((path, Path(tmp)))
+        return True
+
     @property
     def written(self) -> list[Path]:
         return [p for p, _ in self._written]
 
     def _commit(self) -> None:
-        for _, backup in self._written:
+        for _, backup in self._written + self._removed:
             if backup is not None:
                 backup.unlink(missing_ok=True)
+        self._removed.clear()
         if not self._written:  # nothing written (nothing fits, a refusal): no empty folder stays
             self._remove_created(only_empty=True)
 
@@ -236,6 +253,10 @@ class Outputs:
                 else:
                     path.unlink(missing_ok=True)
         self._written.clear()
+        for path, aside in reversed(self._removed):
+            with contextlib.suppress(OSError):
+                os.replace(aside, path)
+        self._removed.clear()
         self._remove_created()
 
     def _remove_created(self, only_empty: bool = False) -> None:
