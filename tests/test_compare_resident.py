@@ -38,36 +38,32 @@ STEPPER = textwrap.dedent("""
 """)
 
 
-def _arms(tmp_path):
+def _take_turns(tmp_path, warmup: int, burst: int, bursts: int, die_at: dict[str, int] | None = None) -> Path:
+    """Two stepper arms given their turns by `turns.conduct`; the steps' log. Raises what `conduct` raises."""
     script = tmp_path / "stepper.py"
     script.write_text(STEPPER)
+    log = tmp_path / "steps.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return script, tmp_path / "steps.log", [turns.Arm(tmp_path / name) for name in "AB"], env
-
-
-def _start(script, log, gates, env, total, die_at=None):
-    procs = []
-    for name, gate in zip("AB", gates, strict=True):
-        procs.append(subprocess.Popen([sys.executable, str(script), name, str(total), str(log),
-                                       str((die_at or {}).get(name, -1))],
-                                      env={**env, turns.TURNS_ENV: str(gate.folder)}))
-    return procs
-
-
-def test_the_arms_take_turns_that_never_overlap(tmp_path):
-    warmup, burst, bursts = 1, 2, 3
+    gates, procs = [turns.Arm(tmp_path / name) for name in "AB"], []
     total = warmup + burst * bursts
-    script, log, gates, env = _arms(tmp_path)
-    for gate in gates:
-        gate.plan(turns.gates(warmup, burst, bursts))
-    procs = _start(script, log, gates, env, total)
     try:
-        turns.conduct(gates, warmup, burst, bursts, lambda i: None if procs[i].poll() is None else "exited")
+        for name, gate in zip("AB", gates, strict=True):
+            gate.plan(turns.gates(warmup, burst, bursts))
+            procs.append(subprocess.Popen([sys.executable, str(script), name, str(total), str(log),
+                                           str((die_at or {}).get(name, -1))],
+                                          env={**env, turns.TURNS_ENV: str(gate.folder)}))
+        turns.conduct(gates, warmup, burst, bursts,
+                      lambda i: None if procs[i].poll() is None else f"exited {procs[i].returncode}")
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
     finally:
         for p in procs:
             p.kill()
-    lines = log.read_text().split("\n")[:-1]
+            p.wait()
+    return log
+
+
+def test_the_arms_take_turns_that_never_overlap(tmp_path):
+    lines = _take_turns(tmp_path, warmup=1, burst=2, bursts=3).read_text().split("\n")[:-1]
     starts, ends = lines[0::2], lines[1::2]
     # each step's end comes right after its start: no other arm's step runs in between
     assert [s.replace("start", "end") for s in starts] == ends
@@ -79,20 +75,8 @@ def test_the_arms_take_turns_that_never_overlap(tmp_path):
 
 
 def test_an_arm_that_ends_before_its_turn_stops_the_compare(tmp_path):
-    warmup, burst, bursts = 1, 1, 2
-    total = warmup + burst * bursts
-    script, log, gates, env = _arms(tmp_path)
-    for gate in gates:
-        gate.plan(turns.gates(warmup, burst, bursts))
-    procs = _start(script, log, gates, env, total, die_at={"B": 1})
-    try:
-        with pytest.raises(turns.TurnsError, match="arm B ended before it reached step 2: exited 7"):
-            turns.conduct(gates, warmup, burst, bursts,
-                          lambda i: None if procs[i].poll() is None else f"exited {procs[i].returncode}")
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    with pytest.raises(turns.TurnsError, match="arm B ended before it reached step 2: exited 7"):
+        _take_turns(tmp_path, warmup=1, burst=1, bursts=2, die_at={"B": 1})
 
 
 def test_a_waiting_worker_stops_once_its_compare_has_exited(tmp_path, monkeypatch):
