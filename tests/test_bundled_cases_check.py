@@ -3,12 +3,10 @@ case-file importer and variants do) validates again, sizes with their units incl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
+from fixed_prediction import fixed_prediction
 
 from harness.cli.main import main
-from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.cases import CASES_DIR, case_files, load_case
 from harness.spec.schema import Case
@@ -39,20 +37,6 @@ def test_a_size_range_is_dumped_with_its_unit_and_a_fraction_without():
     assert fractions and all(isinstance(c["low"], float) for c in fractions)
 
 
-@dataclass
-class _Prediction:
-    allocated: int = 3 * GIB
-    reserved: int = 4 * GIB
-    device: int = 5 * GIB
-    host_ram: int = 20 * GIB
-    terms: dict = field(default_factory=dict)
-    notes: list = field(default_factory=lambda: ["fake prediction"])
-    calibrated_on: list = field(default_factory=list)
-    platform: str = "cuda"
-    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
-    missing: list = field(default_factory=list)
-
-
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)
 def test_check_accepts_every_bundled_case_file(path, monkeypatch, capsys):
     from harness.models.registry import missing_package
@@ -62,7 +46,8 @@ def test_check_accepts_every_bundled_case_file(path, monkeypatch, capsys):
     missing = missing_package(load_model(load_case(path).model).config)
     if missing is not None:  # GLA (guide 004) in an environment without the gla extra: refused, and says why
         pytest.skip(missing)
-    monkeypatch.setattr(check, "_predictor", lambda: lambda *args, **kwargs: _Prediction())
+    predicted = fixed_prediction(3 * GIB, 4 * GIB, 5 * GIB, 20 * GIB, notes=("fake prediction",))
+    monkeypatch.setattr(check, "_predictor", lambda: lambda *args, **kwargs: predicted)
     code = main(["check", str(path)])
     out, err = capsys.readouterr()
     assert code in (0, 1), err

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from fixed_prediction import fixed_prediction
 
 from harness.cli.main import main
 from harness.predict.margin import Margin
@@ -21,20 +21,6 @@ GUIDE000 = str(EXAMPLES / "000-ds32b-optimized.yaml")
 DCU_ARGS = ["--gpu-memory", "64GiB", "--gpus", "8"]
 
 
-@dataclass
-class FakePrediction:
-    allocated: int
-    reserved: int
-    device: int
-    host_ram: int = 150 * GIB
-    terms: dict = field(default_factory=dict)
-    notes: list = field(default_factory=lambda: ["fake prediction"])
-    calibrated_on: list = field(default_factory=list)
-    platform: str = "cuda"
-    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
-    missing: list = field(default_factory=list)
-
-
 @pytest.fixture
 def predicted(monkeypatch):
     """Make the predictor return a given device peak (GiB); records what it was asked."""
@@ -43,8 +29,8 @@ def predicted(monkeypatch):
     def use(device_gib: float, margin: float = 0.0):
         def fake(case, arch=None, *, platform=None, exclude=frozenset()):
             calls.append((case, arch, platform))
-            return FakePrediction(int((device_gib - 3) * GIB), int((device_gib - 1) * GIB), int(device_gib * GIB),
-                                  margin=Margin(margin, "a test margin"))
+            return fixed_prediction(int((device_gib - 3) * GIB), int((device_gib - 1) * GIB), int(device_gib * GIB),
+                                    150 * GIB, margin=Margin(margin, "a test margin"), notes=("fake prediction",))
 
         monkeypatch.setattr(check, "_predictor", lambda: fake)
         return calls

@@ -5,15 +5,14 @@ cannot build refused with what is supported."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
+from fixed_prediction import fixed_prediction
 
 from harness.cli.main import main
 from harness.models.inputs import InputError, load_data
-from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.premerge.importers import ConfigError, JobSpec, import_config
 from harness.pytest_plugin.premerge import entries
@@ -45,26 +44,12 @@ def write(folder: Path, name: str, data: dict | str) -> Path:
     return path
 
 
-@dataclass
-class FakePrediction:
-    device: int
-    allocated: int = GIB
-    reserved: int = GIB
-    host_ram: int = 4 * GIB
-    terms: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-    calibrated_on: list = field(default_factory=list)
-    platform: str = "cuda"
-    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
-    missing: list = field(default_factory=list)
-
-
 @pytest.fixture
 def predicted(monkeypatch):
     """The predictor answers a fixed device peak (GiB)."""
     def use(device_gib: float):
-        monkeypatch.setattr(check, "_predictor",
-                            lambda: lambda case, arch=None, **kw: FakePrediction(int(device_gib * GIB)))
+        predicted = fixed_prediction(GIB, GIB, int(device_gib * GIB), 4 * GIB)
+        monkeypatch.setattr(check, "_predictor", lambda: lambda case, arch=None, **kw: predicted)
     return use
 
 

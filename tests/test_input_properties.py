@@ -11,17 +11,16 @@ import io
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import yaml
+from fixed_prediction import fixed_prediction
 from hostile import CASES, EXAMPLES, invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.predict.margin import Margin
 from harness.premerge import check
 from harness.spec.units import GIB
 
@@ -34,26 +33,12 @@ DEEPSPEED_CONFIGS = sorted(EXAMPLES.glob("ds_*.json"))
 CASE_FILES = sorted(CASES.glob("*.yaml"))
 
 
-@dataclass
-class FixedPrediction:
-    allocated: int = 20 * GIB
-    reserved: int = 22 * GIB
-    device: int = 24 * GIB
-    host_ram: int = 40 * GIB
-    terms: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-    calibrated_on: list = field(default_factory=list)
-    platform: str = "cuda"
-    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
-    missing: list = field(default_factory=list)
-
-
 def _fixed_predictor():
-    return lambda case, arch=None, **kw: FixedPrediction()
+    return lambda case, arch=None, **kw: fixed_prediction(20 * GIB, 22 * GIB, 24 * GIB, 40 * GIB)
 
 
 @pytest.fixture(autouse=True)
-def fixed_prediction(monkeypatch):
+def _predicted(monkeypatch):
     monkeypatch.setattr(check, "_predictor", _fixed_predictor)
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
+from fixed_prediction import fixed_prediction
 
-from harness.predict.margin import Margin
 from harness.premerge.importers import JobSpec, import_config
 from harness.premerge.lints import RULES, lint
 from harness.spec.units import GIB, parse_size
@@ -18,20 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT / "cases"
 EXAMPLES = ROOT / "configs" / "examples"
 DCU = JobSpec(gpus=8, gpu_memory=parse_size("64GiB"))
-
-
-@dataclass
-class FakePrediction:
-    allocated: int = 10 * GIB
-    reserved: int = 11 * GIB
-    device: int = 12 * GIB
-    host_ram: int = 100 * GIB
-    terms: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-    calibrated_on: list = field(default_factory=list)
-    platform: str = "cuda"
-    margin: Margin = field(default_factory=lambda: Margin(0.0, "no margin (a fixed prediction)"))
-    missing: list = field(default_factory=list)
 
 
 LF = {
@@ -211,9 +196,9 @@ def test_micro_batch_mismatch(tmp_path):
 def test_pinned_offload_needs_host_ram():
     spec = JobSpec(gpus=8, gpu_memory=parse_size("64GiB"), host_ram=parse_size("128GiB"))
     pinned = import_config(EXAMPLES / "000-ds32b-failing.yaml", spec)  # pin_memory: true
-    big = FakePrediction(host_ram=200 * GIB)
+    big = fixed_prediction(host_ram=200 * GIB)
     assert "offload-pinned-host-ram" in codes(pinned, big)
-    assert "offload-pinned-host-ram" not in codes(pinned, FakePrediction(host_ram=60 * GIB))
+    assert "offload-pinned-host-ram" not in codes(pinned, fixed_prediction(host_ram=60 * GIB))
     unpinned = import_config(EXAMPLES / "000-ds32b-optimized.yaml", spec)  # pin_memory: false
     assert "offload-pinned-host-ram" not in codes(unpinned, big)
     no_ram_given = import_config(EXAMPLES / "000-ds32b-failing.yaml", DCU)
@@ -235,11 +220,12 @@ def test_four_bit_with_zero3(tmp_path):
 
 def test_processes_per_card_add_up():
     imported = import_config(CASES / "004-gla-failing-bs4-2procs.yaml", JobSpec())  # 2 per 23.52 GiB card
-    hit = next(f for f in lint(imported, FakePrediction(device=12 * GIB)) if f.code == "procs-per-card-oversubscribed")
+    found = lint(imported, fixed_prediction(device=12 * GIB))
+    hit = next(f for f in found if f.code == "procs-per-card-oversubscribed")
     assert "24.00 GiB" in hit.message
-    assert "procs-per-card-oversubscribed" not in codes(imported, FakePrediction(device=8 * GIB))
+    assert "procs-per-card-oversubscribed" not in codes(imported, fixed_prediction(device=8 * GIB))
     one = import_config(CASES / "004-gla-failing-bs4-2procs.yaml", JobSpec(procs_per_gpu=1))
-    assert "procs-per-card-oversubscribed" not in codes(one, FakePrediction(device=12 * GIB))
+    assert "procs-per-card-oversubscribed" not in codes(one, fixed_prediction(device=12 * GIB))
 
 
 # --- ZeRO-3 + LoRA + reentrant checkpointing ---------------------------------------------------------
@@ -289,7 +275,7 @@ _EXPECTED_ON_FIX1 = {"zero3_reentrant_checkpointing"}
 def test_rules_are_quiet_on_the_fixed_guide000_config(rule):
     imported = import_config(EXAMPLES / "000-ds32b-optimized.yaml",
                              JobSpec(gpus=8, gpu_memory=parse_size("64GiB"), host_ram=parse_size("512GiB")))
-    found = rule(imported, FakePrediction())
+    found = rule(imported, fixed_prediction())
     if rule.__name__ in _EXPECTED_ON_FIX1:
         assert [f.severity for f in found] == ["warning"]
     else:
