@@ -13,6 +13,9 @@ wall step time and per-card peak; the change from A to B is the geometric mean o
 with its 95% interval from a paired t test (harness.judge.stats.paired). A metric is worse where the
 test rejects no change at `stats.COMPARE_ALPHA` and the change is beyond `--threshold`; the command
 then exits 1. Exit 2 for a usage error or an arm that could not run.
+
+With `--resident` (harness.cli.compare_resident) each arm is one run for all the pairs, its process kept
+on the card, the two arms training in turns: the same pairs and statistics without each pair's start.
 """
 
 from __future__ import annotations
