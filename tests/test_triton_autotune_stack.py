@@ -1,0 +1,101 @@
+"""benchmarks/triton_autotune_stack.py reads each Triton kernel's per-thread stack from sm_90 cubins built on a
+CPU: its parsing of cuobjdump, the stack x resident threads arithmetic, and its interception of launches
+(an autotuned kernel's pruned candidates bound and compiled, none run) are checked here."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks import triton_autotune_stack as tas
+
+CUOBJDUMP_TEXT = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function chunk_gla_bwd_kernel_inter:
+  REG:255 STACK:1208 SHARED:0 LOCAL:0 CONSTANT[0]:620 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function k:
+  REG:22 STACK:0 SHARED:16 LOCAL:40 CONSTANT[0]:560 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_cuobjdump_resource_usage_is_read_per_function():
+    usage = tas.parse_resource_usage(CUOBJDUMP_TEXT)
+    assert usage == {
+        "chunk_gla_bwd_kernel_inter": {"REG": 255, "STACK": 1208, "SHARED": 0, "LOCAL": 0},
+        "k": {"REG": 22, "STACK": 0, "SHARED": 16, "LOCAL": 40},
+    }
+    assert tas.parse_resource_usage("cuobjdump info    : File 'x.cubin' does not contain device code\n") == {}
+
+
+def test_a_thread_needs_its_stack_frame_or_its_local_bytes_whichever_is_larger():
+    assert tas.local_bytes_per_thread({"REG": 255, "STACK": 1208, "LOCAL": 0}) == 1208
+    assert tas.local_bytes_per_thread({"REG": 22, "STACK": 0, "LOCAL": 40}) == 40
+    assert tas.local_bytes_per_thread({"REG": 22}) == 0
+
+
+def test_stack_times_resident_threads():
+    assert tas.RESIDENT_THREADS == 132 * 2048 == 270_336
+    assert tas.resident_gib(1024) == pytest.approx(1024 * 270_336 / 2**30)  # 0.264 GiB
+    assert tas.resident_gib(48) == pytest.approx(0.0121, abs=1e-4)
+    assert tas.bytes_per_thread_for(3.55) == pytest.approx(14_100, abs=1)
+    assert tas.resident_gib(round(tas.bytes_per_thread_for(3.55))) == pytest.approx(3.55, abs=1e-3)
+    assert tas.resident_gib(100, threads=10 * 2**30) == pytest.approx(1000)
+
+
+def test_config_label_shows_tuned_values_else_block_sizes():
+    tuned = {"BK": 64, "BV": 128, "num_warps": 4, "num_stages": 3, "num_ctas": 1}
+    assert tas.config_label({"BT": 64, "K": 256}, tuned, 4, 3) == "BK=64 BV=128 w4 s3"
+    assert tas.config_label({"BT": 64, "K": 256, "USE_G": True}, {}, 8, 2) == "BT=64 w8 s2"
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        tas.parse_args(["--out", "x.json", "--case", "no/such/case.yaml"])
+    assert exc.value.code == 2 and "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        tas.parse_args(["--out", "x.json", "--only", "("])
+    assert exc.value.code == 2 and "not a regular expression" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        tas.parse_args(["--out", "x.json", "--batch", "0"])
+    assert exc.value.code == 2
+
+
+def _keep_wide(configs, nargs, **kwargs):
+    return [c for c in configs if c.kwargs["BLOCK"] >= 1024]
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK": b}, num_warps=1) for b in (256, 1024, 8192)],
+    key=["n"], prune_configs_by={"early_config_prune": _keep_wide})
+@triton.jit
+def _double(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, x - tl.sum(x), mask=offs < n)
+
+
+def test_pruned_candidates_are_bound_compiled_and_never_run():
+    undo = tas.pretend_hopper()
+    interceptor = tas.Interceptor()
+    interceptor.install()
+    x = torch.arange(4096, dtype=torch.float32)
+    try:
+        _double[(1,)](x, 4096)
+    finally:
+        interceptor.remove()
+        undo()
+    assert torch.equal(x, torch.arange(4096, dtype=torch.float32))  # nothing ran
+    launches = sorted(interceptor.launches.values(), key=lambda x: x.tuned["BLOCK"])
+    assert [x.tuned["BLOCK"] for x in launches] == [1024, 8192]  # the pruned-away 256 is not launched
+    assert all(x.candidates == 2 and x.options["num_warps"] == 1 for x in launches)
+    assert launches[0].signature == {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    assert [x.constexprs for x in launches] == [{"BLOCK": 1024}, {"BLOCK": 8192}]
+    rows = tas.measure(launches)
+    assert all("error" not in r for r in rows), rows
+    narrow, wide = rows
+    assert narrow["config"] == "BLOCK=1024 w1 s3" and 0 < narrow["reg"] <= 255
+    # 8192 floats held by one warp (256 a thread) through a reduction cannot stay in registers: they spill
+    assert wide["stack"] > narrow["stack"] and wide["bytes_per_thread"] == max(wide["stack"], wide["local"])
+    assert wide["resident_gib"] == pytest.approx(tas.resident_gib(wide["bytes_per_thread"]), abs=1e-4)
