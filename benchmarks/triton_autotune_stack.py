@@ -23,8 +23,15 @@ are the ones the GPU run sees.
     python benchmarks/triton_autotune_stack.py --out stack.json
 
 Which candidate wins each autotuning is decided by timing on the GPU and is not known here. The
-compiler is this machine's Triton; the GPU hosts may run another release, whose register allocation
-and spills can differ. Exit codes: 0 measured, 1 a compile or the step failed, 2 bad input.
+compiler is the Triton that is imported (its PTX and its bundled ptxas); another release allocates
+registers and spills differently, and fla prunes some candidates by Triton version. To compile with
+the GPU hosts' release, install it into a folder and put that first on the path:
+
+    pip install --no-deps --target /tmp/triton-3.6 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6 python benchmarks/triton_autotune_stack.py --out stack-3.6.json
+
+The JSON's summary names the Triton release, the largest stack and each kernel's smallest and largest.
+Exit codes: 0 measured, 1 a compile or the step failed, 2 bad input.
 """
 
 from __future__ import annotations
@@ -180,8 +187,9 @@ class Interceptor:
 
         kwargs = dict(kwargs)  # the options JITFunction.run adds before binding
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # the second one from Triton 3.7
+            if hasattr(knobs.compilation, knob):
+                kwargs[knob] = getattr(knobs.compilation, knob)
         _, _, _, backend, binder = fn.device_caches[0]
         bound_args, specialization, _ = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, None)
@@ -339,6 +347,24 @@ def _jsonable(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
+def per_kernel(rows: list[dict]) -> dict[str, dict]:
+    """Each kernel's fewest and most bytes per thread over its compiled specializations. On a cold cache
+    the autotuner runs every candidate, so the driver keeps the most; on a warm one, only the winner's."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        k = out.setdefault(r["kernel"], {"specializations": 0, "autotuned": r["autotuned"],
+                                         "min_bytes_per_thread": r["bytes_per_thread"],
+                                         "max_bytes_per_thread": -1})
+        k["specializations"] += 1
+        k["min_bytes_per_thread"] = min(k["min_bytes_per_thread"], r["bytes_per_thread"])
+        if r["bytes_per_thread"] > k["max_bytes_per_thread"]:
+            k.update(max_bytes_per_thread=r["bytes_per_thread"], max_config=r["config"], max_reg=r["reg"],
+                     max_resident_gib=r["resident_gib"])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["max_bytes_per_thread"]))
+
+
 def table(rows: list[dict]) -> str:
     head = f"{'kernel':46} {'config':40} {'REG':>4} {'STACK':>6} {'LOCAL':>6} {'x 270,336 GiB':>14}"
     lines = [head, "-" * len(head)]
@@ -402,7 +428,12 @@ def main(argv=None) -> int:
                                                              "bytes_per_thread", "resident_gib")},
         "kernels": len({r["kernel"] for r in rows}), "specializations": len(rows),
         "failed": sum("error" in r for r in rows),
+        "per_kernel": per_kernel(rows),
     }
+    print(f"\n{'kernel':46} {'specs':>5} {'min B/thr':>9} {'max B/thr':>9}  max GiB  config of the max")
+    for name, k in summary["per_kernel"].items():
+        print(f"{name:46} {k['specializations']:>5} {k['min_bytes_per_thread']:>9} {k['max_bytes_per_thread']:>9} "
+              f"{k['max_resident_gib']:>8.3f}  {k['max_config']}")
     if top is not None:
         print(f"\nmax: {top['kernel']} [{top['config']}] {top['bytes_per_thread']} B/thread "
               f"x {RESIDENT_THREADS:,} = {top['resident_gib']:.3f} GiB "
