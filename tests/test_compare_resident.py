@@ -148,7 +148,13 @@ def test_resident_compare_refuses_more_than_one_case(capsys, tmp_path):
     assert "predates --resident (no harness/runtime/turns.py)" in capsys.readouterr().err
 
 
-def test_resident_compare_flags_a_slowed_arm_from_one_run_each(tmp_path, capsys, monkeypatch):
+def test_resident_compare_pairs_the_turns_of_one_run_per_arm(tmp_path, capsys, monkeypatch):
+    """Real tiny workers: each arm is one run (a warm-up step, then one step per turn), and each pair's
+    figures are its two turns'. Whether a CPU's noise lets two pairs call the slowdown significant is not
+    asserted (a loaded CI machine's steps vary by more than the delay); the verdicts' logic is tested with
+    a stand-in (test_throughput_checks.py) and the detection rate measured on a GPU (docs/baselines.md)."""
+    import statistics
+
     from harness.cli.main import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -156,13 +162,17 @@ def test_resident_compare_flags_a_slowed_arm_from_one_run_each(tmp_path, capsys,
     code = main(["compare", "-k", "003-qlora-fix-r16-seq512", "--fidelity", "tiny", "--base-python", sys.executable,
                  "--resident", "--repeats", "2", "--steps", "1", "--env", "HARNESS_INJECT_DELAY=0.5s",
                  "--json", str(out), "--out", str(runs)])
-    assert code == 1, capsys.readouterr()
     result = json.loads(out.read_text())
     rows = {r["metric"]: r for r in result["rows"]}
-    assert result["resident"] and rows["tokens_per_s"]["verdict"] == "worse" and rows["tokens_per_s"]["pairs"] == 2
+    assert code == (1 if any(r["verdict"] == "worse" for r in result["rows"]) else 0)
+    assert result["resident"] and rows["tokens_per_s"]["pairs"] == 2
     for arm in "AB":  # one run per arm, of the warm-up and both turns
         (entry,) = json.loads((runs / f"resident-{arm}.json").read_text())
         (rank,) = entry["run"]["ranks"]
-        assert len(rank["step_times_s"]) == 3
-        assert (rank["injected_delay"] == "0.5s") == (arm == "B")
+        steps = rank["step_times_s"]
+        assert len(steps) == 3 and (rank["injected_delay"] == "0.5s") == (arm == "B")
+        assert arm == "A" or min(steps) >= 0.5  # the delay is in every step of B's one run
+        # the arm's figure: the median over its turns (one step each) of each turn's rate
+        turns = [rank["tokens_per_step"] / t for t in steps[1:]]
+        assert rows["tokens_per_s"][arm.lower()] == pytest.approx(statistics.median(turns))
     assert "turns of one process per arm" in capsys.readouterr().out
