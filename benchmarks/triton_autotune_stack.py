@@ -6,7 +6,9 @@ explanation is CUDA local memory: when a kernel whose threads need N bytes of lo
 register spills) is launched, the driver sizes the context's local memory for N bytes x every thread the
 card can hold resident (132 SMs x 2048 threads = 270,336 on both cards) and keeps it. On a cold cache
 the autotuner launches every candidate config, spilling ones included; on a warm cache only the winner
-runs. 3.55 GiB / 270,336 threads would be ~14,100 bytes per thread.
+runs. 3.55 GiB / 270,336 threads would be ~14,100 bytes per thread. NVIDIA's description of the
+driver's figure adds a 512-byte syscall stack per thread and rounds up to 128 or 256 bytes; the table
+gives both the bare product and that one.
 
 This script looks for that number in the kernels themselves, without a GPU. It makes Triton and
 flash-linear-attention believe they run on an H100 (a stand-in Triton driver reporting sm_90 with
@@ -55,6 +57,8 @@ SMS = 132  # H100 SXM and H200
 THREADS_PER_SM = 2048
 RESIDENT_THREADS = SMS * THREADS_PER_SM  # 270,336
 GIB = 1024**3
+SYSCALL_STACK = 512  # bytes per thread the driver adds to a kernel's local size (NVIDIA developer forum)
+LMEM_GRANULE = 256
 HOPPER_SHARED_MEM = 232448  # bytes per block, opt-in (fla's Backend.HOPPER)
 HOPPER_NAME = "NVIDIA H100 80GB HBM3"
 
@@ -90,6 +94,14 @@ def local_bytes_per_thread(usage: dict[str, int]) -> int:
 def resident_gib(bytes_per_thread: int, threads: int = RESIDENT_THREADS) -> float:
     """What the driver reserves for `bytes_per_thread` of local memory on every resident thread, in GiB."""
     return bytes_per_thread * threads / GIB
+
+
+def driver_gib(bytes_per_thread: int, threads: int = RESIDENT_THREADS, syscall: int = SYSCALL_STACK,
+               granule: int = LMEM_GRANULE) -> float:
+    """The same with the driver's own additions as NVIDIA describes them: a syscall stack of 512 bytes per
+    thread and the sum rounded up to 128 or 256 bytes (here 256, the larger) before x resident threads."""
+    per_thread = -(-(bytes_per_thread + syscall) // granule) * granule
+    return per_thread * threads / GIB
 
 
 def bytes_per_thread_for(gib: float, threads: int = RESIDENT_THREADS) -> float:
@@ -335,7 +347,8 @@ def measure(launches: list[Launch]) -> list[dict]:
                 per_thread = local_bytes_per_thread(usage)
                 row.update(reg=usage.get("REG"), stack=usage.get("STACK"), local=usage.get("LOCAL"),
                            shared=usage.get("SHARED"), bytes_per_thread=per_thread,
-                           resident_gib=round(resident_gib(per_thread), 4))
+                           resident_gib=round(resident_gib(per_thread), 4),
+                           driver_gib=round(driver_gib(per_thread), 4))
             row["compile_s"] = round(time.time() - t0, 2)
             result = row.get("error") or f"REG {row['reg']} STACK {row['stack']} LOCAL {row['local']}"
             print(f"[{i}/{len(launches)}] {launch.kernel} {label}: {result}", file=sys.stderr, flush=True)
@@ -361,19 +374,20 @@ def per_kernel(rows: list[dict]) -> dict[str, dict]:
         k["min_bytes_per_thread"] = min(k["min_bytes_per_thread"], r["bytes_per_thread"])
         if r["bytes_per_thread"] > k["max_bytes_per_thread"]:
             k.update(max_bytes_per_thread=r["bytes_per_thread"], max_config=r["config"], max_reg=r["reg"],
-                     max_resident_gib=r["resident_gib"])
+                     max_resident_gib=r["resident_gib"], max_driver_gib=r["driver_gib"])
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["max_bytes_per_thread"]))
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'kernel':46} {'config':40} {'REG':>4} {'STACK':>6} {'LOCAL':>6} {'x 270,336 GiB':>14}"
+    head = (f"{'kernel':46} {'config':40} {'REG':>4} {'STACK':>6} {'LOCAL':>6} {'x 270,336 GiB':>14} "
+            f"{'+512, GiB':>9}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (-(r.get("bytes_per_thread") or 0), r["kernel"], r["config"])):
         if "error" in r:
             lines.append(f"{r['kernel']:46} {r['config']:40} compile failed: {r['error']}")
             continue
         lines.append(f"{r['kernel']:46} {r['config']:40} {r['reg']:>4} {r['stack']:>6} {r['local']:>6} "
-                     f"{r['resident_gib']:>14.3f}")
+                     f"{r['resident_gib']:>14.3f} {r['driver_gib']:>9.3f}")
     return "\n".join(lines)
 
 
@@ -425,7 +439,7 @@ def main(argv=None) -> int:
         "observed_gib": args.observed_gib,
         "observed_bytes_per_thread": round(bytes_per_thread_for(args.observed_gib)),
         "max": None if top is None else {k: top[k] for k in ("kernel", "config", "reg", "stack", "local",
-                                                             "bytes_per_thread", "resident_gib")},
+                                                             "bytes_per_thread", "resident_gib", "driver_gib")},
         "kernels": len({r["kernel"] for r in rows}), "specializations": len(rows),
         "failed": sum("error" in r for r in rows),
         "per_kernel": per_kernel(rows),
@@ -437,6 +451,7 @@ def main(argv=None) -> int:
     if top is not None:
         print(f"\nmax: {top['kernel']} [{top['config']}] {top['bytes_per_thread']} B/thread "
               f"x {RESIDENT_THREADS:,} = {top['resident_gib']:.3f} GiB "
+              f"({top['driver_gib']:.3f} GiB with the driver's 512 B syscall stack) "
               f"(observed {args.observed_gib} GiB = {summary['observed_bytes_per_thread']:,} B/thread)")
     Path(args.out).write_text(json.dumps({"step": step, "summary": summary, "rows": rows}, indent=1) + "\n")
     return 1 if summary["failed"] else 0

@@ -42,6 +42,10 @@ def test_stack_times_resident_threads():
     assert tas.bytes_per_thread_for(3.55) == pytest.approx(14_100, abs=1)
     assert tas.resident_gib(round(tas.bytes_per_thread_for(3.55))) == pytest.approx(3.55, abs=1e-3)
     assert tas.resident_gib(100, threads=10 * 2**30) == pytest.approx(1000)
+    # the driver adds a 512-byte syscall stack and rounds up to 256 bytes
+    assert tas.driver_gib(13288) == pytest.approx(13824 * 270_336 / 2**30)
+    assert tas.driver_gib(0) == pytest.approx(512 * 270_336 / 2**30)
+    assert tas.driver_gib(13312) == pytest.approx(tas.resident_gib(13312 + 512))  # already a multiple of 256
 
 
 def test_config_label_shows_tuned_values_else_block_sizes():
@@ -99,12 +103,13 @@ def test_pruned_candidates_are_bound_compiled_and_never_run():
     # 8192 floats held by one warp (256 a thread) through a reduction cannot stay in registers: they spill
     assert wide["stack"] > narrow["stack"] and wide["bytes_per_thread"] == max(wide["stack"], wide["local"])
     assert wide["resident_gib"] == pytest.approx(tas.resident_gib(wide["bytes_per_thread"]), abs=1e-4)
+    assert wide["driver_gib"] > wide["resident_gib"]
 
 
 def test_each_kernel_keeps_its_largest_candidate_and_failures_are_left_out():
     def row(kernel, config, stack, reg=255, autotuned=True):
         return {"kernel": kernel, "config": config, "autotuned": autotuned, "reg": reg, "stack": stack,
-                "bytes_per_thread": stack, "resident_gib": tas.resident_gib(stack)}
+                "bytes_per_thread": stack, "resident_gib": tas.resident_gib(stack), "driver_gib": tas.driver_gib(stack)}
 
     rows = [row("dv", "BK=32 BV=64 w8 s2", 0, reg=94), row("dv", "BK=64 BV=128 w2 s2", 13288, reg=32),
             row("dv", "BK=32 BV=128 w4 s2", 1872), row("norm", "BT=64 w4 s3", 40, autotuned=False),
@@ -113,5 +118,5 @@ def test_each_kernel_keeps_its_largest_candidate_and_failures_are_left_out():
     assert list(kernels) == ["dv", "norm"]  # largest first
     assert kernels["dv"] == {"specializations": 3, "autotuned": True, "min_bytes_per_thread": 0,
                              "max_bytes_per_thread": 13288, "max_config": "BK=64 BV=128 w2 s2", "max_reg": 32,
-                             "max_resident_gib": tas.resident_gib(13288)}
+                             "max_resident_gib": tas.resident_gib(13288), "max_driver_gib": tas.driver_gib(13288)}
     assert kernels["norm"]["specializations"] == 1 and kernels["norm"]["max_bytes_per_thread"] == 40
