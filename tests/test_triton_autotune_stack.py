@@ -2,6 +2,8 @@
 CPU: its parsing of cuobjdump, the stack x resident threads arithmetic, and its interception of launches
 (an autotuned kernel's pruned candidates bound and compiled, none run) are checked here."""
 
+import json
+
 import pytest
 import torch
 import triton
@@ -120,3 +122,19 @@ def test_each_kernel_keeps_its_largest_candidate_and_failures_are_left_out():
                              "max_bytes_per_thread": 13288, "max_config": "BK=64 BV=128 w2 s2", "max_reg": 32,
                              "max_resident_gib": tas.resident_gib(13288), "max_driver_gib": tas.driver_gib(13288)}
     assert kernels["norm"]["specializations"] == 1 and kernels["norm"]["max_bytes_per_thread"] == 40
+
+
+def test_the_observed_figure_is_the_cold_runs_extra_per_process_in_the_baselines(tmp_path):
+    """Cold less warm of (card peak / processes - reserved), over the finished runs of guide 004's cases."""
+    gib = 2**30
+    (tmp_path / "h200").mkdir()
+    runs = [{"outcome": "ok", "triton_cache": "cold", "per_card_peak": 8 * gib, "reserved_peak": 3 * gib},
+            {"outcome": "ok", "triton_cache": "warm", "per_card_peak": 4 * gib, "reserved_peak": 3 * gib},
+            {"outcome": "oom", "triton_cache": "cold", "per_card_peak": 20 * gib, "reserved_peak": 3 * gib}]
+    (tmp_path / "h200" / "004-gla-plan-c-1proc.json").write_text(
+        json.dumps({"case_id": "004-gla-plan-c-1proc", "runs": runs}))
+    two = [{"outcome": "ok", "triton_cache": "cold", "per_card_peak": 16 * gib, "reserved_peak": 4 * gib}]
+    (tmp_path / "h200" / "004-gla-plan-a-minimal.json").write_text(  # two processes per card
+        json.dumps({"case_id": "004-gla-plan-a-minimal", "runs": two}))
+    assert tas.cold_extra_from_baselines(tmp_path) == ((5 + 4) / 2 - 1)
+    assert tas.cold_extra_from_baselines(tmp_path / "none") is None
