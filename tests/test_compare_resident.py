@@ -175,4 +175,11 @@ def test_resident_compare_pairs_the_turns_of_one_run_per_arm(tmp_path, capsys, m
         # the arm's figure: the median over its turns (one step each) of each turn's rate
         turns = [rank["tokens_per_step"] / t for t in steps[1:]]
         assert rows["tokens_per_s"][arm.lower()] == pytest.approx(statistics.median(turns))
-    assert "turns of one process per arm" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "turns of one process per arm" in printed
+    from importlib.metadata import version
+
+    for key in "AB":  # what each arm ran on: this interpreter's libraries, on the CPU
+        assert result["arms"][key]["device_name"] == "cpu"
+        assert result["arms"][key]["versions"]["torch"] == version("torch")
+        assert f"torch {version('torch')}" in printed

@@ -170,7 +170,10 @@ def test_compare_flags_an_injected_slowdown_and_passes_a_clean_pair(tmp_path, st
                                                                                                          abs=0.01)
     assert rows["tokens_per_s"]["low"] < rows["tokens_per_s"]["change"] < rows["tokens_per_s"]["high"]
     assert rows["device_step_s"]["verdict"] == "worse" and rows["per_card_peak"]["verdict"] == "same"
-    assert "WORSE" in capsys.readouterr().out
+    arms = json.loads(out.read_text())["arms"]  # what each arm ran on, from its runs' records
+    assert arms["A"]["device_name"] == arms["B"]["device_name"] == "NVIDIA H200"
+    printed = capsys.readouterr().out
+    assert "WORSE" in printed and "A (base): NVIDIA H200" in printed and "B (this): NVIDIA H200" in printed
     assert main([*common, "--repeats", "2", "--json", str(out), "--force"]) == 0
     rows = {r["metric"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["tokens_per_s"]["verdict"] in ("same", "inconclusive")

@@ -228,6 +228,7 @@ def check_outputs(args) -> None:
 
 
 def run(args) -> int:
+    from harness.cli.compare_figures import described, provenance
     from harness.spec.files import write_atomic
 
     arm_a, arm_b = arms(args)
@@ -243,9 +244,11 @@ def run(args) -> int:
         folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
         folder.mkdir(parents=True, exist_ok=True)
         pairs = how(args, arm_a, arm_b, folder)
+        seen = {key: provenance(folder, key) for key in "AB"}
     else:
         with tempfile.TemporaryDirectory(prefix="oom-harness-compare-") as tmp:
             pairs = how(args, arm_a, arm_b, Path(tmp))
+            seen = {key: provenance(Path(tmp), key) for key in "AB"}
     rows = summarise(pairs, args.threshold)
     if not rows:
         print("compare: no case finished in both arms; see each run's log (--out keeps them)", file=sys.stderr)
@@ -254,7 +257,9 @@ def run(args) -> int:
     print(f"{args.repeats} pairs, {kind}; worse/better: beyond {args.threshold:.0%} and "
           "a paired t test at p < 0.05; same: the interval lies within the threshold\n")
     print(table(rows))
+    print(f"\nA (base): {described(seen['A'])}\nB (this): {described(seen['B'])}")
     if args.json:
-        write_atomic(Path(args.json), json.dumps({"threshold": args.threshold, "repeats": args.repeats,
-                                                  "resident": args.resident, "rows": rows}, indent=1) + "\n")
+        result = {"threshold": args.threshold, "repeats": args.repeats, "resident": args.resident, "arms": seen,
+                  "rows": rows}
+        write_atomic(Path(args.json), json.dumps(result, indent=1) + "\n")
     return 1 if any(r["verdict"] == "worse" for r in rows) else 0

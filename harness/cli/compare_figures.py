@@ -27,3 +27,26 @@ def figures(run) -> tuple[str, dict[str, float]]:
               "wall_step_s": max(walls, default=None),
               "per_card_peak": run.per_card_peak(procs)}
     return name, {k: float(v) for k, v in values.items() if v}
+
+
+def provenance(folder: Path, key: str) -> dict | None:
+    """What arm `key` ("A" or "B") ran on, from its first finished run in a compare's folder: the card, the
+    host's CPU and threads, and the library versions its worker recorded. None where it finished none."""
+    for name in (f"pair1-{key}.json", f"resident-{key}.json"):
+        path = folder / name
+        runs = finished_runs(path) if path.is_file() else []
+        if runs and runs[0].ranks:
+            rank = runs[0].ranks[0]
+            return {"device_name": rank.device_name, "host_cpu": rank.host_cpu, "cpu_threads": rank.cpu_threads,
+                    "versions": dict(rank.versions)}
+    return None
+
+
+def described(seen: dict | None) -> str:
+    """One line of what an arm ran on: its card and the versions that an upgrade changes."""
+    if seen is None:
+        return "no finished run"
+    versions = seen.get("versions") or {}
+    libraries = ", ".join(f"{name} {versions[name]}" for name in ("torch", "transformers", "peft", "deepspeed",
+                                                                  "llamafactory", "cuda", "driver") if name in versions)
+    return f"{seen.get('device_name')}, {libraries}"
