@@ -52,11 +52,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.predict.constants import SMS, THREADS_PER_SM  # noqa: E402  (an H100 SXM's and an H200's)
+from harness.spec.units import GIB  # noqa: E402
+
 DEFAULT_CASE = str(ROOT / "cases" / "004-gla-plan-c-1proc.yaml")
-SMS = 132  # H100 SXM and H200
-THREADS_PER_SM = 2048
 RESIDENT_THREADS = SMS * THREADS_PER_SM  # 270,336
-GIB = 1024**3
 SYSCALL_STACK = 512  # bytes per thread the driver adds to a kernel's local size (NVIDIA developer forum)
 LMEM_GRANULE = 256
 HOPPER_SHARED_MEM = 232448  # bytes per block, opt-in (fla's Backend.HOPPER)
