@@ -20,6 +20,7 @@ on the card, the two arms training in turns: the same pairs and statistics witho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -150,10 +151,12 @@ def _run_arm(arm: Arm, args, folder: Path, label: str) -> dict[str, dict[str, fl
     print(f"compare: {label}: {arm.name}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=arm.env, cwd=arm.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, stdin=subprocess.DEVNULL)
-    (folder / f"{label}.log").write_text(proc.stdout)
+    log = folder / f"{label}.log"
+    log.write_text(proc.stdout)
     if proc.returncode not in (0, 1) or not json_path.is_file():  # 1: a case failed its verdicts, still measured
-        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
-        raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} in {label} ({tail[:300]})",
+        from harness.cli.compare_figures import log_tail
+
+        raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} in {label} ({log_tail(log)})",
                          f"run `{' '.join(cmd)}` to see why")
     return _figures(json_path)
 
@@ -240,15 +243,14 @@ def run(args) -> int:
         check_resident(args)
     else:
         how = measure
-    if args.out:
-        folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
-        folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if args.out:
+            folder = Path(args.out).resolve()  # arm A may run in the base checkout's folder
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="oom-harness-compare-")))
         pairs = how(args, arm_a, arm_b, folder)
         seen = {key: provenance(folder, key) for key in "AB"}
-    else:
-        with tempfile.TemporaryDirectory(prefix="oom-harness-compare-") as tmp:
-            pairs = how(args, arm_a, arm_b, Path(tmp))
-            seen = {key: provenance(Path(tmp), key) for key in "AB"}
     rows = summarise(pairs, args.threshold)
     if not rows:
         print("compare: no case finished in both arms; see each run's log (--out keeps them)", file=sys.stderr)

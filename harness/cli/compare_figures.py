@@ -8,6 +8,14 @@ import statistics
 from pathlib import Path
 
 
+def log_tail(log: Path, lines: int = 3) -> str:
+    """The last lines of an arm's log, as one line for an error message."""
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[:300]
+    except OSError:
+        return ""
+
+
 def finished_runs(json_path: Path) -> list:
     """The finished runs (`CaseRun`) of a `run --json` file."""
     from harness.measure.records import CaseRun

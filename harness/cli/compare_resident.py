@@ -83,13 +83,6 @@ def _card_locks(fidelity: str) -> tuple[dict[str, str], tuple[int, ...]]:
     return card_lock.pass_down()
 
 
-def _tail(log: Path, lines: int = 3) -> str:
-    try:
-        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[:300]
-    except OSError:
-        return ""
-
-
 def _stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -105,7 +98,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def measure_resident(args, arm_a, arm_b, folder: Path) -> list[tuple[dict, dict]]:
     """`args.repeats` pairs of turns of one run per arm: [(A's figures, B's figures), ...]."""
-    from harness.cli.compare_figures import figures, finished_runs
+    from harness.cli.compare_figures import figures, finished_runs, log_tail
     from harness.runtime import turns
 
     burst = args.steps or DEFAULT_BURST
@@ -130,12 +123,12 @@ def measure_resident(args, arm_a, arm_b, folder: Path) -> list[tuple[dict, dict]
 
         def exited(i: int) -> str | None:
             code = procs[i].poll()
-            return None if code is None else f"its run exited {code} ({_tail(logs[i])})"
+            return None if code is None else f"its run exited {code} ({log_tail(logs[i])})"
 
         turns.conduct(gates, WARMUP, burst, args.repeats, exited)
         for (_key, arm), proc, log in zip(sides, procs, logs, strict=True):
             if proc.wait() not in (0, 1):  # 1: a case failed its verdicts, still measured
-                raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} ({_tail(log)})",
+                raise InputError(None, None, f"arm {arm.name} exited {proc.returncode} ({log_tail(log)})",
                                  f"see {log}")
     except turns.TurnsError as exc:
         raise InputError(None, None, str(exc), "see the arm's log (--out keeps it): an arm ends before its turns "
@@ -147,7 +140,7 @@ def measure_resident(args, arm_a, arm_b, folder: Path) -> list[tuple[dict, dict]
     for (_key, arm), path, log in zip(sides, jsons, logs, strict=True):
         runs = finished_runs(path) if path.is_file() else []
         if len(runs) != 1:
-            raise InputError(None, None, f"arm {arm.name} finished {len(runs)} runs, not one ({_tail(log)})",
+            raise InputError(None, None, f"arm {arm.name} finished {len(runs)} runs, not one ({log_tail(log)})",
                              f"see {log}")
         per_arm.append(runs[0])
     pairs = []
