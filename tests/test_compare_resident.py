@@ -82,7 +82,7 @@ def test_an_arm_that_ends_before_its_turn_stops_the_compare(tmp_path):
 def test_a_waiting_worker_stops_once_its_compare_has_exited(tmp_path, monkeypatch):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (tmp_path / "plan.json").write_text(json.dumps({"gates": [0], "conductor": gone.pid}))
+    (tmp_path / "plan.json").write_text(json.dumps({"gates": [0], "conductor": f"{gone.pid}:0.0"}))
     monkeypatch.setenv(turns.TURNS_ENV, str(tmp_path))
     gate = turns.Turns.from_env(0, 0, 1)
     started = time.monotonic()

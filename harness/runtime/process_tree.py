@@ -47,7 +47,8 @@ def owner() -> str:
     return f"{me.pid}:{me.create_time()}"
 
 
-def _alive(owner_text: str) -> bool:
+def alive(owner_text: str) -> bool:
+    """Whether the process `owner()` named is still running (not a later process given its pid)."""
     pid, _, started = owner_text.partition(":")
     try:
         return psutil.Process(int(pid)).create_time() == float(started)
@@ -63,7 +64,7 @@ def exit_with_owner(interval_s: float = 1.0, owner_text: str | None = None) -> t
         return None
 
     def watch():
-        while _alive(owner_text):
+        while alive(owner_text):
             time.sleep(interval_s)
         print(f"[harness] the harness process {owner_text.partition(':')[0]} that launched this one is gone: "
               "exiting, so the card is free for the next run", file=sys.stderr, flush=True)

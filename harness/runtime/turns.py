@@ -11,7 +11,8 @@ through `oom-harness run` and the launcher):
 
 * `plan.json` (the conductor's): the step counts at which the workers stop (`gates`: 0 before the first
   step, after the warm-up, after each burst, and after the last step, before the probes) and the
-  conductor's pid;
+  conductor (its pid and start time, `harness.runtime.process_tree.owner`, so a later process given the
+  pid is not taken for it);
 * `at-rank<R>-slot<S>` (each worker's): `{"step": s, "of": n}`: it has stopped before step `s` (0-based,
   the steps done), one of the `n` processes of the run;
 * `go` (the conductor's): a step count; a worker stopped at `s` goes on while `go` is above it.
@@ -47,23 +48,13 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that pid: alive
-        return True
-    return True
-
-
 @dataclass
 class Turns:
     """A worker's side: stop at the plan's gates until the conductor says go."""
 
     folder: Path
     gates: frozenset[int]
-    conductor: int
+    conductor: str  # the compare's process, as harness.runtime.process_tree.owner() names it
     name: str  # rank<R>-slot<S>
     processes: int  # of the run: every one stops at each gate
 
@@ -76,7 +67,7 @@ class Turns:
         path = Path(folder)
         try:
             plan = json.loads((path / "plan.json").read_text())
-            gates, conductor = frozenset(int(g) for g in plan["gates"]), int(plan["conductor"])
+            gates, conductor = frozenset(int(g) for g in plan["gates"]), str(plan["conductor"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise TurnsError(f"{TURNS_ENV}={folder}: no readable plan.json ({exc}); it is set by "
                              "`oom-harness compare --resident` for its arms, unset it otherwise") from None
@@ -86,6 +77,7 @@ class Turns:
         """Called before each step (`done` steps so far) and once after the last: wait here at a gate."""
         if done not in self.gates:
             return
+        from harness.runtime.process_tree import alive
         from harness.spec.files import write_atomic
 
         write_atomic(self.folder / f"at-{self.name}", json.dumps({"step": done, "of": self.processes}))
@@ -95,8 +87,9 @@ class Turns:
             time.sleep(POLL_S)
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
-                if not _alive(self.conductor):
-                    raise TurnsError(f"the compare (pid {self.conductor}) that set this run's turns exited while "
+                if not alive(self.conductor):
+                    raise TurnsError(f"the compare (pid {self.conductor.partition(':')[0]}) that set this run's "
+                                     f"turns exited while "
                                      f"it waited before step {done + 1}")
         _meet()
 
@@ -118,13 +111,14 @@ class Arm:
     folder: Path
 
     def plan(self, gates: list[int]) -> None:
+        from harness.runtime.process_tree import owner
         from harness.spec.files import write_atomic
 
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob("at-*"):
             stale.unlink()
         write_atomic(self.folder / "go", "0")
-        write_atomic(self.folder / "plan.json", json.dumps({"gates": sorted(gates), "conductor": os.getpid()}))
+        write_atomic(self.folder / "plan.json", json.dumps({"gates": sorted(gates), "conductor": owner()}))
 
     def stopped_at(self, step: int) -> bool:
         """Whether every process of the arm's run has stopped before `step`."""
