@@ -32,8 +32,8 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes", "flash-linear-attention", "accelerate",
-                 "llamafactory", "liger-kernel", "trl"):
+    for name in ("torch", "triton", "transformers", "peft", "deepspeed", "bitsandbytes", "flash-linear-attention",
+                 "accelerate", "llamafactory", "liger-kernel", "trl"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
