@@ -1,7 +1,8 @@
 """Build step: the wheel carries the bundled suite (cases, baselines, example configs) as package data.
 
 It also carries the predictor's benchmark errors (results/predictor/, the margins), the device
-probe records (results/device/, where any were measured), and the architecture benchmark and fit's
+probe records (results/device/, where any were measured), the surveys of Triton kernels' local memory
+(results/triton-kernels/), and the architecture benchmark and fit's
 verified configs the errors are also drawn from (benchmarks/architectures/ and results/architectures/,
 benchmarks/fitted/cases/ and results/fitted/).
 
@@ -20,10 +21,12 @@ HERE = Path(__file__).resolve().parent
 # what the wheel carries, relative to the checkout; harness.spec.suite reads it back from harness/_bundled/
 SHIPPED = {"cases": "*.yaml", "results/baselines": "*/*.json", "configs/examples": "*",
            "results/predictor": "*.json"}
-# device probe records (harness.runtime.device_probe), where measured; the architecture benchmark and fit's
+# device probe records (harness.runtime.device_probe), where measured; surveys of Triton kernels
+# (harness.predict.local_memory); the architecture benchmark and fit's
 # verified configs, whose errors the margins also draw on (results/predictor/errors.json records their digest)
-OPTIONAL = {"results/device": "*.json", "results/architectures/baselines": "*/*.json",
-            "benchmarks/architectures/cases": "*.yaml", "benchmarks/architectures/models": "*/config.json",
+OPTIONAL = {"results/device": "*.json", "results/triton-kernels": "*.json",
+            "results/architectures/baselines": "*/*.json", "benchmarks/architectures/cases": "*.yaml",
+            "benchmarks/architectures/models": "*/config.json",
             "results/fitted/baselines": "*/*.json", "benchmarks/fitted/cases": "*.yaml"}
 
 

@@ -95,7 +95,9 @@ def test_the_predictors_device_overhead_is_fitted_on_warm_runs_only(tmp_path):
     assert cal.used["device_overhead"] == ["004-gla-plan-c-1proc"]
 
 
-def test_a_cold_gla_case_is_predicted_with_what_compiling_held_on_measured_cold_runs():
+def test_a_cold_gla_case_on_no_named_card_is_predicted_with_what_measured_cold_runs_held():
+    """No card, no compute layout to size the kernels' local memory on: the cold runs' figure stands in
+    (tests/test_local_memory.py has the surveyed term)."""
     from harness.predict.predictor import predict
 
     cold = load_case(FAILING_GLA)
@@ -103,7 +105,8 @@ def test_a_cold_gla_case_is_predicted_with_what_compiling_held_on_measured_cold_
     p_cold, p_warm = predict(cold, exclude={cold.id}), predict(warm, exclude={cold.id})
     extra = p_cold.terms["triton_cold_compile"]
     assert extra > 1 * GIB  # results/ holds cold runs of guide 004 (2.7-3.6 GiB beyond a warm process)
-    assert p_cold.device == p_warm.device + extra and "triton_cold_compile" not in p_warm.terms
+    buffer = p_cold.terms["triton_autotune_buffer"]  # the autotuner's, through the allocator
+    assert p_cold.device == p_warm.device + extra + buffer and "triton_cold_compile" not in p_warm.terms
     # two such processes no longer fit the 23.52 GiB card, as the cold H100 run found
     assert 2 * p_cold.device > cold.budget_bytes >= 2 * p_warm.device
 

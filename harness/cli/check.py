@@ -54,7 +54,8 @@ def add_job_arguments(parser) -> None:
                                         "(replaces model_name_or_path)")
     parser.add_argument("--stack", choices=[s.value for s in Stack], help="the training stack (see README)")
     parser.add_argument("--script", help="the training script, scanned for building the model before DeepSpeed")
-    parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines")
+    parser.add_argument("--platform", help="calibrate the prediction on this platform's baselines (e.g. "
+                                           "nvidia-h200-x1); its card also sizes a cold Triton cache's local memory")
     parser.add_argument("--triton-cache", choices=list(TRITON_CACHES),
                         help="Triton kernels (flash-linear-attention models) compiled at the start (cold: a job's "
                              "first launch on a host, the default for a training config) or loaded (warm)")

@@ -94,6 +94,26 @@ WARMUP_MIN_NEW = 1.5 * GiB
 SMS = 132  # streaming multiprocessors of an H100 SXM and of an H200
 THREADS_PER_SM = 2048  # resident threads per multiprocessor, compute capability 9.0
 
+# --- copied: CUDA's local memory (the CUDA runtime's cudaLimitStackSize; NVIDIA's description of the driver) --
+
+# The driver sizes a context's local memory for the most any launched kernel needs per thread, times every
+# thread the card keeps resident, and keeps it (`harness.predict.local_memory`). Each thread's figure is the
+# kernel's stack frame plus a syscall stack, rounded up; at the start it is the default stack limit's.
+CUDA_DEFAULT_STACK = 1024  # cudaLimitStackSize's default, bytes per thread
+CUDA_SYSCALL_STACK = 512  # bytes per thread the driver adds to a kernel's own (assumed: NVIDIA's forum)
+CUDA_LOCAL_GRANULE = 256  # the per-thread figure is rounded up to this (assumed: NVIDIA's forum says 128 or 256)
+# A survey of a step's Triton kernels (`harness.predict.triton_kernels`) runs it at two sequences, so that no
+# batch-sized argument is specialized as 1. Not a figure of any run: the kernels' block sizes and head
+# dimensions, which set their stacks, do not depend on the batch (GLA at 512 tokens: 1, 2 and 4 compile the
+# same 408 candidates, the same largest stack).
+SURVEY_BATCH = 2
+
+# --- copied: Triton's autotuner (triton/backends/nvidia/driver.py get_empty_cache_for_benchmark, Triton 3.6-3.9) -
+
+# `do_bench` clears the L2 cache between timings by writing a buffer it takes with torch.empty on the device,
+# through PyTorch's caching allocator, and drops after each tuning: only on a cold cache, where tunings run
+TRITON_BENCH_BUFFER = 256 * MiB
+
 # --- copied: cuDNN attention's admission rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch 2.11) --
 
 CUDNN_MAX_BATCH_OR_HEADS = 65535  # check_cudnn_tensor_shapes: batch and heads at most this

@@ -248,7 +248,8 @@ def _worst_text(worst: ErrorRecord) -> str | None:
 
 def source_files(root: Path = ROOT) -> list[Path]:
     """What the error table depends on: the baselines, the cases (the bundled suite's, the architecture
-    benchmark's with its models, and fit's verified configs'), the device records, the predictor's code."""
+    benchmark's with its models, and fit's verified configs'), the device records, the surveys of Triton
+    kernels, the cards' compute layouts, the predictor's code."""
     files = sorted((root / "results" / "baselines").glob("*/*.json"))
     files += sorted((root / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "architectures" / "baselines").glob("*/*.json"))
@@ -257,6 +258,8 @@ def source_files(root: Path = ROOT) -> list[Path]:
     files += sorted((root / "results" / "fitted" / "baselines").glob("*/*.json"))
     files += sorted((root / "benchmarks" / "fitted" / "cases").glob("*.yaml"))
     files += sorted((root / "results" / "device").glob("*.json"))
+    files += sorted((root / "results" / "triton-kernels").glob("*.json"))
+    files += [root / "harness" / "measure" / "cards.json"]
     # the package and its subpackages (trace/, allocator/, zero2/, zero3/); `reference/` holds other tools' estimates
     files += sorted(p for p in PREDICTOR_CODE.rglob("*.py")
                     if p.name not in _NOT_PREDICTOR and "reference" not in p.relative_to(PREDICTOR_CODE).parts)

@@ -28,7 +28,8 @@ in `Prediction.stages` with the method that sized it and its figures (`oom-harne
    gather stream's, the fp32 gradient segment, the reduce stream's pool).
 6. device (`harness.predict.device`): reserved + what the process holds beside the allocator (the device
    probe's parts where a record of the platform exists, else the fitted device_overhead, + DeepSpeed's), +
-   triton_cold_overhead for fla on a cold Triton cache.
+   for fla on a cold Triton cache the local memory its spilling autotune candidates grow
+   (`harness.predict.local_memory`; the fitted triton_cold_overhead where no survey of its kernels exists).
 7. host_ram (whole job on one node): per process an assumed base (torch + CUDA libraries), each dataloader
    worker, plus offloaded optimizer state and parameters (pinned: each partition rounded up to a power of
    two, as torch's pinned host allocator does). Not fitted.
@@ -41,6 +42,7 @@ For `launch.procs_per_card > 1` every figure is per process; the caller multipli
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -52,6 +54,7 @@ from harness.predict.constants import HOST_PER_WORKER, HOST_PROCESS_BASE, PRIORS
 from harness.predict.device import overhead as device_overhead
 from harness.predict.dispatch import route_for
 from harness.predict.job import Job, Stage
+from harness.predict.local_memory import ColdLocalMemory, cold_local_memory
 from harness.predict.margin import Margin, margin_for
 from harness.predict.reserved import reserved
 from harness.predict.trace.trace import TraceSpec
@@ -149,21 +152,30 @@ def _device(job: Job, cal: Calibration, values: dict[str, float], platform: str 
     job.terms.update(beside.terms)
     fla = job.arch.uses_triton_kernels
     if fla and case.launch.triton_cache == "cold":
-        cold = cal.values.get("triton_cold_overhead")
-        if cold is None:
-            notes.append("fla/Triton on a cold cache: no cold run measured to fit what compiling adds; not included")
-            job.missing.append("what compiling and autotuning flash-linear-attention's kernels holds on a cold "
-                               "Triton cache (GiBs per process, outside the allocator; no baseline it is calibrated "
-                               "on ran on a cold cache): bless a run of a case with `launch.triton_cache: cold`, or "
-                               "judge the job on a warm cache (--triton-cache warm)")
-        else:
+        local = cold_local_memory(case, job.arch.config, platform, announce=_say)
+        if isinstance(local, ColdLocalMemory):
+            overhead += local.bytes
+            job.terms["triton_cold_local_memory"] = local.bytes
+            notes.append(local.note())
+        elif (cold := cal.values.get("triton_cold_overhead")) is not None:
             overhead += int(cold)
             job.terms["triton_cold_compile"] = int(cold)
+            notes.append(f"cold Triton cache: the kernels' local memory is not known ({local.reason}); what the "
+                         "recorded cold runs held beyond warm ones stands in")
+        else:
+            notes.append(f"cold Triton cache: not included ({local.reason}; and no cold run was measured)")
+            job.missing.append("what compiling and autotuning flash-linear-attention's kernels holds on a cold "
+                               f"Triton cache (GiBs per process, outside the allocator): {local.reason}; or judge "
+                               "the job on a warm cache (--triton-cache warm)")
     elif fla:
         notes.append("fla/Triton: predicted on a warm kernel cache; a cold one adds GiBs outside the allocator "
                      "during the first step (launch.triton_cache: cold predicts that)")
     job.record("device", job.route.device, device=reserve + overhead, reserved=reserve, beside_allocator=overhead)
     return reserve + overhead
+
+
+def _say(line: str) -> None:
+    print(f"oom-harness: {line}", file=sys.stderr, flush=True)
 
 
 def _host(job: Job, t: Traced) -> int:

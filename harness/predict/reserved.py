@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from harness.predict.allocated import Allocated
 from harness.predict.allocator.stream import RunShape, StreamError, start_states
 from harness.predict.calibration import largest_gather_bytes
-from harness.predict.constants import GiB
+from harness.predict.constants import TRITON_BENCH_BUFFER, GiB, MiB
 from harness.predict.dispatch import alloc_conf
 from harness.predict.job import Job
 from harness.predict.trace.trace import extrapolate, simulated_run
@@ -47,6 +47,12 @@ def reserved(job: Job, t: Traced, a: Allocated, values: dict[str, float]) -> Res
     (or ZeRO-3's parts), and says so."""
     method = job.route.reserved
     r, used = METHODS[method](job, t, a, values)
+    if job.arch.uses_triton_kernels and job.case.launch.triton_cache == "cold":
+        r = Reserved(r.reserved + TRITON_BENCH_BUFFER, r.beyond_allocated + TRITON_BENCH_BUFFER)
+        job.terms["triton_autotune_buffer"] = TRITON_BENCH_BUFFER
+        job.notes.append(f"reserved: + {TRITON_BENCH_BUFFER // MiB} MiB on a cold Triton cache, the buffer Triton's "
+                         "autotuner takes through the allocator to clear the L2 cache between its timings, held "
+                         "beside the step's pool (assumed from what the recorded cold runs reserve beyond warm ones)")
     job.record("reserved", used, reserved=r.reserved, by_ratio=int(a.peak * values["reserved_over_allocated"]),
                beyond_allocated=r.beyond_allocated)
     return r

@@ -112,7 +112,8 @@ def test_a_built_wheel_carries_the_bundled_suite_and_the_package_data(tmp_path, 
     inside = set(zipfile.ZipFile(wheel).namelist())
     bundled = {
         f"harness/_bundled/{p.relative_to(ROOT)}"
-        for pattern in ("cases/*.yaml", "results/baselines/*/*.json", "configs/examples/*")
+        for pattern in ("cases/*.yaml", "results/baselines/*/*.json", "configs/examples/*",
+                        "results/triton-kernels/*.json")
         for p in ROOT.glob(pattern)
     }
     assert len(bundled) > 60 and bundled <= inside

@@ -1,6 +1,6 @@
-"""benchmarks/triton_autotune_stack.py reads each Triton kernel's per-thread stack from sm_90 cubins built on a
-CPU: its parsing of cuobjdump, the stack x resident threads arithmetic, and its interception of launches
-(an autotuned kernel's pruned candidates bound and compiled, none run) are checked here."""
+"""harness.predict.triton_kernels reads each Triton kernel's per-thread stack from sm_90 cubins built on a CPU:
+its parsing of cuobjdump, its interception of launches (an autotuned kernel's pruned candidates bound and
+compiled, none run) and its survey; and the benchmark that prints it against the recorded cold runs."""
 
 import json
 
@@ -10,6 +10,9 @@ import triton
 import triton.language as tl
 
 from benchmarks import triton_autotune_stack as tas
+from harness.predict import triton_kernels as tk
+
+HOPPER = tk.Target(sm=90, sms=132, shared_per_block=232448, name="NVIDIA H100 80GB HBM3")
 
 CUOBJDUMP_TEXT = """
 Resource usage:
@@ -23,37 +26,31 @@ Resource usage:
 
 
 def test_cuobjdump_resource_usage_is_read_per_function():
-    usage = tas.parse_resource_usage(CUOBJDUMP_TEXT)
+    usage = tk.parse_resource_usage(CUOBJDUMP_TEXT)
     assert usage == {
         "chunk_gla_bwd_kernel_inter": {"REG": 255, "STACK": 1208, "SHARED": 0, "LOCAL": 0},
         "k": {"REG": 22, "STACK": 0, "SHARED": 16, "LOCAL": 40},
     }
-    assert tas.parse_resource_usage("cuobjdump info    : File 'x.cubin' does not contain device code\n") == {}
+    assert tk.parse_resource_usage("cuobjdump info    : File 'x.cubin' does not contain device code\n") == {}
 
 
 def test_a_thread_needs_its_stack_frame_or_its_local_bytes_whichever_is_larger():
-    assert tas.local_bytes_per_thread({"REG": 255, "STACK": 1208, "LOCAL": 0}) == 1208
-    assert tas.local_bytes_per_thread({"REG": 22, "STACK": 0, "LOCAL": 40}) == 40
-    assert tas.local_bytes_per_thread({"REG": 22}) == 0
+    assert tk.local_bytes_per_thread({"REG": 255, "STACK": 1208, "LOCAL": 0}) == 1208
+    assert tk.local_bytes_per_thread({"REG": 22, "STACK": 0, "LOCAL": 40}) == 40
+    assert tk.local_bytes_per_thread({"REG": 22}) == 0
 
 
-def test_stack_times_resident_threads():
-    assert tas.RESIDENT_THREADS == 132 * 2048 == 270_336
-    assert tas.resident_gib(1024) == pytest.approx(1024 * 270_336 / 2**30)  # 0.264 GiB
-    assert tas.resident_gib(48) == pytest.approx(0.0121, abs=1e-4)
-    assert tas.bytes_per_thread_for(3.55) == pytest.approx(14_100, abs=1)
-    assert tas.resident_gib(round(tas.bytes_per_thread_for(3.55))) == pytest.approx(3.55, abs=1e-3)
-    assert tas.resident_gib(100, threads=10 * 2**30) == pytest.approx(1000)
-    # the driver adds a 512-byte syscall stack and rounds up to 256 bytes
-    assert tas.driver_gib(13288) == pytest.approx(13824 * 270_336 / 2**30)
-    assert tas.driver_gib(0) == pytest.approx(512 * 270_336 / 2**30)
-    assert tas.driver_gib(13312) == pytest.approx(tas.resident_gib(13312 + 512))  # already a multiple of 256
+def test_the_benchmark_converts_between_bytes_a_thread_and_gib():
+    threads = 132 * 2048
+    assert tas.resident_gib(1024, threads) == pytest.approx(1024 * 270_336 / 2**30)  # 0.264 GiB
+    assert tas.bytes_per_thread_for(3.55, threads) == pytest.approx(14_100, abs=1)
+    assert tas.resident_gib(round(tas.bytes_per_thread_for(3.55, threads)), threads) == pytest.approx(3.55, abs=1e-3)
 
 
 def test_config_label_shows_tuned_values_else_block_sizes():
     tuned = {"BK": 64, "BV": 128, "num_warps": 4, "num_stages": 3, "num_ctas": 1}
-    assert tas.config_label({"BT": 64, "K": 256}, tuned, 4, 3) == "BK=64 BV=128 w4 s3"
-    assert tas.config_label({"BT": 64, "K": 256, "USE_G": True}, {}, 8, 2) == "BT=64 w8 s2"
+    assert tk.config_label({"BT": 64, "K": 256}, tuned, 4, 3) == "BK=64 BV=128 w4 s3"
+    assert tk.config_label({"BT": 64, "K": 256, "USE_G": True}, {}, 8, 2) == "BT=64 w8 s2"
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -66,6 +63,12 @@ def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         tas.parse_args(["--out", "x.json", "--batch", "0"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        tas.parse_args(["--out", "x.json", "--platform", "rtx-4090-x1"])
+    assert exc.value.code == 2 and "cards.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        tas.parse_args(["--out", "x.json", "--save", "--only", "dv"])
+    assert exc.value.code == 2 and "--save" in capsys.readouterr().err
 
 
 def _keep_wide(configs, nargs, **kwargs):
@@ -83,8 +86,8 @@ def _double(x_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_pruned_candidates_are_bound_compiled_and_never_run():
-    undo = tas.pretend_hopper()
-    interceptor = tas.Interceptor()
+    undo = tk.pretend(HOPPER)
+    interceptor = tk.Interceptor()
     interceptor.install()
     x = torch.arange(4096, dtype=torch.float32)
     try:
@@ -98,29 +101,26 @@ def test_pruned_candidates_are_bound_compiled_and_never_run():
     assert all(x.candidates == 2 and x.options["num_warps"] == 1 for x in launches)
     assert launches[0].signature == {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
     assert [x.constexprs for x in launches] == [{"BLOCK": 1024}, {"BLOCK": 8192}]
-    rows = tas.measure(launches)
+    rows = tk.compile_all(launches, sm=90)
     assert all("error" not in r for r in rows), rows
     narrow, wide = rows
     assert narrow["config"] == "BLOCK=1024 w1 s3" and 0 < narrow["reg"] <= 255
     # 8192 floats held by one warp (256 a thread) through a reduction cannot stay in registers: they spill
     assert wide["stack"] > narrow["stack"] and wide["bytes_per_thread"] == max(wide["stack"], wide["local"])
-    assert wide["resident_gib"] == pytest.approx(tas.resident_gib(wide["bytes_per_thread"]), abs=1e-4)
-    assert wide["driver_gib"] > wide["resident_gib"]
 
 
 def test_each_kernel_keeps_its_largest_candidate_and_failures_are_left_out():
     def row(kernel, config, stack, reg=255, autotuned=True):
         return {"kernel": kernel, "config": config, "autotuned": autotuned, "reg": reg, "stack": stack,
-                "bytes_per_thread": stack, "resident_gib": tas.resident_gib(stack), "driver_gib": tas.driver_gib(stack)}
+                "bytes_per_thread": stack}
 
     rows = [row("dv", "BK=32 BV=64 w8 s2", 0, reg=94), row("dv", "BK=64 BV=128 w2 s2", 13288, reg=32),
             row("dv", "BK=32 BV=128 w4 s2", 1872), row("norm", "BT=64 w4 s3", 40, autotuned=False),
             {"kernel": "dv", "config": "BK=64 BV=128 w1 s2", "autotuned": True, "error": "PTXASError: x"}]
-    kernels = tas.per_kernel(rows)
+    kernels = tk.per_kernel(rows)
     assert list(kernels) == ["dv", "norm"]  # largest first
     assert kernels["dv"] == {"specializations": 3, "autotuned": True, "min_bytes_per_thread": 0,
-                             "max_bytes_per_thread": 13288, "max_config": "BK=64 BV=128 w2 s2", "max_reg": 32,
-                             "max_resident_gib": tas.resident_gib(13288), "max_driver_gib": tas.driver_gib(13288)}
+                             "max_bytes_per_thread": 13288, "max_config": "BK=64 BV=128 w2 s2", "max_reg": 32}
     assert kernels["norm"]["specializations"] == 1 and kernels["norm"]["max_bytes_per_thread"] == 40
 
 
