@@ -183,3 +183,5 @@ def test_resident_compare_pairs_the_turns_of_one_run_per_arm(tmp_path, capsys, m
         assert result["arms"][key]["device_name"] == "cpu"
         assert result["arms"][key]["versions"]["torch"] == version("torch")
         assert f"torch {version('torch')}" in printed
+        assert result["arms"][key]["versions"]["triton"] == version("triton")  # the kernels' compiler, too
+        assert f"triton {version('triton')}" in printed

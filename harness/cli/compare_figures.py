@@ -55,6 +55,7 @@ def described(seen: dict | None) -> str:
     if seen is None:
         return "no finished run"
     versions = seen.get("versions") or {}
-    libraries = ", ".join(f"{name} {versions[name]}" for name in ("torch", "transformers", "peft", "deepspeed",
-                                                                  "llamafactory", "cuda", "driver") if name in versions)
+    libraries = ", ".join(f"{name} {versions[name]}" for name in ("torch", "triton", "transformers", "peft",
+                                                                  "deepspeed", "llamafactory", "cuda", "driver")
+                          if name in versions)
     return f"{seen.get('device_name')}, {libraries}"
