@@ -111,6 +111,19 @@ def test_another_installed_release_stands_in_for_the_jobs_and_says_so(monkeypatc
     assert "Triton 9.9.9, the one installed here, not the job's 3.6.0" in got.note()
 
 
+def test_a_kept_survey_of_another_fla_release_stands_in_when_none_compiles(monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    real = local_memory._version
+    monkeypatch.setattr(local_memory, "_version", lambda package: "0.7.0" if package == "fla-core" else real(package))
+    monkeypatch.setattr(local_memory, "can_compile", lambda triton: "no compiler in this test")
+    case = load_case(FAILING_GLA)
+    got = local_memory.cold_local_memory(case, _config(case), "nvidia-h200-x1")
+    assert isinstance(got, ColdLocalMemory) and got.survey.triton == "3.6.0" and got.survey.fla == "0.6.0"
+    assert "flash-linear-attention 0.6.0, not the 0.7.0 installed here" in got.note()
+    exact = local_memory.survey_key(case, _config(case), H200, "3.6.0")
+    assert exact.fla == "0.7.0" and local_memory.find_survey(exact, [local_memory.SURVEY_DIR]) is None
+
+
 def test_without_a_survey_a_compiler_or_a_card_it_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(local_memory, "SURVEY_DIR", tmp_path / "kept")
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))

@@ -17,12 +17,14 @@ Which Triton the job runs: the platform's device record names it (`python -m har
 writes the release beside the parts it measured); without one, the Triton installed here. A survey is
 looked up in results/triton-kernels/ (kept with the project, with its provenance), then in the harness's
 cache; where neither holds it and the installed Triton is the job's, it is compiled once (minutes) and
-cached. Where the installed Triton is another release, its survey stands in and the note says so; with no
-Triton that compiles for NVIDIA cards, there is no survey, and the caller says so.
+cached. Where it cannot be, a kept survey of the job's Triton for another flash-linear-attention release
+stands in, else one of the Triton installed here; the note says which. With neither, there is no survey,
+and the caller says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import importlib.metadata as md
@@ -76,8 +78,11 @@ class SurveyKey:
     triton: str
     fla: str | None
 
-    def file_name(self) -> str:
-        return f"{self.model}-t{self.seq_len}-sm{self.sm}-{self.sms}sms-triton{self.triton}-{self.config_sha[:8]}.json"
+    def file_name(self, fla: str | None = None) -> str:
+        """The survey's file; `fla="*"` names every release of flash-linear-attention (a glob)."""
+        fla = self.fla if fla is None else fla
+        return (f"{self.model}-t{self.seq_len}-sm{self.sm}-{self.sms}sms-triton{self.triton}-fla{fla}-"
+                f"{self.config_sha[:8]}.json")
 
 
 def survey_key(case: Case, config: dict, card: CardCompute, triton: str) -> SurveyKey:
@@ -134,12 +139,16 @@ def read_survey(path: Path) -> tuple[SurveyKey, Survey]:
     return SurveyKey(**data["key"]), Survey(**data["survey"])
 
 
-def find_survey(key: SurveyKey, folders: list[Path]) -> tuple[Survey, Path] | None:
+def find_survey(key: SurveyKey, folders: list[Path], any_fla: bool = False) -> tuple[Survey, Path] | None:
+    """The survey of exactly `key`; with `any_fla`, of `key` but for flash-linear-attention's release (the
+    newest kept)."""
     for folder in folders:
-        path = folder / key.file_name()
-        if path.is_file():
+        paths = sorted(folder.glob(key.file_name("*")), reverse=True) if any_fla else [folder / key.file_name()]
+        for path in paths:
+            if not path.is_file():
+                continue
             found_key, survey = read_survey(path)
-            if found_key == key:
+            if found_key == key or (any_fla and dataclasses.replace(found_key, fla=key.fla) == key):
                 return survey, path
     return None
 
@@ -203,7 +212,6 @@ def cold_local_memory(case: Case, config: dict, platform: str | None, announce=N
         return Unavailable(f"the job's Triton release is not known ({where}); record the platform with "
                            "`python -m harness.runtime.device_probe`")
     found = _kept_or_compiled(case, card, survey_key(case, config, card, triton), announce)
-    caveat = ""
     if isinstance(found, Unavailable):
         installed = _version("triton")
         lacking = (f"no survey of {case.model}'s kernels at {case.train.seq_len} tokens for sm_{card.sm} with Triton "
@@ -215,9 +223,10 @@ def cold_local_memory(case: Case, config: dict, platform: str | None, announce=N
         found = _kept_or_compiled(case, card, survey_key(case, config, card, installed), announce)
         if isinstance(found, Unavailable):
             return Unavailable(f"{lacking}; with Triton {installed}, installed here: {found.reason}")
-        caveat = (f"; compiled with Triton {installed}, the one installed here, not the job's {triton} (from {where}): "
-                  "another release allocates registers and spills differently (docs/predictor.md)")
-    survey, path = found
+        found = (*found[:2], found[2] + f"; compiled with Triton {installed}, the one installed here, not the job's "
+                 f"{triton} (from {where}): another release allocates registers and spills differently "
+                 "(docs/predictor.md)")
+    survey, path, caveat = found
     try:
         source = str(path.relative_to(ROOT))
     except ValueError:
@@ -226,22 +235,30 @@ def cold_local_memory(case: Case, config: dict, platform: str | None, announce=N
                            caveat)
 
 
-def _kept_or_compiled(case: Case, card: CardCompute, key: SurveyKey, announce) -> tuple[Survey, Path] | Unavailable:
-    """The survey of `key` from results/triton-kernels/ or the cache, else compiled now and cached."""
+def _kept_or_compiled(case: Case, card: CardCompute, key: SurveyKey,
+                      announce) -> tuple[Survey, Path, str] | Unavailable:
+    """The survey of `key` from results/triton-kernels/ or the cache, else compiled now and cached, else one
+    kept for another release of flash-linear-attention (with a caveat to say so)."""
     cached = compile_cache.cache_dir() / "triton-kernels"
     found = find_survey(key, [SURVEY_DIR, cached])
     if found is not None:
-        return found
+        return *found, ""
     why_not = can_compile(key.triton)
-    if why_not is not None:
-        return Unavailable(why_not)
-    try:
-        survey = compile_survey(case, card, key, announce)
-    except RuntimeError as exc:
-        return Unavailable(str(exc))
-    path = cached / key.file_name()
-    write_survey(path, key, survey, recorded=_today())
-    return survey, path
+    if why_not is None:
+        try:
+            survey = compile_survey(case, card, key, announce)
+        except RuntimeError as exc:
+            why_not = str(exc)
+        else:
+            path = cached / key.file_name()
+            write_survey(path, key, survey, recorded=_today())
+            return survey, path, ""
+    other = find_survey(key, [SURVEY_DIR, cached], any_fla=True)
+    if other is not None:
+        survey, path = other
+        return survey, path, (f"; surveyed with flash-linear-attention {survey.fla}, not the {key.fla} installed "
+                              "here: its kernels and candidates may differ")
+    return Unavailable(why_not)
 
 
 def _today() -> str:
