@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.measure.card_compute import CardCompute, card_compute  # noqa: E402
 from harness.predict import local_memory  # noqa: E402
+from harness.predict.constants import SURVEY_BATCH  # noqa: E402
 from harness.predict.triton_kernels import Target, per_kernel, survey  # noqa: E402
 from harness.spec.units import GIB  # noqa: E402
 
@@ -76,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--platform", default=DEFAULT_PLATFORM,
                         help=f"the platform whose card to compile for (default {DEFAULT_PLATFORM}; its compute "
                              "layout from harness/measure/cards.json)")
-    parser.add_argument("--batch", type=int, default=local_memory.SURVEY_BATCH,
-                        help=f"sequences per step (default {local_memory.SURVEY_BATCH}, what the predictor surveys)")
+    parser.add_argument("--batch", type=int, default=SURVEY_BATCH,
+                        help=f"sequences per step (default {SURVEY_BATCH}, what the predictor surveys)")
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="report only the kernels whose name matches this regular expression (default: all)")
     parser.add_argument("--save", action="store_true",
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     if args.save:
         key = local_memory.survey_key(case, dict(load_model(case.model).config), card, result.triton)
         path = local_memory.SURVEY_DIR / key.file_name()
-        local_memory.write_survey(path, key, result, recorded=local_memory._today())
+        local_memory.write_survey(path, key, result)
         print(f"saved {path.relative_to(ROOT)}")
     return 1 if result.failed else 0
 

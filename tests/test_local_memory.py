@@ -98,6 +98,42 @@ def test_a_missing_survey_is_compiled_once_and_then_read_from_the_cache(monkeypa
     assert str(cached) == again.source
 
 
+@pytest.mark.parametrize("damage", ["{not json", '{"key": {"model": "x"}}', ""])
+def test_a_damaged_cached_survey_is_compiled_again_and_replaced(monkeypatch, tmp_path, damage):
+    monkeypatch.setattr(local_memory, "SURVEY_DIR", tmp_path / "kept")
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(local_memory, "job_triton", lambda platform: ("9.9.9", "a test"))
+    monkeypatch.setattr(local_memory, "can_compile", lambda triton: None)
+    monkeypatch.setattr(local_memory, "compile_survey", lambda case, card, key, announce=None: _survey(6_000))
+    case = load_case(FAILING_GLA)
+    key = local_memory.survey_key(case, _config(case), H200, "9.9.9")
+    path = tmp_path / "cache" / "triton-kernels" / key.file_name()
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    got = local_memory.cold_local_memory(case, _config(case), "nvidia-h200-x1")
+    assert isinstance(got, ColdLocalMemory) and got.survey.max_bytes_per_thread == 6_000
+    assert local_memory.read_survey(path)[0] == key  # replaced by the compiled one
+
+
+def test_a_survey_that_cannot_be_kept_still_sizes_the_prediction(monkeypatch, tmp_path):
+    from harness.spec.files import WriteError
+
+    monkeypatch.setattr(local_memory, "SURVEY_DIR", tmp_path / "kept")
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(local_memory, "job_triton", lambda platform: ("9.9.9", "a test"))
+    monkeypatch.setattr(local_memory, "can_compile", lambda triton: None)
+    monkeypatch.setattr(local_memory, "compile_survey", lambda case, card, key, announce=None: _survey(6_000))
+
+    def full_disk(path, key, survey, recorded=None):
+        raise WriteError(f"{path}: could not be written (No space left on device)")
+
+    monkeypatch.setattr(local_memory, "write_survey", full_disk)
+    case = load_case(FAILING_GLA)
+    got = local_memory.cold_local_memory(case, _config(case), "nvidia-h200-x1")
+    assert isinstance(got, ColdLocalMemory) and got.survey.max_bytes_per_thread == 6_000
+    assert "not kept in the cache" in got.note() and "No space left on device" in got.note()
+
+
 def test_another_installed_release_stands_in_for_the_jobs_and_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(local_memory, "SURVEY_DIR", tmp_path / "kept")
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))

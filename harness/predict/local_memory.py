@@ -45,13 +45,14 @@ from harness.predict.constants import (
     SURVEY_BATCH,
     GiB,
 )
+from harness.predict.device import DEVICE_DIR
 from harness.predict.triton_kernels import Survey, cuobjdump
 from harness.runtime import compile_cache
+from harness.spec.files import WriteError, write_atomic
 from harness.spec.schema import Case
 from harness.spec.suite import ROOT
 
 SURVEY_DIR = ROOT / "results" / "triton-kernels"
-DEVICE_DIR = ROOT / "results" / "device"
 
 
 def _rounded(n: int) -> int:
@@ -100,7 +101,7 @@ class ColdLocalMemory:
     survey: Survey
     card: CardCompute
     source: str  # the survey's file
-    caveat: str = ""  # where the survey is not of the job's Triton release
+    caveat: str = ""  # where the survey is not of the job's Triton or flash-linear-attention release
 
     def note(self) -> str:
         s = self.survey
@@ -134,9 +135,14 @@ def job_triton(platform: str | None) -> tuple[str | None, str]:
     return installed, "the Triton installed here" if installed else "no Triton installed here"
 
 
-def read_survey(path: Path) -> tuple[SurveyKey, Survey]:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return SurveyKey(**data["key"]), Survey(**data["survey"])
+def read_survey(path: Path) -> tuple[SurveyKey, Survey] | None:
+    """A survey file's key and survey; None for one that cannot be read (damaged, cut short, or another
+    schema's): it is then as if missing, and a compiled one replaces it in the cache."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return SurveyKey(**data["key"]), Survey(**data["survey"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def find_survey(key: SurveyKey, folders: list[Path], any_fla: bool = False) -> tuple[Survey, Path] | None:
@@ -145,24 +151,21 @@ def find_survey(key: SurveyKey, folders: list[Path], any_fla: bool = False) -> t
     for folder in folders:
         paths = sorted(folder.glob(key.file_name("*")), reverse=True) if any_fla else [folder / key.file_name()]
         for path in paths:
-            if not path.is_file():
+            read = read_survey(path) if path.is_file() else None
+            if read is None:
                 continue
-            found_key, survey = read_survey(path)
+            found_key, survey = read
             if found_key == key or (any_fla and dataclasses.replace(found_key, fla=key.fla) == key):
                 return survey, path
     return None
 
 
-def write_survey(path: Path, key: SurveyKey, survey: Survey, recorded: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_survey(path: Path, key: SurveyKey, survey: Survey, recorded: str | None = None) -> None:
+    """Keep a survey whole or not at all (WriteError where it cannot be written)."""
     data = {"what": "per-thread local memory of every Triton kernel candidate one training step launches, "
                     "compiled for the card (harness.predict.triton_kernels); compiled, not run",
-            "recorded": recorded, "key": asdict(key), "survey": asdict(survey)}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+            "recorded": recorded or datetime.date.today().isoformat(), "key": asdict(key), "survey": asdict(survey)}
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def compile_survey(case: Case, card: CardCompute, key: SurveyKey, announce=None) -> Survey:
@@ -251,7 +254,10 @@ def _kept_or_compiled(case: Case, card: CardCompute, key: SurveyKey,
             why_not = str(exc)
         else:
             path = cached / key.file_name()
-            write_survey(path, key, survey, recorded=_today())
+            try:
+                write_survey(path, key, survey)
+            except WriteError as exc:  # the figure stands; the next prediction compiles it again
+                return survey, path, f"; not kept in the cache: {exc}"
             return survey, path, ""
     other = find_survey(key, [SURVEY_DIR, cached], any_fla=True)
     if other is not None:
@@ -259,7 +265,3 @@ def _kept_or_compiled(case: Case, card: CardCompute, key: SurveyKey,
         return survey, path, (f"; surveyed with flash-linear-attention {survey.fla}, not the {key.fla} installed "
                               "here: its kernels and candidates may differ")
     return Unavailable(why_not)
-
-
-def _today() -> str:
-    return datetime.date.today().isoformat()
