@@ -134,6 +134,36 @@ def test_a_survey_that_cannot_be_kept_still_sizes_the_prediction(monkeypatch, tm
     assert "not kept in the cache" in got.note() and "No space left on device" in got.note()
 
 
+@pytest.mark.parametrize("child", ["fails", "prints nothing", "hangs"])
+def test_a_survey_child_that_fails_says_how(monkeypatch, tmp_path, child):
+    """The child gets the case as JSON (read back whole) and the card's layout; what it did wrong is said."""
+    import subprocess
+
+    from harness.spec.schema import Case
+
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    case = load_case(FAILING_GLA)
+    seen = {}
+
+    def run(command, **kwargs):
+        seen["command"] = command
+        seen["case"] = Case.model_validate_json(open(command[-1], encoding="utf-8").read())
+        if child == "hangs":
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        code, out = (1, "") if child == "fails" else (0, "")
+        return subprocess.CompletedProcess(command, code, out, "Traceback ...\nRuntimeError: Boom")
+
+    monkeypatch.setattr(local_memory.subprocess, "run", run)
+    key = local_memory.survey_key(case, _config(case), H200, "9.9.9")
+    with pytest.raises(RuntimeError) as err:
+        local_memory.compile_survey(case, H200, key)
+    assert seen["case"] == case
+    assert seen["command"][1:3] == ["-m", "harness.predict.triton_kernels"] and "--sm" in seen["command"]
+    said = str(err.value)
+    assert {"fails": "exit 1", "prints nothing": "printed no survey", "hangs": "did not finish"}[child] in said
+    assert child != "fails" or "Boom" in said
+
+
 def test_another_installed_release_stands_in_for_the_jobs_and_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(local_memory, "SURVEY_DIR", tmp_path / "kept")
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))

@@ -107,6 +107,9 @@ CUDA_LOCAL_GRANULE = 256  # the per-thread figure is rounded up to this (assumed
 # dimensions, which set their stacks, do not depend on the batch (GLA at 512 tokens: 1, 2 and 4 compile the
 # same 408 candidates, the same largest stack).
 SURVEY_BATCH = 2
+# A survey's compile is stopped after this long (assumed: the GLA step's 408 candidates take 5 minutes on two
+# busy cores with an empty Triton cache; six times that is a compiler that hangs, not one that works)
+SURVEY_TIMEOUT_S = 1800
 
 # --- copied: Triton's autotuner (triton/backends/nvidia/driver.py get_empty_cache_for_benchmark, Triton 3.6-3.9) -
 

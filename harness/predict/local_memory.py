@@ -43,6 +43,7 @@ from harness.predict.constants import (
     CUDA_LOCAL_GRANULE,
     CUDA_SYSCALL_STACK,
     SURVEY_BATCH,
+    SURVEY_TIMEOUT_S,
     GiB,
 )
 from harness.predict.device import DEVICE_DIR
@@ -174,17 +175,24 @@ def compile_survey(case: Case, card: CardCompute, key: SurveyKey, announce=None)
         announce(f"compiling the Triton kernels of {case.model}'s step for sm_{card.sm} with Triton {key.triton}, "
                  f"once (minutes on a cold Triton cache; cached in {compile_cache.cache_dir()})")
     env = {**os.environ, "TRITON_CACHE_DIR": str(compile_cache.cache_dir() / "triton-survey")}
+    command = [sys.executable, "-m", "harness.predict.triton_kernels", "--batch", str(SURVEY_BATCH),
+               "--sm", str(card.sm), "--sms", str(card.sms), "--shared", str(card.shared_per_block),
+               "--name", f"NVIDIA {card.name}", "--quiet"]
     with tempfile.TemporaryDirectory() as folder:
         case_json = Path(folder) / "case.json"
         case_json.write_text(case.model_dump_json(), encoding="utf-8")
-        done = subprocess.run([sys.executable, "-m", "harness.predict.triton_kernels", str(case_json),
-                               "--batch", str(SURVEY_BATCH), "--sm", str(card.sm), "--sms", str(card.sms),
-                               "--shared", str(card.shared_per_block), "--name", f"NVIDIA {card.name}", "--quiet"],
-                              capture_output=True, text=True, env=env)
+        try:
+            done = subprocess.run([*command, str(case_json)], capture_output=True, text=True, env=env,
+                                  timeout=SURVEY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"compiling the step's Triton kernels did not finish in {SURVEY_TIMEOUT_S} s") from None
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"compiling the step's Triton kernels failed (exit {done.returncode}):\n{tail}")
-    return Survey(**json.loads(done.stdout.strip().splitlines()[-1]))
+    try:
+        return Survey(**json.loads(done.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError, TypeError) as exc:
+        raise RuntimeError(f"the survey's process printed no survey ({type(exc).__name__}: {exc})") from None
 
 
 def can_compile(triton: str | None) -> str | None:
