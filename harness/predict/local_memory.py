@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -48,6 +47,7 @@ from harness.predict.constants import (
 )
 from harness.predict.device import DEVICE_DIR
 from harness.predict.triton_kernels import Survey, cuobjdump
+from harness.predict.triton_kernels import installed_version as _version  # a module name tests replace
 from harness.runtime import compile_cache
 from harness.spec.files import WriteError, write_atomic
 from harness.spec.schema import Case
@@ -118,13 +118,6 @@ class Unavailable:
     """Why no survey could be had, in words a user can act on."""
 
     reason: str
-
-
-def _version(package: str) -> str | None:
-    try:
-        return md.version(package)
-    except md.PackageNotFoundError:
-        return None
 
 
 def job_triton(platform: str | None) -> tuple[str | None, str]:
@@ -212,9 +205,9 @@ def can_compile(triton: str | None) -> str | None:
 
 def cold_local_memory(case: Case, config: dict, platform: str | None, announce=None) -> ColdLocalMemory | Unavailable:
     """The cold cache's local memory for the case's step on the platform's card, or why it is not known."""
-    card = card_compute(platform)
     if platform is None:
         return Unavailable("no card named to size them on (`check --platform`, such as nvidia-h200-x1)")
+    card = card_compute(platform)
     if card is None:
         return Unavailable(f"the card of {platform} is not in harness/measure/cards.json's compute table (its "
                            "compute capability, multiprocessors, threads and shared memory)")

@@ -357,10 +357,7 @@ class Survey:
         # in the survey's process only: the predictor imports this module for `Survey` without Triton
         import triton
 
-        try:
-            fla = md.version("fla-core")
-        except md.PackageNotFoundError:
-            fla = None
+        fla = installed_version("fla-core")
         ok = [r for r in rows if "error" not in r]
         top = max(ok, key=lambda r: r["bytes_per_thread"], default=None)
         return cls(triton=triton.__version__, fla=fla, sm=sm, step=step,
@@ -368,6 +365,14 @@ class Survey:
                    kernel=top["kernel"] if top else None, config=top["config"] if top else None,
                    kernels=len({r["kernel"] for r in rows}), specializations=len(rows),
                    failed=len(rows) - len(ok), per_kernel=per_kernel(rows))
+
+
+def installed_version(package: str) -> str | None:
+    """The installed release of `package`, or None."""
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
 
 
 def per_kernel(rows: list[dict]) -> dict[str, dict]:
